@@ -1,0 +1,116 @@
+from tessera.api.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ReadLogsRequest(_message.Message):
+    __slots__ = ("job_id", "tail_bytes")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TAIL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    tail_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., tail_bytes: _Optional[int] = ...) -> None: ...
+
+class ReadLogsResponse(_message.Message):
+    __slots__ = ("text", "truncated")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    truncated: bool
+    def __init__(self, text: _Optional[str] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
+class LaunchExecutorRequest(_message.Message):
+    __slots__ = ("allocation_id", "job_id", "fencing_token", "incarnation", "rank", "world_size", "device_ids", "master_addr", "master_port", "runtime_spec_json", "checkpoint_dir")
+    ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
+    allocation_id: str
+    job_id: str
+    fencing_token: int
+    incarnation: str
+    rank: int
+    world_size: int
+    device_ids: _containers.RepeatedScalarFieldContainer[str]
+    master_addr: str
+    master_port: int
+    runtime_spec_json: str
+    checkpoint_dir: str
+    def __init__(self, allocation_id: _Optional[str] = ..., job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., incarnation: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device_ids: _Optional[_Iterable[str]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., runtime_spec_json: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ...) -> None: ...
+
+class LaunchExecutorResponse(_message.Message):
+    __slots__ = ("pid", "already_running")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    already_running: bool
+    def __init__(self, pid: _Optional[int] = ..., already_running: _Optional[bool] = ...) -> None: ...
+
+class StopExecutorRequest(_message.Message):
+    __slots__ = ("allocation_id", "fencing_token", "reason", "grace_s")
+    ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    allocation_id: str
+    fencing_token: int
+    reason: str
+    grace_s: float
+    def __init__(self, allocation_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., reason: _Optional[str] = ..., grace_s: _Optional[float] = ...) -> None: ...
+
+class StopExecutorResponse(_message.Message):
+    __slots__ = ("stopped",)
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
+    stopped: int
+    def __init__(self, stopped: _Optional[int] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExecutorStatus(_message.Message):
+    __slots__ = ("allocation_id", "job_id", "rank", "pid", "device_ids", "running", "exit_code", "log_path", "step", "loss")
+    ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    LOG_PATH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    allocation_id: str
+    job_id: str
+    rank: int
+    pid: int
+    device_ids: _containers.RepeatedScalarFieldContainer[str]
+    running: bool
+    exit_code: int
+    log_path: str
+    step: int
+    loss: float
+    def __init__(self, allocation_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., device_ids: _Optional[_Iterable[str]] = ..., running: _Optional[bool] = ..., exit_code: _Optional[int] = ..., log_path: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("node", "incarnation", "devices", "executors")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    EXECUTORS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    incarnation: str
+    devices: _containers.RepeatedCompositeFieldContainer[_types_pb2.Device]
+    executors: _containers.RepeatedCompositeFieldContainer[ExecutorStatus]
+    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_types_pb2.Device, _Mapping]]] = ..., executors: _Optional[_Iterable[_Union[ExecutorStatus, _Mapping]]] = ...) -> None: ...

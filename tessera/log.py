@@ -1,0 +1,40 @@
+"""structlog setup shared by every daemon: JSON lines on stderr, ISO timestamps.
+
+Call ``setup(service, **bound)`` once at start-up; get loggers with ``get(**bound)``.
+Set TESSERA_LOG_LEVEL (debug|info|warning|error) to change the level; TESSERA_LOG_FORMAT=console
+for human-readable lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import structlog
+
+
+def setup(service: str, **bound: object) -> structlog.stdlib.BoundLogger:
+    level = getattr(logging, os.environ.get("TESSERA_LOG_LEVEL", "info").upper(), logging.INFO)
+    renderer = (
+        structlog.dev.ConsoleRenderer()
+        if os.environ.get("TESSERA_LOG_FORMAT") == "console"
+        else structlog.processors.JSONRenderer()
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    return structlog.get_logger(service=service, **bound)
+
+
+def get(**bound: object):
+    return structlog.get_logger(**bound)
