@@ -1,13 +1,22 @@
 """Scheduling policies (pure). See types.py for the ``schedule(request) -> reply`` contract."""
 
+from .baselines import FCFSPolicy, GavelPolicy, SiaPolicy
+from .estimator import Estimator, SharingModel, TableEstimator
 from .firstfit import FirstFit
+from .tessera import TesseraPolicy
 from .types import (
+    ColocationGroup,
     DeviceView,
     Infeasible,
     JobView,
     NodeView,
     Placement,
+    Plan,
     Policy,
+    Preempt,
+    Repartition,
+    Reshard,
+    Resize,
     RunningJob,
     ScheduleReply,
     ScheduleRequest,
@@ -15,6 +24,8 @@ from .types import (
 )
 
 __all__ = [
-    "DeviceView", "FirstFit", "Infeasible", "JobView", "NodeView", "Placement", "Policy",
-    "RunningJob", "ScheduleReply", "ScheduleRequest", "Shard",
+    "ColocationGroup", "DeviceView", "Estimator", "FCFSPolicy", "FirstFit", "GavelPolicy", "Infeasible",
+    "JobView", "NodeView", "Placement", "Plan", "Policy", "Preempt", "Repartition", "Reshard", "Resize",
+    "RunningJob", "ScheduleReply", "ScheduleRequest", "Shard", "SharingModel", "SiaPolicy",
+    "TableEstimator", "TesseraPolicy",
 ]

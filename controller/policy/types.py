@@ -51,6 +51,13 @@ class JobView:
     weight: float = 1.0
     model: str = ""
     workload: str = "gpt"
+    # Fields below were added for the Tessera policy and the simulator; all optional.
+    iterations: int = 0            # iterations to run in all (0 = unknown: policy uses 1)
+    done_iterations: float = 0.0   # progress so far (checkpointed)
+    gpu_fraction: float = 1.0      # < 1: asks for a share of one device (PEFT, small jobs)
+    backbone: str = ""             # LoRA jobs on the same frozen backbone may be fused
+    encoder_share: float = 0.0     # multimodal: measured fraction of step time in the encoder
+    elastic: bool = True           # False: run exactly ``num_devices`` of ``device_kind``
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,11 @@ class Placement:
     job_id: str
     shards: tuple[Shard, ...]
     reason: str = ""
+    # Added with defaults: what the placement means beyond devices.
+    gpu_type: str = ""              # device model of every shard (placements are homogeneous)
+    plan: "Plan | None" = None      # parallelism chosen from the job's grid cell
+    quota: float = 1.0              # share of each listed device the job may use (0..1]
+    group: str = ""                 # colocation group id when the devices are shared
 
     @property
     def num_devices(self) -> int:
@@ -75,11 +87,87 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class Plan:
+    """A parallelism plan: ``n_nodes`` x ``gpus_per_node`` devices, ``stages`` pipeline
+    stages (0 = the estimator's best plan, not spelled out), and its estimated seconds
+    per iteration. ``encoder_ranks`` is the encoder share of a multimodal job's ranks."""
+
+    n_nodes: int
+    gpus_per_node: int
+    stages: int = 0
+    est_iter_time: float = 0.0
+    encoder_ranks: int = 0
+
+    @property
+    def num_devices(self) -> int:
+        return self.n_nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
 class RunningJob:
-    """A job that currently holds devices."""
+    """A job that currently holds devices. ``since`` is when its current placement started."""
 
     job: JobView
     placement: Placement
+    since: float = 0.0
+
+
+@dataclass(frozen=True)
+class Resize:
+    """Move a running job to ``placement``: kind is "shrink", "expand", "type-change" or
+    "migrate". The job checkpoints and relaunches; ``cost_s`` is the restart time charged."""
+
+    job_id: str
+    placement: Placement
+    kind: str
+    cost_s: float = 0.0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Preempt:
+    """Stop a running job at a checkpoint and return it to the queue."""
+
+    job_id: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ColocationGroup:
+    """Jobs sharing the same devices. ``mode``: "fused-spatial" / "fused-temporal" (LoRA
+    tasks on one backbone in one executor), "mps" / "timeslice" / "cpuset" (separate
+    executors with quotas), "modules" (a multimodal job's modules colocated).
+    ``members`` pairs a job id with its quota (share of each device, sum <= 1)."""
+
+    group_id: str
+    node: str
+    device_ids: tuple[str, ...]
+    members: tuple[tuple[str, float], ...]
+    mode: str = "mps"
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Reshard:
+    """Change a multimodal job's encoder:LLM rank split to ``encoder_ranks`` of its ranks."""
+
+    job_id: str
+    encoder_ranks: int
+    llm_ranks: int
+    cost_s: float = 0.0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Repartition:
+    """Re-decide the quotas inside a colocation group. ``live`` when the mechanism can
+    change quotas in place (CPU core sets); else by checkpoint and relaunch (MPS, MIG)."""
+
+    group_id: str
+    quotas: tuple[tuple[str, float], ...]
+    live: bool = False
+    cost_s: float = 0.0
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -96,12 +184,24 @@ class ScheduleRequest:
     pending: tuple[JobView, ...]
     running: tuple[RunningJob, ...] = ()
     now: float = 0.0
+    # Any object answering the questions of ``controller.policy.estimator.Estimator``;
+    # None: policies that need estimates fall back to the requested resources.
+    estimator: object | None = None
+    tenant_quotas: tuple[tuple[str, int], ...] = ()   # tenant -> max devices held (0 = none)
+    # Running groups as the caller knows them (for repartition decisions).
+    groups: tuple[ColocationGroup, ...] = ()
 
 
 @dataclass(frozen=True)
 class ScheduleReply:
     placements: tuple[Placement, ...] = ()
     infeasible: tuple[Infeasible, ...] = ()
+    resizes: tuple[Resize, ...] = ()
+    preemptions: tuple[Preempt, ...] = ()
+    colocations: tuple[ColocationGroup, ...] = ()
+    reshards: tuple[Reshard, ...] = ()
+    repartitions: tuple[Repartition, ...] = ()
+    starving: tuple[str, ...] = ()   # pending jobs past the waiting bound (reported)
     # Later actions (resize, migrate, preempt, colocate, reshard) are added as new
     # fields with defaults; the controller ignores what it does not carry out yet.
     extra: dict = field(default_factory=dict)
