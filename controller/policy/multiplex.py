@@ -159,6 +159,10 @@ def repartition_action(group: ColocationGroup, jobs: dict[str, JobView], restart
     want = {j: min(max(jobs[j].gpu_fraction, 0.01), 1.0) for j, _ in group.members if j in jobs}
     if not want:
         return None
+    if group.mode.startswith("fused"):
+        # One backbone copy serves all fused tasks: all but the largest get the discount.
+        top = max(sorted(want), key=lambda j: want[j])
+        want = {j: (q if j == top else q * FUSED_DEMAND_DISCOUNT) for j, q in want.items()}
     total = sum(want.values())
     scale = 1.0 / total if total > 1.0 else 1.0
     new = {j: round(q * scale, 4) for j, q in want.items()}
