@@ -1,0 +1,116 @@
+"""Thin AgentService servicer: fencing and incarnation checks, then the executor manager.
+
+Codes: FAILED_PRECONDITION for a stale fencing token or incarnation; RESOURCE_EXHAUSTED
+when a device is held by another allocation; INVALID_ARGUMENT for a bad request;
+NOT_FOUND for logs of a job this node never ran.
+"""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+
+from tessera.api.v1 import agent_pb2, agent_pb2_grpc, types_pb2
+
+from .executors import BadRequest, CapacityError, ExecutorManager
+
+
+class NodeState:
+    """What the servicer needs to know of the node: its incarnation and the highest
+    fencing token seen (a controller with a lower one was deposed)."""
+
+    def __init__(self, name: str, devices) -> None:
+        self.name = name
+        self.devices = devices
+        self.incarnation = ""
+        self.max_token = 0
+
+    def check_token(self, token: int) -> str | None:
+        if token < self.max_token:
+            return f"fencing_token {token} is older than {self.max_token}: the sender is no longer the leader"
+        self.max_token = token
+        return None
+
+
+def tail(path, n: int) -> tuple[str, bool]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size > n:
+            f.seek(size - n)
+        data = f.read()
+    return data.decode(errors="replace"), size > n
+
+
+class AgentService(agent_pb2_grpc.AgentServiceServicer):
+    def __init__(self, node: NodeState, mgr: ExecutorManager, stop_grace_s: float) -> None:
+        self.node = node
+        self.mgr = mgr
+        self.stop_grace_s = stop_grace_s
+
+    async def LaunchExecutor(self, request, context):
+        why = self.node.check_token(request.fencing_token)
+        if why:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+        if request.incarnation != self.node.incarnation:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"incarnation: {request.incarnation!r} is not this node's current {self.node.incarnation!r}")
+        for f in ("allocation_id", "job_id", "runtime_spec_json"):
+            if not getattr(request, f):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{f}: is required")
+        if request.world_size < 1 or not 0 <= request.rank < request.world_size:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"rank: must be in [0, world_size={request.world_size}), got {request.rank}")
+        try:
+            spec = json.loads(request.runtime_spec_json)
+            if not isinstance(spec, dict) or "workload" not in spec:
+                raise ValueError("no workload")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"runtime_spec_json: not a runtime spec ({e})")
+        try:
+            ex, already = await self.mgr.launch(
+                allocation_id=request.allocation_id, job_id=request.job_id, rank=request.rank,
+                world_size=request.world_size, device_ids=list(request.device_ids), master_addr=request.master_addr,
+                master_port=request.master_port, runtime_spec=spec, checkpoint_dir=request.checkpoint_dir,
+            )
+        except CapacityError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except BadRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return agent_pb2.LaunchExecutorResponse(pid=ex.proc.pid if ex.proc else 0, already_running=already)
+
+    async def StopExecutor(self, request, context):
+        why = self.node.check_token(request.fencing_token)
+        if why:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+        n = await self.mgr.stop(request.allocation_id, request.grace_s or self.stop_grace_s)
+        return agent_pb2.StopExecutorResponse(stopped=n)
+
+    async def GetStatus(self, request, context):
+        return agent_pb2.GetStatusResponse(
+            node=self.node.name,
+            incarnation=self.node.incarnation,
+            devices=[to_proto(d) for d in self.node.devices],
+            executors=[
+                agent_pb2.ExecutorStatus(
+                    allocation_id=e.allocation_id, job_id=e.job_id, rank=e.rank, pid=e.proc.pid if e.proc else 0,
+                    device_ids=e.device_ids, running=e.running, exit_code=e.exit_code or 0,
+                    log_path=str(e.log_path), step=e.step, loss=e.loss,
+                )
+                for e in self.mgr.executors.values()
+            ],
+        )
+
+    async def ReadLogs(self, request, context):
+        if not request.job_id or "/" in request.job_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id: is required and must not contain '/'")
+        p = self.mgr.log_path(request.job_id)
+        if not p.exists():
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"job {request.job_id} has no logs on node {self.node.name}")
+        text, truncated = tail(p, request.tail_bytes or 64 << 10)
+        return agent_pb2.ReadLogsResponse(text=text, truncated=truncated)
+
+
+def to_proto(d) -> types_pb2.Device:
+    return types_pb2.Device(id=d.id, kind=d.kind, model=d.model, memory_bytes=d.memory_bytes,
+                            capacity=d.capacity, cores=list(d.cores), uuid=d.uuid)

@@ -1,0 +1,21 @@
+"""The agent's typed configuration (flag > env TESSERA_AGENT_* > --config file)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    name: str = field(default_factory=lambda: socket.gethostname().lower().split(".")[0],
+                      metadata={"help": "node name, unique in the cluster (default: host name)"})
+    listen: str = field(default="127.0.0.1:50061", metadata={"help": "AgentService listen address HOST:PORT"})
+    advertise: str = field(default="", metadata={"help": "address the controller dials (default: --listen)"})
+    controller: str = field(default="127.0.0.1:50051", metadata={"help": "controller address HOST:PORT"})
+    cpu_devices: int = field(default=1, metadata={"help": "without NVIDIA GPUs: split this machine's cores into N core sets"})
+    state_dir: str = field(default=".tessera/agent", metadata={"help": "spec files, logs and default checkpoints"})
+    profilerd: str = field(default="", metadata={"help": "this node's profilerd HOST:PORT (optional)"})
+    stop_grace_s: float = field(default=10.0, metadata={"help": "SIGTERM to SIGKILL delay when stopping executors"})
+    report_interval_s: float = field(default=0.5, metadata={"help": "at most one progress report per executor this often"})
+    disable_nvml: bool = field(default=False, metadata={"help": "ignore NVIDIA GPUs even if NVML finds some"})

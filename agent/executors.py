@@ -1,0 +1,218 @@
+"""Executor processes: launch one rank per request, pin it to its device, capture its
+log, parse its events, report them, stop it.
+
+Contract: an executor is ``python -m agent.runtime --spec FILE`` (see
+agent/runtime/README.md) started in its own session; its stdout+stderr go, line by
+line and prefixed with ``[rank N]``, to ``<state>/logs/<job_id>.log``. ``TESSERA_EVENT``
+lines become reports (``on_report``) and profiler measurements (``on_step``).
+Reports of start and exit are never dropped; progress is throttled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent.runtime.report import parse_line
+from tessera import log
+from tessera.modelkey import model_key
+
+from .devices import LocalDevice
+
+
+class CapacityError(Exception):
+    """The devices asked for are held by another allocation (the agent's own check)."""
+
+
+class BadRequest(Exception):
+    """Unknown device, malformed spec."""
+
+
+@dataclass
+class Executor:
+    allocation_id: str
+    job_id: str
+    rank: int
+    device_ids: list[str]
+    log_path: Path
+    proc: asyncio.subprocess.Process | None = None
+    exit_code: int | None = None
+    step: int = 0
+    loss: float = 0.0
+    last_report: float = 0.0
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    pump: asyncio.Task | None = None
+    model_key: str = ""
+
+    @property
+    def running(self) -> bool:
+        return self.exit_code is None
+
+
+Report = dict  # {"kind": "STARTED"|"PROGRESS"|"EXITED", ...}
+
+
+class ExecutorManager:
+    def __init__(
+        self,
+        state_dir: Path,
+        devices: list[LocalDevice],
+        on_report: Callable[[Executor, Report], Awaitable[None]],
+        on_step: Callable[[Executor, dict], Awaitable[None]] | None = None,
+        report_interval_s: float = 0.5,
+        python: str = sys.executable,
+    ) -> None:
+        self.state_dir = Path(state_dir)
+        self.devices = {d.id: d for d in devices}
+        self.on_report = on_report
+        self.on_step = on_step
+        self.report_interval_s = report_interval_s
+        self.python = python
+        self.executors: dict[tuple[str, int], Executor] = {}
+        self.log = log.get(component="executors")
+        (self.state_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (self.state_dir / "specs").mkdir(parents=True, exist_ok=True)
+
+    # -- queries ----------------------------------------------------------------------
+    def holders(self, device_id: str) -> set[str]:
+        return {e.allocation_id for e in self.executors.values() if e.running and device_id in e.device_ids}
+
+    def running_allocations(self) -> list[str]:
+        return sorted({e.allocation_id for e in self.executors.values() if e.running})
+
+    def log_path(self, job_id: str) -> Path:
+        return self.state_dir / "logs" / f"{job_id}.log"
+
+    # -- launch -----------------------------------------------------------------------
+    async def launch(self, *, allocation_id: str, job_id: str, rank: int, world_size: int, device_ids: list[str],
+                     master_addr: str, master_port: int, runtime_spec: dict, checkpoint_dir: str) -> tuple[Executor, bool]:
+        """Start rank ``rank`` of ``allocation_id``; idempotent. Returns (executor, already_running)."""
+        key = (allocation_id, rank)
+        if key in self.executors and self.executors[key].running:
+            return self.executors[key], True
+        if not device_ids:
+            raise BadRequest("device_ids: at least one device is required")
+        for d in device_ids:
+            if d not in self.devices:
+                raise BadRequest(f"device_ids: unknown device {d!r} (this node has {', '.join(self.devices)})")
+            other = self.holders(d) - {allocation_id}
+            if other:
+                raise CapacityError(f"device {d} is held by allocation {', '.join(sorted(other))}; refusing to oversubscribe it")
+        devs = [self.devices[d] for d in device_ids]
+        cores = sorted({c for d in devs for c in d.cores})
+        spec = dict(runtime_spec)
+        spec["dist"] = {
+            "rank": rank, "world_size": world_size, "master_addr": master_addr, "master_port": master_port,
+            "backend": "nccl" if devs[0].kind == "gpu" else "gloo",
+        }
+        spec["checkpoint_dir"] = checkpoint_dir or str((self.state_dir / "checkpoints" / job_id).resolve())
+        spec["threads"] = max(1, len(cores)) if cores else 1
+        spec_path = self.state_dir / "specs" / f"{allocation_id}-r{rank}.json"
+        spec_path.write_text(json.dumps(spec, indent=1))
+        env = dict(os.environ)
+        env["OMP_NUM_THREADS"] = str(spec["threads"])
+        env["TESSERA_JOB_ID"], env["TESSERA_ALLOCATION_ID"], env["TESSERA_RANK"] = job_id, allocation_id, str(rank)
+        env["PYTHONUNBUFFERED"] = "1"
+        if devs[0].kind == "gpu":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(d.uuid or str(d.index) for d in devs)
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+
+        def pin():  # runs in the child before exec
+            if cores:
+                os.sched_setaffinity(0, cores)
+
+        ex = Executor(allocation_id, job_id, rank, list(device_ids), self.log_path(job_id),
+                      model_key=model_key(spec.get("workload", {})))
+        ex.proc = await asyncio.create_subprocess_exec(
+            self.python, "-m", "agent.runtime", "--spec", str(spec_path),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
+            preexec_fn=pin, start_new_session=True, cwd=str(self.state_dir),
+        )
+        self.executors[key] = ex
+        self.log.info("executor started", job_id=job_id, allocation=allocation_id, rank=rank, pid=ex.proc.pid,
+                      devices=device_ids, cores=cores)
+        ex.pump = asyncio.create_task(self._pump(ex))
+        await self.on_report(ex, {"kind": "STARTED"})
+        return ex, False
+
+    async def _pump(self, ex: Executor) -> None:
+        """Copy output to the log file, turn events into reports, report the exit."""
+        last_error = ""
+        with open(ex.log_path, "ab", buffering=0) as f:
+            assert ex.proc is not None and ex.proc.stdout is not None
+            prefix = f"[rank {ex.rank}] ".encode()
+            async for raw in ex.proc.stdout:
+                f.write(prefix + raw)
+                line = raw.decode(errors="replace").rstrip("\n")
+                ev = parse_line(line)
+                if ev is None:
+                    if line.strip():
+                        last_error = line.strip()
+                    continue
+                await self._event(ex, ev)
+                if ev["event"] == "error":
+                    last_error = str(ev.get("message", ""))
+            code = await ex.proc.wait()
+            # A signal kill shows as a negative return code: report it the shell's way.
+            ex.exit_code = code if code >= 0 else 128 - code
+            f.write(prefix + f"exited with code {ex.exit_code}\n".encode())
+        self.log.info("executor exited", job_id=ex.job_id, allocation=ex.allocation_id, rank=ex.rank, code=ex.exit_code)
+        ex.done.set()
+        await self.on_report(ex, {"kind": "EXITED", "exit_code": ex.exit_code,
+                                  "message": "" if ex.exit_code == 0 else last_error[-400:]})
+
+    async def _event(self, ex: Executor, ev: dict) -> None:
+        if ev["event"] != "progress":
+            return
+        ex.step = int(ev.get("step", ex.step))
+        ex.loss = float(ev.get("loss", ex.loss))
+        if self.on_step is not None:
+            await self.on_step(ex, ev)
+        now = time.monotonic()
+        final = ev.get("total") is not None and ex.step >= int(ev["total"])
+        if now - ex.last_report >= self.report_interval_s or final or ex.last_report == 0:
+            ex.last_report = now
+            await self.on_report(ex, {"kind": "PROGRESS", "step": ex.step, "total_steps": int(ev.get("total", 0) or 0),
+                                      "loss": ex.loss, "step_time_s": float(ev.get("step_time_s", 0.0))})
+
+    # -- stop -------------------------------------------------------------------------
+    async def stop(self, allocation_id: str, grace_s: float = 10.0) -> int:
+        """SIGTERM every running rank of ``allocation_id``, SIGKILL after ``grace_s``;
+        returns how many were signalled. Waits until they are gone."""
+        targets = [e for e in self.executors.values() if e.allocation_id == allocation_id and e.running]
+        for e in targets:
+            _signal(e, signal.SIGTERM)
+        for e in targets:
+            try:
+                async with asyncio.timeout(grace_s):
+                    await e.done.wait()
+            except TimeoutError:
+                _signal(e, signal.SIGKILL)
+                await e.done.wait()
+        if targets:
+            self.log.info("executors stopped", allocation=allocation_id, count=len(targets))
+        return len(targets)
+
+    async def stop_all(self, grace_s: float = 10.0) -> int:
+        allocs = self.running_allocations()
+        counts = await asyncio.gather(*(self.stop(a, grace_s) for a in allocs))
+        return sum(counts)
+
+
+def _signal(e: Executor, sig: int) -> None:
+    # The executor leads its own session: signal the whole group, so that anything it
+    # spawned (data-loader workers, local ranks) goes too.
+    if e.proc is None or e.proc.returncode is not None:
+        return
+    try:
+        os.killpg(e.proc.pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,167 @@
+"""Thin gRPC servicers of the controller: translate messages and map errors to codes.
+
+Error mapping: SpecError -> INVALID_ARGUMENT (message names the field); NotFound ->
+NOT_FOUND; AlreadyExists -> ALREADY_EXISTS; PreconditionFailed -> FAILED_PRECONDITION;
+NotLeader / Conflict / etcd unreachable -> UNAVAILABLE (retry); anything else ->
+INTERNAL, logged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import aetcd
+import grpc
+
+from tessera import log
+from tessera.api.v1 import controller_pb2, controller_pb2_grpc, types_pb2
+from tessera.errors import SpecError
+
+from .core import AlreadyExists, Controller, NotFound, NotLeader, PreconditionFailed
+from .store import Conflict
+
+_log = log.get(component="api")
+
+
+def _code(e: Exception) -> grpc.StatusCode:
+    if isinstance(e, SpecError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(e, NotFound):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(e, AlreadyExists):
+        return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(e, PreconditionFailed):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(e, (NotLeader, Conflict, aetcd.ClientError, ConnectionError)):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
+def rpc(fn):
+    @functools.wraps(fn)
+    async def wrapper(self, request, context):
+        try:
+            return await fn(self, request, context)
+        except Exception as e:  # noqa: BLE001 - every error becomes a status
+            code = _code(e)
+            if code == grpc.StatusCode.INTERNAL:
+                _log.exception("internal error", rpc=fn.__name__)
+            await context.abort(code, str(e))
+    return wrapper
+
+
+class JobService(controller_pb2_grpc.JobServiceServicer):
+    def __init__(self, ctl: Controller) -> None:
+        self.ctl = ctl
+
+    @rpc
+    async def SubmitJob(self, request, context):
+        if not request.HasField("spec"):
+            raise SpecError("spec", "is required")
+        job, created = await self.ctl.submit(request.spec, request.idempotency_key)
+        return controller_pb2.SubmitJobResponse(job=job, created=created)
+
+    @rpc
+    async def GetJob(self, request, context):
+        if not request.job_id:
+            raise SpecError("job_id", "is required")
+        return await self.ctl.get(request.job_id)
+
+    @rpc
+    async def ListJobs(self, request, context):
+        for i, p in enumerate(request.phases):
+            if p not in types_pb2.JobPhase.values() or p == 0:
+                raise SpecError(f"phases[{i}]", f"unknown phase {p}")
+        jobs, nxt, rev = await self.ctl.list(request.tenant, list(request.phases), request.page_size, request.page_token)
+        return controller_pb2.ListJobsResponse(jobs=jobs, next_page_token=nxt, revision=rev)
+
+    @rpc
+    async def CancelJob(self, request, context):
+        if not request.job_id:
+            raise SpecError("job_id", "is required")
+        return await self.ctl.cancel(request.job_id, request.reason)
+
+    @rpc
+    async def GetJobLogs(self, request, context):
+        if not request.job_id:
+            raise SpecError("job_id", "is required")
+        text, truncated = await self.ctl.logs(request.job_id, request.tail_bytes or 64 << 10)
+        return controller_pb2.GetJobLogsResponse(text=text, truncated=truncated)
+
+    async def WatchJobs(self, request, context):
+        if request.start_revision < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start_revision: must be >= 0")
+        try:
+            async for ev in watch_jobs(self.ctl, request):
+                yield ev
+        except aetcd.RevisionCompactedError as e:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"start_revision: compacted ({e}); list again and watch from its revision")
+        except aetcd.ClientError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd: {e}")
+
+
+async def watch_jobs(ctl: Controller, request):
+    """Yield JobEvents for matching jobs: a snapshot first when start_revision is 0,
+    then every change after the start revision, in revision order."""
+    store = ctl.store
+
+    def match(j: types_pb2.Job) -> bool:
+        return (not request.tenant or j.spec.tenant == request.tenant) and (not request.job_id or j.id == request.job_id)
+
+    start = request.start_revision
+    if start == 0:
+        jobs, rev = await store.list_jobs()
+        for j in sorted(jobs, key=lambda j: (j.created, j.id)):
+            if match(j):
+                yield controller_pb2.JobEvent(type=controller_pb2.JobEvent.SNAPSHOT, job=j, revision=rev)
+        start = rev
+    prefix = store.k("jobs") + b"/"
+    watch = await store.c.watch_prefix(prefix, start_revision=start + 1)
+    try:
+        async for ev in watch:
+            rev = ev.kv.mod_revision
+            if ev.kind == aetcd.EventKind.DELETE:
+                job = types_pb2.Job(id=ev.kv.key[len(prefix):].decode())
+                if not request.job_id or job.id == request.job_id:
+                    yield controller_pb2.JobEvent(type=controller_pb2.JobEvent.DELETED, job=job, revision=rev)
+                continue
+            job = types_pb2.Job.FromString(ev.kv.value)
+            job.revision = rev
+            if match(job):
+                yield controller_pb2.JobEvent(type=controller_pb2.JobEvent.UPDATED, job=job, revision=rev)
+    finally:
+        await watch.cancel()
+
+
+class NodeService(controller_pb2_grpc.NodeServiceServicer):
+    def __init__(self, ctl: Controller) -> None:
+        self.ctl = ctl
+
+    @rpc
+    async def RegisterNode(self, request, context):
+        node = await self.ctl.register(request)
+        return controller_pb2.RegisterNodeResponse(
+            incarnation=node.incarnation,
+            heartbeat_interval_s=self.ctl.cfg.heartbeat_interval_s,
+            grace_s=self.ctl.cfg.grace_s,
+        )
+
+    @rpc
+    async def Heartbeat(self, request, context):
+        if not request.name:
+            raise SpecError("name", "is required")
+        stop = await self.ctl.heartbeat(request)
+        return controller_pb2.HeartbeatResponse(stop_allocations=stop)
+
+    @rpc
+    async def ListNodes(self, request, context):
+        return controller_pb2.ListNodesResponse(nodes=await self.ctl.list_nodes())
+
+    @rpc
+    async def ReportExecutor(self, request, context):
+        if not request.job_id:
+            raise SpecError("job_id", "is required")
+        if not request.allocation_id:
+            raise SpecError("allocation_id", "is required")
+        stale = await self.ctl.report(request)
+        return controller_pb2.ReportExecutorResponse(stale=stale)

@@ -1,0 +1,22 @@
+"""The controller's typed configuration (flag > env TESSERA_CONTROLLER_* > --config file)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    listen: str = field(default="127.0.0.1:50051", metadata={"help": "gRPC listen address HOST:PORT"})
+    etcd: str = field(default="127.0.0.1:2379", metadata={"help": "etcd endpoint HOST:PORT"})
+    prefix: str = field(default="/tessera", metadata={"help": "etcd key prefix of this cluster's state"})
+    grace_s: float = field(default=10.0, metadata={"help": "a node silent this long is NotReady and its jobs requeued"})
+    heartbeat_interval_s: float = field(default=1.0, metadata={"help": "how often agents heartbeat"})
+    reconcile_interval_s: float = field(default=1.0, metadata={"help": "period of the reconcile loop (it also runs on events)"})
+    lease_ttl_s: int = field(default=5, metadata={"help": "TTL of the leader lease, seconds"})
+    max_attempts: int = field(default=5, metadata={"help": "placements of a job before it is FAILED"})
+    state_dir: str = field(default=".tessera/controller", metadata={"help": "local state directory"})
+    checkpoint_root: str = field(default=".tessera/checkpoints", metadata={"help": "checkpoint root shared by all nodes (a shared filesystem in a real cluster)"})
+    estimator: str = field(default="", metadata={"help": "estimator address HOST:PORT (optional)"})
+    policy: str = field(default="firstfit", metadata={"help": "scheduling policy"})
+    identity: str = field(default="", metadata={"help": "this controller's identity in the election (default: host:pid)"})

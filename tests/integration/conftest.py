@@ -1,0 +1,69 @@
+"""Fixtures of the integration tests: a real etcd, a controller and agents in-process
+on loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from dataclasses import replace
+
+import pytest
+
+from controller.config import ControllerConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+async def controller(etcd_server, tmp_path):
+    """A running controller (in-process) against the test's etcd; yields (cfg, Controller)."""
+    from controller import main as cmain
+
+    cfg = ControllerConfig(listen=f"127.0.0.1:{_free_port()}", etcd=etcd_server, prefix=f"/t{os.getpid()}",
+                           grace_s=3.0, heartbeat_interval_s=0.3, reconcile_interval_s=0.3,
+                           state_dir=str(tmp_path / "ctl"), checkpoint_root=str(tmp_path / "ckpt"))
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    task = asyncio.create_task(cmain.serve(cfg, ready=ready, stop=stop))
+    await asyncio.wait_for(ready.wait(), 20)
+    yield cfg
+    stop.set()
+    await asyncio.wait_for(task, 30)
+
+
+def with_port(cfg, **kw):
+    return replace(cfg, **kw)
+
+
+@pytest.fixture
+def etcd_server(tmp_path):
+    """TEMPORARY until tests/conftest.py provides it: a real etcd on free ports."""
+    import shutil
+    import subprocess
+    import time
+    import urllib.request
+
+    binary = shutil.which("etcd")
+    cport, pport = _free_port(), _free_port()
+    proc = subprocess.Popen([binary, "--data-dir", str(tmp_path / "etcd"), "--listen-client-urls", f"http://127.0.0.1:{cport}",
+                             "--advertise-client-urls", f"http://127.0.0.1:{cport}", "--listen-peer-urls", f"http://127.0.0.1:{pport}",
+                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}", "--initial-cluster", f"default=http://127.0.0.1:{pport}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{cport}/health", timeout=1).read()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.05)
+    yield f"127.0.0.1:{cport}"
+    proc.terminate()
+    proc.wait(10)
