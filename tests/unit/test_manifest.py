@@ -1,0 +1,79 @@
+"""Manifest validation: defaults, every error names its field, lossless proto round trip."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tessera import manifest
+from tessera.errors import SpecError
+
+BASE = {"apiVersion": "tessera/v1", "kind": "Job", "name": "a", "tenant": "t",
+        "workload": {"type": "gpt", "steps": 10}, "resources": {"devices": 1, "device_kind": "cpu"}}
+
+
+def doc(**patch):
+    d = copy.deepcopy(BASE)
+    for path, v in patch.items():
+        cur = d
+        keys = path.split("__")
+        for k in keys[:-1]:
+            cur = cur.setdefault(k, {})
+        cur[keys[-1]] = v
+    return d
+
+
+def test_defaults_are_filled():
+    d = manifest.validate(doc())
+    assert d["workload"]["plan"] == {"dp": 1, "tp": 1, "pp": 1, "micro_batches": 1}
+    assert d["workload"]["data"] == {"kind": "synthetic"}
+    assert d["workload"]["batch_size"] == 8 and d["workload"]["model"]["vocab"] == 256
+
+
+@pytest.mark.parametrize("patch,field", [
+    ({"workload__steps": -1}, "workload.steps"),
+    ({"workload__steps": "ten"}, "workload.steps"),
+    ({"workload__stepz": 3}, "workload.stepz"),
+    ({"bogus": 1}, "bogus"),
+    ({"name": "UPPER"}, "name"),
+    ({"apiVersion": "tessera/v2"}, "apiVersion"),
+    ({"kind": "Pod"}, "kind"),
+    ({"workload__type": "bert"}, "workload.type"),
+    ({"workload__model__hidden": 30}, "workload.model.heads"),
+    ({"workload__model__layers": True}, "workload.model.layers"),
+    ({"workload__learning_rate": 0}, "workload.learning_rate"),
+    ({"workload__data": {"kind": "file"}}, "workload.data.path"),
+    ({"workload__data": {"kind": "file", "path": "rel.txt"}}, "workload.data.path"),
+    ({"workload__plan": {"dp": 2}}, "resources.devices"),
+    ({"resources__devices": 0}, "resources.devices"),
+    ({"resources__device_kind": "tpu"}, "resources.device_kind"),
+    ({"resources__gpus": 1}, "resources.gpus"),
+    ({"workload__peft": {}}, "workload.peft"),
+])
+def test_errors_name_the_field(patch, field):
+    with pytest.raises(SpecError) as e:
+        manifest.validate(doc(**patch))
+    assert e.value.field == field, str(e.value)
+
+
+def test_yaml_file_errors(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text("apiVersion: tessera/v1\nname: [unclosed\n")
+    with pytest.raises(SpecError):
+        manifest.load_file(p)
+
+
+@given(steps=st.integers(1, 10**9), bs=st.integers(1, 4096), lr=st.floats(1e-6, 1.0),
+       seed=st.integers(0, 2**31), dp=st.sampled_from([1, 2, 4]))
+def test_proto_round_trip(steps, bs, lr, seed, dp):
+    d = manifest.validate(doc(workload__steps=steps, workload__batch_size=bs * dp, workload__learning_rate=lr,
+                              workload__seed=seed, workload__plan={"dp": dp}, resources__devices=dp))
+    assert manifest.validate(manifest.from_proto(manifest.to_proto(d))) == d
+
+
+def test_examples_are_valid():
+    for p in sorted(manifest.Path(__file__).resolve().parents[2].joinpath("examples").glob("*.yaml")):
+        manifest.load_file(p)
