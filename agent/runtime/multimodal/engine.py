@@ -51,7 +51,7 @@ def plain_step(model: MMModel, opt: torch.optim.Optimizer, samples: list[Sample]
     loss = model.llm_loss(samples, model.encode(samples), float(n_targets(samples)))
     loss.backward()
     opt.step()
-    return StepStats(float(loss), time.perf_counter() - t0)
+    return StepStats(float(loss.detach()), time.perf_counter() - t0)
 
 
 def split_micro(samples: list[Sample], micro_batches: int, media_cost: float = 4.0) -> list[list[Sample]]:
@@ -154,16 +154,18 @@ class ColocatedEngine:
         t1 = time.perf_counter()
         self._wait(ev)
         loss = self.model.llm_loss(mb, leaves, norm)
+        t2 = time.perf_counter()
         loss.backward()
         grads = [lf.grad if lf.requires_grad else None for lf in leaves]
         ev2 = self._record()
-        val = float(loss)
-        return val, grads, ev2, t1 - t0, time.perf_counter() - t1
+        val = float(loss.detach())
+        # (loss, grads, event, idle, forward, backward)
+        return val, grads, ev2, t1 - t0, t2 - t1, time.perf_counter() - t2
 
     def _enc_bwd(self, fwd: Future | tuple, llm: Future | tuple):
         t0 = time.perf_counter()
         embs = (fwd.result() if isinstance(fwd, Future) else fwd)[0]
-        _, grads, ev, _, _ = llm.result() if isinstance(llm, Future) else llm
+        _, grads, ev, _, _, _ = llm.result() if isinstance(llm, Future) else llm
         t1 = time.perf_counter()
         self._wait(ev)
         outs = [e for e, g in zip(embs, grads) if g is not None]
@@ -197,7 +199,8 @@ class ColocatedEngine:
                 b = self._enc_bwd(f, l_)
                 stats.loss += l_[0]
                 stats.add("encoder", "forward", f[3])
-                stats.add("llm", "forward_backward", l_[4])
+                stats.add("llm", "forward", l_[4])
+                stats.add("llm", "backward", l_[5])
                 stats.add("encoder", "backward", b[1])
         else:
             # Queue order on the encoder worker: F0, F1, B0, F2, B1, ... so that while the LLM
@@ -217,7 +220,8 @@ class ColocatedEngine:
                 stats.add("encoder", "forward", fr[3])
                 stats.add("encoder", "backward", br[1])
                 stats.add("encoder", "idle", br[0])
-                stats.add("llm", "forward_backward", lr[4])
+                stats.add("llm", "forward", lr[4])
+                stats.add("llm", "backward", lr[5])
                 stats.add("llm", "idle", lr[3])
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

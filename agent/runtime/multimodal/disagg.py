@@ -1,0 +1,257 @@
+"""Disaggregated encoder/LLM ranks over torch.distributed (after MegaScale-Omni).
+
+Contract: ``DistEngine.step(batch_ids, plan)`` runs one synchronous optimizer step of the
+whole job's batch on this rank, following ``plan`` (``reshard.StepPlan``): encoder ranks
+encode the media of the samples the plan gives them and send each LLM rank exactly the
+embeddings of the samples it trains on (point-to-point, gloo/NCCL); LLM ranks train and
+send the embedding gradients back; the encoder ranks backpropagate them. Micro-batches
+pipeline: encoder forward of j+1 is issued before the LLM works on j.
+
+Every rank keeps a full replica of model and optimizer and all gradients are summed over
+the world once per step, so (1) the encoder:LLM split can change between steps without
+moving weights, and (2) the result equals a plain single-process step on the whole batch
+(losses are normalised by the batch's target count) up to float rounding. The coupled
+layout (``reshard.coupled_plan``) runs through the same code with every transfer local.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from agent.runtime.multimodal.data import SampleMeta, SyntheticData
+from agent.runtime.multimodal.engine import StepStats
+from agent.runtime.multimodal.models import MMModel, n_targets
+from agent.runtime.multimodal.reshard import Item, StepPlan
+
+
+@dataclass
+class CostModel:
+    """Seconds (or any one unit) per encoder unit (an image; audio clips weighted by
+    ``audio_weight``) and per LLM token. Starts from FLOP ratios, then follows measured
+    times (identical on every rank: they come from an all-reduce)."""
+
+    enc_unit: float
+    llm_token: float
+    audio_weight: float = 1.0
+    ema: float = 0.5
+
+    @classmethod
+    def from_flops(cls, model: MMModel) -> "CostModel":
+        vit = model.vit
+        enc_params = sum(p.numel() for p in vit.blocks.parameters())
+        img = 6.0 * enc_params * vit.n_patches
+        aud = 0.0
+        if model.audio is not None:
+            aud = 6.0 * sum(p.numel() for p in model.audio.blocks.parameters()) * model.audio.frames
+        llm = 6.0 * sum(p.numel() for p in model.gpt.parameters())
+        return cls(enc_unit=img, llm_token=llm, audio_weight=(aud / img) if img else 1.0)
+
+    def enc_units(self, m: SampleMeta) -> float:
+        return m.n_images + self.audio_weight * m.n_audio
+
+    def item(self, m: SampleMeta, per_image: int, per_audio: int) -> Item:
+        return Item(m.id, self.enc_units(m) * self.enc_unit, (m.text_len + m.media_tokens(per_image, per_audio)) * self.llm_token)
+
+    def observe(self, enc_s: float, enc_units: float, llm_s: float, llm_tokens: float, first: bool) -> None:
+        """Fold in one step's measured totals (skipped where a side did no work)."""
+        a = 1.0 if first else self.ema
+        if enc_units > 0 and enc_s > 0:
+            self.enc_unit = (1 - a) * self.enc_unit + a * enc_s / enc_units
+        if llm_tokens > 0 and llm_s > 0:
+            self.llm_token = (1 - a) * self.llm_token + a * llm_s / llm_tokens
+
+
+def init_from_spec(dist_spec: dict, timeout_s: float = 120.0) -> None:
+    """Join the job's process group (no-op for a single rank or if already joined)."""
+    import datetime
+
+    if dist_spec.get("world_size", 1) <= 1 or dist.is_initialized():
+        return
+    dist.init_process_group(
+        backend=dist_spec.get("backend", "gloo"),
+        init_method=f"tcp://{dist_spec['master_addr']}:{dist_spec['master_port']}",
+        rank=dist_spec["rank"],
+        world_size=dist_spec["world_size"],
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+class DistEngine:
+    """One rank's side of disaggregated (or coupled) multimodal training."""
+
+    def __init__(self, model: MMModel, opt: torch.optim.Optimizer, data: SyntheticData, rank: int, world: int) -> None:
+        self.model, self.opt, self.data, self.rank, self.world = model, opt, data, rank, world
+        self.hidden = model.gpt.cfg.hidden
+        self.params = list(model.parameters())
+        self.sent: list[tuple[int, int, list[int]]] = []  # (mb, dst, ids) of the last step, for tests
+
+    def _len(self, m: SampleMeta) -> int:
+        return m.media_tokens(self.data.per_image, self.data.per_audio)
+
+    def step(self, batch_ids: list[int], plan: StepPlan, cost: CostModel | None = None) -> StepStats:
+        """One synchronous step of the global batch ``batch_ids`` under ``plan``; every rank
+        calls it with the same arguments. Returns the global mean loss and this rank's
+        per-module timings (``enc_units``/``llm_tokens`` totals are in ``stats.modules['work']``)."""
+        t_start = time.perf_counter()
+        r, dev = self.rank, self.model.gpt.head.weight.device
+        self.opt.zero_grad(set_to_none=True)
+        metas = {i: self.data.meta(i) for i in batch_ids}
+        norm = float(sum(m.text_len - (0 if (m.n_images or m.n_audio) else 1) for m in metas.values()))
+        cache: dict[int, object] = {}
+
+        def sample(i):
+            if i not in cache:
+                cache[i] = self.data.sample(i)
+            return cache[i]
+
+        stats = StepStats(0.0, 0.0)
+        pending: list = []  # async sends to wait on before the step ends
+        enc_out: dict[int, dict[int, tuple[list[int], torch.Tensor]]] = {}
+        local: dict[int, torch.Tensor] = {}  # mb -> local hand-over leaf (src == dst == r)
+        local_grad: dict[int, torch.Tensor | None] = {}
+        self.sent = []
+        loss_sum = 0.0
+        work = {"enc_units": 0.0, "llm_tokens": 0.0, "enc_s": 0.0, "llm_s": 0.0}
+        M = len(plan.micro)
+
+        def tag(j: int, backward: bool) -> int:
+            return 2 * j + (1 if backward else 0)
+
+        def enc_forward(j: int) -> None:
+            mp = plan.micro[j]
+            mine = [s for s in mp.ids if mp.enc_owner.get(s) == r]
+            if not mine:
+                return
+            t0 = time.perf_counter()
+            embs = dict(zip(mine, self.model.encode([sample(s) for s in mine])))
+            enc_out[j] = {}
+            for (src, dst), ids in sorted(mp.transfers().items()):
+                if src != r:
+                    continue
+                out = torch.cat([embs[s] for s in ids])
+                enc_out[j][dst] = (ids, out)
+                if dst == r:
+                    local[j] = out.detach().requires_grad_()
+                else:
+                    t1 = time.perf_counter()
+                    pending.append(dist.isend(out.detach().contiguous(), dst, tag=tag(j, False)))
+                    stats.add("encoder", "communication", time.perf_counter() - t1)
+                    self.sent.append((j, dst, list(ids)))
+            dt = time.perf_counter() - t0
+            stats.add("encoder", "forward", dt)
+            work["enc_s"] += dt
+            work["enc_units"] += sum(cost.enc_units(metas[s]) if cost else metas[s].n_images for s in mine)
+
+        def llm(j: int) -> float:
+            mp = plan.micro[j]
+            mine = [s for s in mp.ids if mp.llm_owner[s] == r]
+            if not mine:
+                return 0.0
+            leaves: dict[int, torch.Tensor] = {}
+            wait = 0.0
+            for (src, dst), ids in sorted(mp.transfers().items()):
+                if dst != r:
+                    continue
+                if src == r:
+                    leaves[src] = local[j]
+                else:
+                    buf = torch.empty(sum(self._len(metas[s]) for s in ids), self.hidden, device=dev)
+                    t1 = time.perf_counter()
+                    dist.irecv(buf, src, tag=tag(j, False)).wait()
+                    wait += time.perf_counter() - t1
+                    leaves[src] = buf.requires_grad_()
+            t0 = time.perf_counter()
+            per_sample: dict[int, torch.Tensor] = {}
+            for (src, dst), ids in sorted(mp.transfers().items()):
+                if dst == r:
+                    for s, e in zip(ids, leaves[src].split([self._len(metas[s]) for s in ids])):
+                        per_sample[s] = e
+            samples = [sample(s) for s in mine]
+            embs = [per_sample.get(s, torch.zeros(0, self.hidden, device=dev)) for s in mine]
+            loss = self.model.llm_loss(samples, embs, norm)
+            tf = time.perf_counter()
+            loss.backward()
+            dt = time.perf_counter() - t0
+            stats.add("llm", "forward", tf - t0)
+            stats.add("llm", "backward", dt - (tf - t0))
+            stats.add("llm", "idle", wait)
+            work["llm_s"] += dt
+            work["llm_tokens"] += sum(metas[s].text_len + self._len(metas[s]) for s in mine)
+            t1 = time.perf_counter()
+            for src, leaf in leaves.items():
+                g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                if src == r:
+                    local_grad[j] = g
+                else:
+                    pending.append(dist.isend(g.contiguous(), src, tag=tag(j, True)))
+            stats.add("llm", "communication", time.perf_counter() - t1)
+            return float(loss.detach())
+
+        def enc_backward(j: int) -> None:
+            if j not in enc_out:
+                return
+            outs, grads = [], []
+            wait = 0.0
+            for dst, (ids, out) in sorted(enc_out[j].items()):
+                if dst == r:
+                    g = local_grad[j]
+                else:
+                    g = torch.empty_like(out)
+                    t1 = time.perf_counter()
+                    dist.irecv(g, dst, tag=tag(j, True)).wait()
+                    wait += time.perf_counter() - t1
+                outs.append(out)
+                grads.append(g)
+            t0 = time.perf_counter()
+            torch.autograd.backward(outs, grads)
+            dt = time.perf_counter() - t0
+            stats.add("encoder", "backward", dt)
+            stats.add("encoder", "idle", wait)
+            work["enc_s"] += dt
+
+        # Encoder forward runs one micro-batch ahead of the LLM (a rank holding both roles
+        # interleaves them); encoder backward follows once the LLM has sent its gradients.
+        if M:
+            enc_forward(0)
+        for j in range(M):
+            if j + 1 < M:
+                enc_forward(j + 1)
+            loss_sum += llm(j)
+        for j in range(M):
+            enc_backward(j)
+        for w in pending:
+            w.wait()
+
+        # One world all-reduce carries every gradient, the loss and the cost observations.
+        t0 = time.perf_counter()
+        flat = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=dev) for p in self.params]
+        extras = torch.tensor([loss_sum, work["enc_s"], work["enc_units"], work["llm_s"], work["llm_tokens"]], device=dev)
+        buf = torch.cat(flat + [extras])
+        if self.world > 1:
+            dist.all_reduce(buf)
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = buf[off:off + n].view_as(p).clone()
+            off += n
+        ex = buf[off:].tolist()
+        stats.add("sync", "communication", time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        self.opt.step()
+        stats.add("optimizer", "step", time.perf_counter() - t1)
+        stats.loss = ex[0]
+        stats.modules["work"] = {"enc_s": ex[1], "enc_units": ex[2], "llm_s": ex[3], "llm_tokens": ex[4]}
+        stats.wall_s = time.perf_counter() - t_start
+        return stats
+
+
+def plan_items(data: SyntheticData, ids: list[int], cost: CostModel) -> list[Item]:
+    """Planner view of a batch (ids in loader order)."""
+    return [cost.item(data.meta(i), data.per_image, data.per_audio) for i in ids]
+
+
+__all__ = ["CostModel", "DistEngine", "init_from_spec", "plan_items", "n_targets"]

@@ -1,0 +1,176 @@
+"""Executor entry point of the ``multimodal`` workload.
+
+Contract: ``run(spec, reporter) -> int`` trains for ``workload.steps`` steps and returns
+0, or reports an ``error`` event and returns 2 (bad spec) / 1 (anything else). ``spec``
+is ``{"job_id", "workload": {...}, "dist": {rank, world_size, master_addr, master_port,
+backend}, "checkpoint_dir", "threads"}``. Mode ``colocated`` runs on one rank with the
+encoder and the LLM on separate quotas; ``disaggregated`` uses every rank of ``dist``,
+choosing each step's encoder:LLM split from the measured cost model unless
+``disaggregated.encoder_ranks`` pins it. Events: ``start``; per step a ``progress`` with
+``module: "multimodal"`` (loss, step_time_s, phases) and one per module (``encoder``,
+``llm``) whose phases include ``idle`` (time waiting on the other module); ``checkpoint``;
+``done``. A checkpoint in ``checkpoint_dir`` (written atomically) is resumed from.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from agent.runtime.model import GPTConfig
+from agent.runtime.multimodal.data import SyntheticData
+from agent.runtime.multimodal.disagg import CostModel, DistEngine, init_from_spec, plan_items
+from agent.runtime.multimodal.engine import ColocatedEngine, StepStats
+from agent.runtime.multimodal.models import MMModel
+from agent.runtime.multimodal.reorder import batches
+from agent.runtime.multimodal.reshard import choose_layout, decoupled_plan
+from agent.runtime.report import Reporter
+from tessera.errors import SpecError
+from tessera.spec.multimodal import media_tokens_max, validate_multimodal
+
+CKPT_NAME = "multimodal.pt"
+
+
+def _int(wl: dict, name: str, default: int, minimum: int = 1) -> int:
+    v = wl.get(name, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise SpecError(f"workload.{name}", f"must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def parse(workload: dict) -> tuple[GPTConfig, dict, dict]:
+    """(model config, validated multimodal section, run params) from a manifest's workload."""
+    try:
+        cfg = GPTConfig(**(workload.get("model") or {}))
+    except (TypeError, ValueError) as e:
+        raise SpecError("workload.model", str(e)) from e
+    mm = validate_multimodal(workload.get("multimodal"), "workload.multimodal")
+    need = media_tokens_max(mm) + mm["data"]["min_text"]
+    if need > cfg.seq_len:
+        raise SpecError("workload.multimodal.data.max_images",
+                        f"largest sample needs {need} positions (media + data.min_text) > model.seq_len {cfg.seq_len}")
+    lr = workload.get("learning_rate", 3e-3)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
+        raise SpecError("workload.learning_rate", f"must be a positive number, got {lr!r}")
+    params = {
+        "steps": _int(workload, "steps", 60),
+        "batch_size": _int(workload, "batch_size", 8),
+        "seed": _int(workload, "seed", 0, minimum=0),
+        "learning_rate": float(lr),
+        "checkpoint_every": _int(workload, "checkpoint_every", 0, minimum=0),
+    }
+    return cfg, mm, params
+
+
+def _phases(st: StepStats) -> dict[str, float]:
+    agg = {"forward": 0.0, "backward": 0.0, "communication": 0.0, "optimizer": 0.0}
+    for mod, ph in st.modules.items():
+        if mod == "work":
+            continue
+        for k, v in ph.items():
+            if k in ("forward", "backward", "communication"):
+                agg[k] += v
+            elif mod == "optimizer":
+                agg["optimizer"] += v
+    return agg
+
+
+def _save(path: str, model: MMModel, opt: torch.optim.Optimizer, step: int) -> None:
+    tmp = path + ".tmp"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+    os.replace(tmp, path)  # atomic: a reader sees the old or the new checkpoint, never half
+
+
+def run(spec: dict, reporter: Reporter) -> int:
+    """Train the multimodal workload described by ``spec``; see the module doc."""
+    try:
+        return _run(spec, reporter)
+    except SpecError as e:
+        reporter.event("error", message=str(e), field=e.field)
+        return 2
+    except Exception as e:  # the agent needs an event, not only a traceback
+        reporter.event("error", message=f"{type(e).__name__}: {e}")
+        raise
+
+
+def _run(spec: dict, reporter: Reporter) -> int:
+    wl = spec["workload"]
+    cfg, mm, p = parse(wl)
+    d = spec.get("dist") or {}
+    rank, world = int(d.get("rank", 0)), int(d.get("world_size", 1))
+    if mm["mode"] == "colocated" and world != 1:
+        raise SpecError("resources.devices", f"colocated mode runs on one device, got world_size {world}")
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    data = SyntheticData(mm, cfg.vocab, cfg.seq_len, p["batch_size"], p["seed"])
+    torch.manual_seed(p["seed"])
+    model = MMModel(cfg, mm)
+    opt = torch.optim.AdamW(model.parameters(), lr=p["learning_rate"])
+    ckpt_dir = spec.get("checkpoint_dir")
+    ckpt = os.path.join(ckpt_dir, CKPT_NAME) if ckpt_dir else None
+    start = 0
+    if ckpt and os.path.exists(ckpt):
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = int(state["step"])
+    reporter.event("start", job_id=spec.get("job_id"), workload="multimodal", mode=mm["mode"],
+                   world_size=world, steps=p["steps"], resumed_from=start)
+
+    ranks = 1 if mm["mode"] == "colocated" else world
+    cost = CostModel.from_flops(model)
+
+    def load(i: int) -> tuple[float, float]:
+        it = cost.item(data.meta(i), data.per_image, data.per_audio)
+        return it.enc, it.llm
+
+    loader = batches(p["steps"], p["batch_size"], load, mm["reorder"]["group_batches"], ranks,
+                     mm["reorder"]["enabled"], start_step=start)
+    colo = dist_eng = None
+    if mm["mode"] == "colocated":
+        colo = ColocatedEngine(model, opt, mm["colocated"]["encoder_quota"], mm["micro_batches"])
+    else:
+        init_from_spec(d)
+        dist_eng = DistEngine(model, opt, data, rank, world)
+    dg = mm["disaggregated"]
+    pinned = None if dg["encoder_ranks"] == "auto" else dg["encoder_ranks"]
+    loss = float("nan")
+    try:
+        for step, ids in enumerate(loader, start=start):
+            extra: dict[str, Any] = {}
+            if colo is not None:
+                st = colo.step([data.sample(i) for i in ids])
+                extra["encoder_quota"] = mm["colocated"]["encoder_quota"]
+            else:
+                items = plan_items(data, ids, cost)
+                if dg["adaptive"] or step == start or pinned is not None:
+                    layout = choose_layout(sum(i.enc for i in items), sum(i.llm for i in items), world,
+                                           mm["micro_batches"], dg["allow_shared"], pinned)
+                st = dist_eng.step(ids, decoupled_plan(items, layout, mm["micro_batches"]), cost)
+                w = st.modules["work"]
+                cost.observe(w["enc_s"], w["enc_units"], w["llm_s"], w["llm_tokens"], first=(step == start))
+                extra.update(layout=layout.ratio, encoder_ranks=list(layout.enc_ranks), llm_ranks=list(layout.llm_ranks))
+            loss = st.loss
+            reporter.event("progress", step=step + 1, total=p["steps"], loss=loss, step_time_s=st.wall_s,
+                           phases=_phases(st), module="multimodal",
+                           images=sum(data.meta(i).n_images for i in ids), **extra)
+            for mod in ("encoder", "llm"):
+                if mod in st.modules:
+                    reporter.event("progress", step=step + 1, total=p["steps"], step_time_s=st.wall_s,
+                                   phases=dict(st.modules[mod]), module=mod)
+            every = p["checkpoint_every"]
+            if ckpt and rank == 0 and every and (step + 1) % every == 0 and step + 1 < p["steps"]:
+                _save(ckpt, model, opt, step + 1)
+                reporter.event("checkpoint", path=ckpt, step=step + 1)
+    finally:
+        if colo is not None:
+            colo.close()
+    if ckpt and rank == 0:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        _save(ckpt, model, opt, p["steps"])
+        reporter.event("checkpoint", path=ckpt, step=p["steps"])
+    reporter.event("done", final_loss=loss)
+    return 0
