@@ -125,17 +125,22 @@ class ExecutorManager:
         else:
             env["CUDA_VISIBLE_DEVICES"] = ""
 
-        def pin():  # runs in the child before exec
-            if cores:
-                os.sched_setaffinity(0, cores)
-
+        env["TESSERA_CPU_CORES"] = ",".join(map(str, cores))
         ex = Executor(allocation_id, job_id, rank, list(device_ids), self.log_path(job_id),
                       model_key=model_key(spec.get("workload", {})))
-        ex.proc = await asyncio.create_subprocess_exec(
+        ex.proc = ex_proc = await asyncio.create_subprocess_exec(
             self.python, "-m", "agent.runtime", "--spec", str(spec_path),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
-            preexec_fn=pin, start_new_session=True, cwd=str(self.state_dir),
+            start_new_session=True, cwd=str(self.state_dir),
         )
+        if cores:
+            # Pin from the parent: a preexec_fn is unsafe in a process with gRPC threads
+            # (fork without exec may deadlock or crash). The child has not started its
+            # thread pools yet (torch is still importing), and threads inherit affinity.
+            try:
+                os.sched_setaffinity(ex_proc.pid, cores)
+            except ProcessLookupError:
+                pass
         self.executors[key] = ex
         self.log.info("executor started", job_id=job_id, allocation=allocation_id, rank=rank, pid=ex.proc.pid,
                       devices=device_ids, cores=cores)
