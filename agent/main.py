@@ -1,6 +1,7 @@
 """``tessera-agent``: one per node. Registers the node's devices, heartbeats, runs
 executors on request, reports their events, and self-fences (stops its executors)
-when it has lost the controller for longer than the grace period."""
+when it has lost the controller for half the grace period (the controller requeues
+the node's jobs after the whole grace period)."""
 
 from __future__ import annotations
 
@@ -130,9 +131,11 @@ class Agent:
                     await self.mgr.stop_all(self.cfg.stop_grace_s)
                     await self.register()
                     last_ok = time.monotonic()
-                elif time.monotonic() - last_ok > self.grace_s and self.mgr.running_allocations():
-                    # The controller has requeued our jobs elsewhere by now: fence ourselves.
-                    self.log.warning("lost the controller for longer than the grace period; stopping executors",
+                elif time.monotonic() - last_ok > self.grace_s / 2 and self.mgr.running_allocations():
+                    # The controller requeues our jobs once it has not heard from us for
+                    # grace_s; stopping at half of that means a job never runs here and
+                    # elsewhere at once, even if the controller's clock runs a bit fast.
+                    self.log.warning("lost the controller for half the grace period; stopping executors",
                                      silent_s=round(time.monotonic() - last_ok, 1))
                     await self.mgr.stop_all(self.cfg.stop_grace_s)
 

@@ -161,8 +161,8 @@ def resize_kind(old: Placement, new: Placement) -> str:
 
 def run_round(request: ScheduleRequest, s: Strategy, cache: GridCache) -> ScheduleReply:
     """One scheduling round. Deterministic: depends only on ``request`` and ``s``."""
-    shape = cluster_shape(request.nodes)
-    pool = Pool(request.nodes)
+    shape = cache.shape(request.nodes)
+    pool = Pool.fresh(request.nodes)
     rd = _Round(request, s, pool, shape, {t: q for t, q in request.tenant_quotas if q > 0})
     est = request.estimator
 

@@ -111,6 +111,13 @@ class GridCache:
     def __init__(self) -> None:
         self._est = None
         self._grids: dict[tuple[str, ClusterShape], tuple[Cell, ...]] = {}
+        self._nodes: tuple | None = None
+
+    def shape(self, nodes: tuple[NodeView, ...]) -> ClusterShape:
+        """``cluster_shape(nodes)``, remembered for the same ``nodes`` object."""
+        if self._nodes is None or self._nodes[0] is not nodes:
+            self._nodes = (nodes, cluster_shape(nodes))
+        return self._nodes[1]
 
     def get(self, estimator, model: str, shape: ClusterShape) -> tuple[Cell, ...]:
         if estimator is not self._est:

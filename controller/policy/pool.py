@@ -45,6 +45,25 @@ class Pool:
                 self.buckets[t][len(self.free[u])][u] = None
             self.total_free[t] = sum(len(self.free[u]) for u in units)
 
+    _last: tuple | None = None  # (nodes, pristine pool): rounds over one snapshot share the build
+
+    @classmethod
+    def fresh(cls, nodes: tuple[NodeView, ...]) -> "Pool":
+        """A pool with every ready device free; reuses the last build for the same
+        ``nodes`` object (the structure is copied, the read-only maps are shared)."""
+        last = cls._last
+        if last is None or last[0] is not nodes:
+            last = cls._last = (nodes, cls(nodes))
+        src = last[1]
+        p = cls.__new__(cls)
+        p.free = {u: list(d) for u, d in src.free.items()}
+        p.size, p.types, p.device_type = src.size, src.types, src.device_type
+        p.soft = {u: {} for u in src.soft}
+        p.held_by = {}
+        p.buckets = {t: [dict(b) for b in bs] for t, bs in src.buckets.items()}
+        p.total_free = dict(src.total_free)
+        return p
+
     # -- bucket upkeep -------------------------------------------------------------
     def _set_free(self, u: Unit, devs: list[str]) -> None:
         t = u[1]

@@ -340,7 +340,9 @@ class Simulator:
                 self.records[jid].pending_since = self.jobs[idx].submit
                 idx += 1
                 changed = True
-            if (changed or idle >= self.idle_call_rounds) and (self.pending or self.running):
+            # Periodic calls only matter while jobs wait (priorities age); otherwise the
+            # state the policy sees changes only with events.
+            if changed or (idle >= self.idle_call_rounds and self.pending):
                 req = self.request(now)
                 t0 = time.perf_counter()
                 reply = self.policy.schedule(req)
@@ -351,8 +353,8 @@ class Simulator:
             # Jump to the round boundary of the next event.
             nxt = self.jobs[idx].submit if idx < n else math.inf
             nxt = min(nxt, self._next_finish(now))
-            if self.pending or self.running:
-                nxt = min(nxt, now + (self.idle_call_rounds - idle) * self.round_s)
+            if self.pending:
+                nxt = min(nxt, now + max(1, self.idle_call_rounds - idle) * self.round_s)
             if nxt == math.inf:
                 break
             k = max(1, math.ceil((nxt - now) / self.round_s - 1e-9))

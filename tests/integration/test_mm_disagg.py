@@ -75,6 +75,6 @@ def test_disaggregated_matches_plain_step():
             assert math.isclose(a, b, rel_tol=TOL), (losses, ref)
         assert sent == moved  # shipped exactly the planned cross-rank embeddings
         for p, q in zip(params, ref_params):
-            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=5e-4)  # Adam's normalised update magnifies rounding on ~0 grads
     # The disjoint 1:1 step must have resharded something (media samples exist).
     assert any(results[0][1][0])

@@ -87,7 +87,8 @@ def run_local(spec: dict, world_size: int, *, start_method: str = "fork", timeou
         for r in range(world_size):
             s = copy.deepcopy(spec)
             s["dist"] = {**s.get("dist", {}), "rank": r, "world_size": world_size,
-                         "master_addr": "127.0.0.1", "master_port": port, "backend": "gloo"}
+                         "master_addr": "127.0.0.1", "master_port": port, "backend": "gloo",
+                         "timeout_s": s.get("dist", {}).get("timeout_s", 60)}
             p = ctx.Process(target=_rank_main, args=(s, os.path.join(tmp, f"rank{r}.events")), daemon=True)
             p.start()
             procs.append(p)
