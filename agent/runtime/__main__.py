@@ -42,14 +42,18 @@ def _watch_sigterm(stop: threading.Event) -> None:
     # signal handler would never run.
     signal.sigwait({signal.SIGTERM})
     stop.set()
-    threading.Timer(TERM_GRACE_S, lambda: os._exit(EXIT_TERM)).start()
+    timer = threading.Timer(TERM_GRACE_S, lambda: os._exit(EXIT_TERM))
+    timer.daemon = True  # a runner that returns in time must not wait for it
+    timer.start()
 
 
 def install_sigterm() -> threading.Event:
     """Route SIGTERM to the shared stop event; call before any other thread starts."""
+    # Block first: importing torch starts threads, and a thread that does not block
+    # SIGTERM would take it with the default action (die with no checkpoint).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     from agent.runtime.train import STOP  # the event every runner polls
 
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     threading.Thread(target=_watch_sigterm, args=(STOP,), name="sigterm", daemon=True).start()
     return STOP
 
