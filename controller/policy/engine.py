@@ -127,9 +127,13 @@ def allowed_cells(job: JobView, grid: tuple[Cell, ...], s: Strategy) -> tuple[tu
 
 
 def _least_above(cells, req: int) -> list[Cell]:
-    above = [c for c in cells if c.count >= req]
+    """Cells with the least count >= req; the largest cells when none is that big."""
+    above = [c for c in cells if c.count >= req] or list(cells)
     if not above:
         return []
+    if all(c.count < req for c in above):
+        m = max(c.count for c in above)
+        return [c for c in above if c.count == m]
     m = min(c.count for c in above)
     return [c for c in above if c.count == m]
 

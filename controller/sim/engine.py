@@ -350,6 +350,8 @@ class Simulator:
                 self.apply(reply, now, res.actions)
                 res.max_usage = max(res.max_usage, max(self.usage.values(), default=0.0))
                 changed, idle = False, 0
+            if idx >= n and not self.running and self.pending and not changed:
+                break  # nothing runs, nothing arrives, and the policy placed nothing: stuck
             # Jump to the round boundary of the next event.
             nxt = self.jobs[idx].submit if idx < n else math.inf
             nxt = min(nxt, self._next_finish(now))
