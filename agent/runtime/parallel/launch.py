@@ -78,9 +78,12 @@ def _wait_all(procs: list, timeout_s: float) -> None:
         p.join()
 
 
-def run_local(spec: dict, world_size: int, *, start_method: str = "fork", timeout_s: float = 120.0) -> LocalResult:
-    """Run ``spec`` as ``world_size`` local ranks; kills them all after ``timeout_s``."""
-    ctx = mp.get_context(start_method)
+def run_local(spec: dict, world_size: int, *, start_method: str | None = None, timeout_s: float = 120.0) -> LocalResult:
+    """Run ``spec`` as ``world_size`` local ranks; kills them all after ``timeout_s``.
+
+    ``start_method`` defaults to ``$TESSERA_LOCAL_START_METHOD`` or ``fork``.
+    """
+    ctx = mp.get_context(start_method or os.environ.get("TESSERA_LOCAL_START_METHOD", "fork"))
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="tessera-local-") as tmp:
         procs = []
@@ -94,11 +97,13 @@ def run_local(spec: dict, world_size: int, *, start_method: str = "fork", timeou
             procs.append(p)
         _wait_all(procs, timeout_s)
         events = []
-        with open(os.path.join(tmp, "rank0.events"), encoding="utf-8") as f:
-            for line in f:
-                ev = parse_line(line)
-                if ev is not None:
-                    events.append(ev)
+        path = os.path.join(tmp, "rank0.events")
+        if os.path.exists(path):  # absent when rank 0 died before starting
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    ev = parse_line(line)
+                    if ev is not None:
+                        events.append(ev)
         return LocalResult(exit_codes=[p.exitcode for p in procs], events=events)
 
 
