@@ -325,7 +325,8 @@ def train(job: GPTJob, reporter: Reporter) -> int:
             if stopped:
                 break
         if stopped:
-            _emit_error(reporter, ctx.rank, f"stopped by SIGTERM after step {last_saved}", signal="SIGTERM")
+            saved = f"checkpoint at step {last_saved}" if last_saved > 0 else "no checkpoint"
+            _emit_error(reporter, ctx.rank, f"stopped by SIGTERM after step {done} ({saved})", signal="SIGTERM")
             return EXIT_TERM
         reporter.event("done", job_id=job.job_id, module="gpt", steps=job.steps, final_loss=loss, first_loss=first_loss)
         return EXIT_OK

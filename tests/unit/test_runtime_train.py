@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 
 import pytest
-import torch
 
 from agent.runtime import checkpoint
 from agent.runtime.report import Reporter, parse_line
