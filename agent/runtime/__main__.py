@@ -26,7 +26,7 @@ RUNNERS: dict[str, str] = {
     "multimodal": "agent.runtime.multimodal.workload:run",
 }
 
-TERM_GRACE_S = float(os.environ.get("TESSERA_TERM_GRACE_S", "20"))
+TERM_GRACE_S = float(os.environ.get("TESSERA_TERM_GRACE_S", "8"))
 EXIT_SPEC, EXIT_TERM = 2, 143
 
 
