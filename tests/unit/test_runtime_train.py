@@ -128,3 +128,13 @@ def test_defaults_fill_optional_fields():
     job = parse_spec({"workload": {"type": "gpt"}})
     assert job.steps > 0 and job.plan.world_size == 1 and job.checkpoint_dir is None
     assert job.data == {"kind": "synthetic"}
+
+
+def test_resume_of_a_finished_job_reports_done_without_training(tmp_path):
+    ck = str(tmp_path)
+    code, ev = run_events(spec(steps=3, ckdir=ck))
+    assert code == 0
+    code, again = run_events(spec(steps=3, ckdir=ck))
+    assert code == 0
+    assert [e["event"] for e in again] == ["start", "done"]
+    assert again[-1]["final_loss"] == ev[-1]["final_loss"]
