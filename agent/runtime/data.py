@@ -104,7 +104,10 @@ def make_source(data: dict | None, vocab: int, seed: int) -> TokenSource:
     data = data or {"kind": "synthetic"}
     kind = data.get("kind", "synthetic")
     if kind == "synthetic":
-        return SyntheticSource(vocab, seed, branching=int(data.get("branching", 4)))
+        branching = data.get("branching", 4)
+        if isinstance(branching, bool) or not isinstance(branching, int) or branching < 1:
+            raise SpecError("workload.data.branching", f"must be an integer >= 1, got {branching!r}")
+        return SyntheticSource(vocab, seed, branching=branching)
     if kind == "file":
         path = data.get("path")
         if not isinstance(path, str) or not os.path.isabs(path):

@@ -67,6 +67,7 @@ def assert_close(got, ref):
         {"dp": 2, "pp": 2, "micro_batches": 2},
         {"dp": 2, "tp": 2},
         {"tp": 2, "pp": 2, "micro_batches": 4},
+        {"dp": 2, "tp": 2, "pp": 2, "micro_batches": 2},
     ],
     ids=lambda p: "x".join(f"{k}{v}" for k, v in p.items()),
 )

@@ -55,6 +55,7 @@ def test_short_corpus_is_repeated():
     "data,vocab,field",
     [
         ({"kind": "nope"}, 256, "workload.data.kind"),
+        ({"kind": "synthetic", "branching": 0}, 256, "workload.data.branching"),
         ({"kind": "file", "path": "relative.txt"}, 256, "workload.data.path"),
         ({"kind": "file", "path": "/nonexistent/x.txt"}, 256, "workload.data.path"),
     ],
