@@ -25,7 +25,7 @@ from agent.runtime.data import make_source
 from agent.runtime.model import GPT, GPTConfig
 from agent.runtime.parallel import comm
 from agent.runtime.parallel import context as pctx
-from agent.runtime.parallel.pipeline import average_gradients, forward_backward
+from agent.runtime.parallel.pipeline import average_gradients, forward_backward, forward_backward_1f1b
 from agent.runtime.parallel.stage import StageModule, merge_pieces
 from agent.runtime.parallel.tp import shard, unshard
 from agent.runtime.plan import Plan, replica_rows, stage_layers, validate
@@ -36,6 +36,9 @@ from tessera.errors import SpecError
 STOP = threading.Event()
 
 EXIT_OK, EXIT_FAIL, EXIT_SPEC, EXIT_TERM = 0, 1, 2, 143
+
+# Pipeline schedules by name; both compute the same gradients (1F1B holds fewer activations).
+SCHEDULES = {"gpipe": forward_backward, "1f1b": forward_backward_1f1b}
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class GPTJob:
     checkpoint_dir: str | None
     threads: int | None
     weight_decay: float
+    schedule: str = "1f1b"
     dist: dict = field(default_factory=dict)
 
     @property
@@ -96,6 +100,9 @@ def parse_spec(spec: dict) -> GPTJob:
     wd = w.get("weight_decay", 0.0)
     if isinstance(wd, bool) or not isinstance(wd, (int, float)) or wd < 0:
         raise SpecError("workload.weight_decay", f"must be a number >= 0, got {wd!r}")
+    schedule = w.get("pipeline_schedule", "1f1b")
+    if schedule not in SCHEDULES:
+        raise SpecError("workload.pipeline_schedule", f"must be one of {sorted(SCHEDULES)}, got {schedule!r}")
     d = spec.get("dist") or {}
     if not isinstance(d, dict):
         raise SpecError("dist", "must be an object")
@@ -117,6 +124,7 @@ def parse_spec(spec: dict) -> GPTJob:
         checkpoint_dir=spec.get("checkpoint_dir") or None,
         threads=_int(spec, "threads", "threads", None, minimum=1) if spec.get("threads") is not None else None,
         weight_decay=float(wd),
+        schedule=schedule,
         dist=d,
     )
     validate(plan, layers=cfg.layers, heads=cfg.heads, hidden=cfg.hidden, batch_size=job.batch_size, world_size=world)
@@ -291,7 +299,7 @@ def train(job: GPTJob, reporter: Reporter) -> int:
             comm.TIMER.reset()
             inputs, targets = source.batch(step, job.batch_size, job.cfg.seq_len)
             rows = replica_rows(job.plan, job.batch_size, ctx.coord.dp)
-            loss_local, phases = forward_backward(stage, ctx, inputs[rows], targets[rows], job.plan.micro_batches)
+            loss_local, phases = SCHEDULES[job.schedule](stage, ctx, inputs[rows], targets[rows], job.plan.micro_batches)
             c0 = comm.TIMER.seconds
             average_gradients(params, ctx)
             loss, stopped = _reduce_step(loss_local, STOP.is_set(), ctx)

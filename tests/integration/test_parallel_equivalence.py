@@ -22,7 +22,7 @@ RTOL = 1e-4
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def spec(plan: dict, steps: int = 5) -> dict:
+def spec(plan: dict, steps: int = 5, schedule: str = "1f1b") -> dict:
     return {
         "job_id": "j-eq",
         "workload": {
@@ -35,6 +35,7 @@ def spec(plan: dict, steps: int = 5) -> dict:
             "data": {"kind": "synthetic"},
             "plan": plan,
             "checkpoint_every": 0,
+            "pipeline_schedule": schedule,
         },
         "threads": 1,
     }
@@ -80,6 +81,19 @@ def test_plan_matches_single_process(plan, reference):
     assert done["final_loss"] == res.losses()[-1]
     # Communication is measured and reported as its own phase.
     assert all(e["phases"]["communication"] > 0 for e in res.of("progress"))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(
+    "plan",
+    [{"pp": 2, "micro_batches": 4}, {"dp": 2, "pp": 2, "micro_batches": 2}, {"tp": 2, "pp": 2, "micro_batches": 2}],
+    ids=lambda p: "x".join(f"{k}{v}" for k, v in p.items()),
+)
+def test_both_pipeline_schedules_match_single_process(plan, schedule, reference):
+    world = plan.get("dp", 1) * plan.get("tp", 1) * plan.get("pp", 1)
+    res = run_local(spec(plan, schedule=schedule), world)
+    assert res.exit_codes == [0] * world, res.events
+    assert_close(res.losses(), reference)
 
 
 @pytest.mark.slow

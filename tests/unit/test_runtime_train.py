@@ -105,6 +105,7 @@ def test_file_data(tmp_path):
         (lambda s: s["workload"].update(plan={"dp": 2}), "workload.plan"),
         (lambda s: s["workload"].update(batch_size=6, plan={"micro_batches": 4}), "workload.batch_size"),
         (lambda s: s["workload"].update(data={"kind": "http"}), "workload.data.kind"),
+        (lambda s: s["workload"].update(pipeline_schedule="zb"), "workload.pipeline_schedule"),
     ],
 )
 def test_invalid_spec_is_exit_2_with_field(mutate, field):

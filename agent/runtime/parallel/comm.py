@@ -91,3 +91,20 @@ def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
 
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return x if group is None else _ReduceFromTP.apply(x, group)
+
+
+def exchange(t: torch.Tensor, dst: int, shape: tuple[int, ...], src: int, dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+    """Send ``t`` to ``dst`` and receive a tensor of ``shape`` from ``src`` at once, timed.
+
+    Both operations are posted before either is waited on: in 1F1B's steady state two
+    neighbouring stages send to each other at the same moment, which two blocking
+    sends could deadlock on.
+    """
+    buf = torch.empty(shape, dtype=dtype, device=device)
+    t0 = time.perf_counter()
+    reqs = [dist.isend(t.contiguous(), dst=dst), dist.irecv(buf, src=src)]
+    for r in reqs:
+        r.wait()
+    TIMER.seconds += time.perf_counter() - t0
+    return buf

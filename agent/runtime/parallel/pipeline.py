@@ -1,4 +1,4 @@
-"""One training step's forward/backward for any plan: a GPipe schedule.
+"""One training step's forward/backward for any plan: GPipe or 1F1B schedules.
 
 Contract: :func:`forward_backward` runs every micro-batch forward through this rank's
 stage (receiving activations from the previous stage, sending to the next), then every
@@ -7,6 +7,13 @@ sending input gradients to the previous). Gradients accumulate in ``.grad``, sca
 that they equal the gradient of the mean loss over this replica's rows. With one stage
 it is plain gradient accumulation. Communication only flows one way per phase, so
 blocking send/recv cannot deadlock.
+
+:func:`forward_backward_1f1b` is the non-interleaved 1F1B schedule (PipeDream-flush,
+as in Megatron-LM): stage s runs ``pp - s - 1`` warm-up forwards, then alternates one
+forward and one backward, then drains the remaining backwards. Same gradients as
+GPipe, but a stage keeps at most ``pp - s`` micro-batches of activations instead of
+all of them. Where two neighbours send to each other at once it posts both directions
+together (``comm.exchange``).
 
 :func:`average_gradients` then averages gradients over the data-parallel group: one
 flat all-reduce (a single bucket is the cheapest for the small models tests run).
@@ -95,3 +102,85 @@ def average_gradients(params: list[torch.nn.Parameter], ctx: ParallelContext) ->
         n = g.numel()
         g.copy_(flat[off : off + n].view_as(g))
         off += n
+
+
+def forward_backward_1f1b(
+    model: torch.nn.Module,
+    ctx: ParallelContext,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    micro_batches: int,
+) -> tuple[float, dict[str, float]]:
+    """Same contract as :func:`forward_backward`, 1F1B order.
+
+    Phases: forward and backward are not separate in time here, so ``forward`` is the
+    compute of the forward passes and ``backward`` the compute of the backward passes,
+    each timed around its own calls; ``communication`` is all send/recv time.
+    """
+    m = micro_batches
+    if ctx.plan.pp == 1:
+        return forward_backward(model, ctx, inputs, targets, m)
+    hidden = model.cfg.hidden
+    tok_mbs = inputs.chunk(m, dim=0)
+    tgt_mbs = targets.chunk(m, dim=0)
+    dtype = next(model.parameters()).dtype
+    first, last = ctx.first_stage, ctx.last_stage
+    prev = None if first else ctx.neighbour(-1)
+    nxt = None if last else ctx.neighbour(+1)
+    warmup = min(ctx.plan.pp - ctx.coord.pp - 1, m)
+    saved: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+    loss_sum = 0.0
+    t_fwd = t_bwd = 0.0
+    c0 = comm.TIMER.seconds
+
+    def shape(i: int) -> tuple[int, int, int]:
+        return (tok_mbs[i].shape[0], tok_mbs[i].shape[1], hidden)
+
+    def fwd(i: int, x_in: torch.Tensor | None) -> torch.Tensor:
+        nonlocal loss_sum, t_fwd
+        t0, c = time.perf_counter(), comm.TIMER.seconds
+        out = model(tok_mbs[i].to(ctx.device) if first else x_in)
+        if last:
+            out = lm_loss(out, tgt_mbs[i].to(ctx.device)) / m
+            loss_sum += out.item()
+        saved.append((x_in, out))
+        t_fwd += (time.perf_counter() - t0) - (comm.TIMER.seconds - c)  # TP all-reduces are communication
+        return out
+
+    def bwd(grad: torch.Tensor | None) -> torch.Tensor | None:
+        nonlocal t_bwd
+        t0, c = time.perf_counter(), comm.TIMER.seconds
+        x_in, out = saved.pop(0)
+        out.backward() if last else out.backward(grad)
+        t_bwd += (time.perf_counter() - t0) - (comm.TIMER.seconds - c)
+        return None if x_in is None else x_in.grad
+
+    def recv_act(i: int) -> torch.Tensor | None:
+        return None if first else comm.recv(shape(i), prev, dtype, ctx.device).requires_grad_()
+
+    # Warm-up: forwards only (the last stage has none).
+    for i in range(warmup):
+        out = fwd(i, recv_act(i))
+        comm.send(out.detach(), nxt)
+    # Steady state: one forward, one backward.
+    steady = m - warmup
+    x_in = recv_act(warmup) if steady > 0 else None
+    for k in range(steady):
+        i = warmup + k
+        out = fwd(i, x_in)
+        grad = None if last else comm.exchange(out.detach(), nxt, shape(i), nxt, dtype, ctx.device)
+        g_in = bwd(grad)
+        if k == steady - 1:
+            if not first:
+                comm.send(g_in, prev)
+        elif first:
+            x_in = None
+        else:
+            x_in = comm.exchange(g_in, prev, shape(i + 1), prev, dtype, ctx.device).requires_grad_()
+    # Cool-down: the backwards of the warm-up micro-batches.
+    for j in range(m - warmup, m):
+        grad = comm.recv(shape(j), nxt, dtype, ctx.device)
+        g_in = bwd(grad)
+        if not first:
+            comm.send(g_in, prev)
+    return loss_sum, {"forward": t_fwd, "backward": t_bwd, "communication": comm.TIMER.seconds - c0}
