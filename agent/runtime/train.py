@@ -304,12 +304,13 @@ def train(job: GPTJob, reporter: Reporter) -> int:
             average_gradients(params, ctx)
             loss, stopped = _reduce_step(loss_local, STOP.is_set(), ctx)
             phases["communication"] += comm.TIMER.seconds - c0
+            if not math.isfinite(loss):
+                # Every rank sees the same global loss, so all of them fail here together.
+                raise FloatingPointError(f"loss is {loss} at step {step + 1}")
             t_opt = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
             phases["optimizer"] = time.perf_counter() - t_opt
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {step + 1}")
             if first_loss is None:
                 first_loss = loss
             dt = time.perf_counter() - t_start
@@ -332,7 +333,7 @@ def train(job: GPTJob, reporter: Reporter) -> int:
                 last_saved = done
             if stopped:
                 break
-        if stopped:
+        if stopped and done < job.steps:  # a stop at the last step is just completion
             saved = f"checkpoint at step {last_saved}" if last_saved > 0 else "no checkpoint"
             _emit_error(reporter, ctx.rank, f"stopped by SIGTERM after step {done} ({saved})", signal="SIGTERM")
             return EXIT_TERM
