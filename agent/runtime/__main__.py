@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return EXIT_SPEC
     install_sigterm()
+    from tessera import log
+
+    log.setup("executor", job_id=str(spec.get("job_id", "")), rank=rank, workload=wtype)
     try:
         runner = resolve(wtype)
     except ImportError as e:

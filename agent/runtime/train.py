@@ -30,6 +30,7 @@ from agent.runtime.parallel.stage import StageModule, merge_pieces
 from agent.runtime.parallel.tp import shard, unshard
 from agent.runtime.plan import Plan, replica_rows, stage_layers, validate
 from agent.runtime.report import Reporter
+from tessera import log
 from tessera.errors import SpecError
 
 # Set by the entry point's SIGTERM watcher; polled between steps by every runner.
@@ -261,7 +262,11 @@ def train(job: GPTJob, reporter: Reporter) -> int:
     """The training loop proper (spec already validated)."""
     if job.threads:
         torch.set_num_threads(job.threads)
+    logger = log.get(job_id=job.job_id, rank=job.rank)
+    t0 = time.perf_counter()
     ctx = pctx.init(job.plan, job.dist)
+    logger.info("joined", plan=job.plan.to_dict(), coord=vars(ctx.coord), device=str(ctx.device),
+                backend=job.dist.get("backend", "gloo"), seconds=round(time.perf_counter() - t0, 3))
     try:
         source = make_source(job.data, job.cfg.vocab, job.seed)
         stage = build_stage(job, ctx)
@@ -277,6 +282,7 @@ def train(job: GPTJob, reporter: Reporter) -> int:
             torch.set_rng_state(ckpt["rng"]["torch"])
             start_step = int(ckpt["step"])
             first_loss, loss = ckpt.get("first_loss"), ckpt.get("last_loss")
+            logger.info("resumed", step=start_step, from_plan=ckpt["plan"], to_plan=job.plan.to_dict())
         params = list(stage.parameters())
         reporter.event(
             "start",
@@ -329,11 +335,14 @@ def train(job: GPTJob, reporter: Reporter) -> int:
             if job.checkpoint_dir and (
                 stopped or done == job.steps or (job.checkpoint_every and done % job.checkpoint_every == 0)
             ):
+                t_ck = time.perf_counter()
                 _save(job, stage, opt, ctx, done, first_loss, loss, reporter)
                 last_saved = done
+                logger.debug("checkpointed", step=done, seconds=round(time.perf_counter() - t_ck, 3))
             if stopped:
                 break
         if stopped and done < job.steps:  # a stop at the last step is just completion
+            logger.info("stopped", step=done, checkpoint_step=last_saved)
             saved = f"checkpoint at step {last_saved}" if last_saved > 0 else "no checkpoint"
             _emit_error(reporter, ctx.rank, f"stopped by SIGTERM after step {done} ({saved})", signal="SIGTERM")
             return EXIT_TERM
