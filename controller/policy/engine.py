@@ -28,7 +28,7 @@ INF = float("inf")
 class Strategy:
     """Knobs of a greedy policy. See docs/scheduler.md for what each baseline sets."""
 
-    order: str = "srpt"              # "srpt" | "fifo" | "las"
+    order: str = "srpt"              # "srpt" | "srpw" (remaining work) | "fifo" | "las"
     cells: str = "elastic"           # "requested" | "any-type" | "elastic"
     rank: str = "balanced"           # "fastest" | "efficient" | "balanced" | "compact"
     beta: float = 0.5                # balanced: minimise iter_time * count**beta
@@ -43,6 +43,7 @@ class Strategy:
     wait_bound_s: float = INF        # pending longer than this jumps the queue
     max_preempt_attempts: int = 32   # per round: bounds the O(nodes) preemption scans
     max_members: int = 4             # jobs per shared device
+    min_run_s: float = 0.0           # a job placed less than this ago is not preempted (anti-churn)
 
 
 @dataclass
@@ -192,13 +193,16 @@ def run_round(request: ScheduleRequest, s: Strategy, cache: GridCache) -> Schedu
         if r.job.job_id in in_shared:
             continue
         pool.hold(r.job.job_id, r.placement)
-        items.append(_make_item(r.job, r, grid_of(r.job), s))
+        items.append(_make_item(r.job, r, grid_of(r.job), s, cache.memo))
     for j in request.pending:
-        items.append(_make_item(j, None, grid_of(j), s))
+        items.append(_make_item(j, None, grid_of(j), s, cache.memo))
     for it in items:
         it.key = _key(it, s, request.now)
     items.sort(key=lambda it: it.key)
-    running_left = {it.job.job_id for it in items if it.running}
+    # Jobs that may still lose devices this round: lower priority (processed later) and
+    # placed at least ``min_run_s`` ago (a fresh placement is not undone at once).
+    running_left = {it.job.job_id for it in items
+                    if it.running and request.now - it.running.since >= s.min_run_s}
 
     touched: dict[str, mx.SharedDevice] = {}
     for it in items:
@@ -243,22 +247,32 @@ def run_round(request: ScheduleRequest, s: Strategy, cache: GridCache) -> Schedu
         repartitions=tuple(repartitions), starving=starving)
 
 
-def _make_item(job: JobView, r: RunningJob | None, grid, s: Strategy) -> _Item:
+def _make_item(job: JobView, r: RunningJob | None, grid, s: Strategy, memo: dict) -> _Item:
+    """The job's ranked base cells and expansion cells (memoised per grid and request)."""
     if s.multiplex and job.gpu_fraction < 1.0 and job.num_devices <= 1:
         single = tuple(c for c in grid if c.count == 1)
         return _Item(job, r, single, (), rem_iters=remaining_iters(job), fractional=True)
-    base, more = allowed_cells(job, grid, s)
-    return _Item(job, r, _rank(base, s), more, rem_iters=remaining_iters(job))
+    k = (id(grid), job.num_devices, job.device_kind, job.elastic)
+    got = memo.get(k)
+    if got is None or got[0] is not grid:
+        base, more = allowed_cells(job, grid, s)
+        got = memo[k] = (grid, _rank(base, s), more)
+    return _Item(job, r, got[1], got[2], rem_iters=remaining_iters(job))
 
 
 def _key(it: _Item, s: Strategy, now: float) -> tuple:
     j = it.job
     best_t = min((c.iter_time for c in it.cells), default=INF)
-    starving = it.running is None and now - j.submit_time > s.wait_bound_s
+    # Past the waiting bound a job is served (and, once running, kept) in arrival order;
+    # running jobs stay in the tier too, or starving jobs would preempt each other in turn.
+    starving = now - j.submit_time > s.wait_bound_s
     if s.order == "fifo":
         return (0, 0.0, j.submit_time, j.job_id)
     if s.order == "las":
         v = j.done_iterations * (best_t if best_t < INF else 1.0) * max(j.num_devices, 1)
+    elif s.order == "srpw" and it.cells:
+        c = it.cells[0]  # the preferred cell: remaining device-seconds on it
+        v = it.rem_iters * c.iter_time * c.count / max(j.weight, 1e-9)
     else:
         v = it.rem_iters * best_t / max(j.weight, 1e-9)
     if it.running and s.preempt:

@@ -112,6 +112,9 @@ class GridCache:
         self._est = None
         self._grids: dict[tuple[str, ClusterShape], tuple[Cell, ...]] = {}
         self._nodes: tuple | None = None
+        # Per-policy memo of allowed/ranked cells, keyed by (id(grid), request shape);
+        # entries hold their grid so a recycled id can never alias.
+        self.memo: dict = {}
 
     def shape(self, nodes: tuple[NodeView, ...]) -> ClusterShape:
         """``cluster_shape(nodes)``, remembered for the same ``nodes`` object."""
@@ -121,7 +124,7 @@ class GridCache:
 
     def get(self, estimator, model: str, shape: ClusterShape) -> tuple[Cell, ...]:
         if estimator is not self._est:
-            self._est, self._grids = estimator, {}
+            self._est, self._grids, self.memo = estimator, {}, {}
         key = (model, shape)
         g = self._grids.get(key)
         if g is None:

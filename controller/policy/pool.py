@@ -88,16 +88,21 @@ class Pool:
         got = []
         ok = True
         for s in placement.shards:
-            for d in s.device_ids:
-                t = self.device_type.get((s.node, d))
-                u = (s.node, t)
-                if t is None or d not in self.free.get(u, ()):
-                    ok = False
-                    continue
-                got.append((u, d))
-        for u, d in got:
-            self._set_free(u, [x for x in self.free[u] if x != d])
-            self.soft[u][d] = job_id
+            t = self.device_type.get((s.node, s.device_ids[0])) if s.device_ids else None
+            u = (s.node, t)
+            free = self.free.get(u)
+            if free is None:
+                ok = False
+                continue
+            mine = [d for d in s.device_ids if d in free and self.device_type.get((s.node, d)) == t]
+            if len(mine) < len(s.device_ids):
+                ok = False
+            if mine:
+                self._set_free(u, [x for x in free if x not in mine])
+                soft = self.soft[u]
+                for d in mine:
+                    soft[d] = job_id
+                    got.append((u, d))
         self.held_by[job_id] = got
         return ok
 

@@ -55,6 +55,7 @@ class _Run:
     since: float
     ready_at: float
     rate: float = 0.0           # iterations per second once ready
+    base_it: float = 0.0        # ground-truth seconds per iteration, exclusive
 
 
 @dataclass
@@ -184,7 +185,9 @@ class Simulator:
                 members.setdefault((s.node, s.device_ids[0]), []).append(jid)
         for jid, r in self.running.items():
             j = self.by_id[jid]
-            it = self._truth_time(j, r.placement)
+            if not r.base_it:
+                r.base_it = self._truth_time(j, r.placement)
+            it = r.base_it
             if r.placement.quota < 1.0:
                 s = r.placement.shards[0]
                 ms = members[(s.node, s.device_ids[0])]
@@ -260,6 +263,7 @@ class Simulator:
                 self._release(r.placement)
                 r.placement = Placement(r.placement.job_id, r.placement.shards, r.placement.reason,
                                         r.placement.gpu_type, r.placement.plan, q, r.placement.group)
+                r.base_it = 0.0
                 self._acquire(r.placement)
                 r.ready_at = max(r.ready_at, now) + a.cost_s
             count["repartition"] = count.get("repartition", 0) + 1
