@@ -57,6 +57,8 @@ class _Item:
     placed: Placement | None = None
     cell: Cell | None = None
     fractional: bool = False
+    group: "mx.SharedDevice | None" = None   # a running shared device, ordered as one item
+    members: tuple = ()                      # its running members' JobViews
 
 
 @dataclass
@@ -176,19 +178,33 @@ def run_round(request: ScheduleRequest, s: Strategy, cache: GridCache) -> Schedu
             return requested_cells(job, shape)
         return cache.get(est, job.model, shape)
 
-    # Shared devices of running fractional jobs stay where they are: one soft hold per
-    # device under the group id, confirmed at once (their members are never preempted).
+    # A shared device of running fractional jobs is one item: soft-held under its group
+    # id, ordered by its most urgent member, and preempted as a whole when a job with
+    # much less remaining work needs the device.
     shared = mx.shared_from_running(request.running, pool.device_type) if s.multiplex else {}
-    for (node, dev), sd in shared.items():
-        pool.hold(sd.group_id, Placement(sd.group_id, (Shard(node, (dev,)),)))
-        pool.confirm(sd.group_id)
-        for j, q in sd.members.items():
-            tenant = next((r.job.tenant for r in request.running if r.job.job_id == j), "default")
-            rd.used[tenant] = rd.used.get(tenant, 0.0) + q
+    # Repartition before packing, so new jobs are packed against the quotas that will hold.
+    repartitions = []
+    if s.multiplex:
+        jobs = {r.job.job_id: r.job for r in request.running}
+        for g in request.groups:
+            a = mx.repartition_action(g, jobs, s.restart_cost_s)
+            if a is None:
+                continue
+            repartitions.append(a)
+            sd = shared.get((g.node, g.device_ids[0])) if g.device_ids else None
+            if sd is not None:
+                sd.members.update({j: q for j, q in a.quotas if j in sd.members})
     shared_list = list(shared.values())
     in_shared = {j for sd in shared_list for j in sd.members}
-
+    run_by_id = {r.job.job_id: r for r in request.running}
     items: list[_Item] = []
+    for sd in shared_list:
+        pool.hold(sd.group_id, Placement(sd.group_id, (Shard(sd.node, (sd.device,)),)))
+        sd.confirmed = False
+        members = tuple(run_by_id[j].job for j in sorted(sd.members) if j in run_by_id)
+        gj = JobView(sd.group_id, submit_time=min((m.submit_time for m in members), default=0.0))
+        gi = _Item(gj, run_by_id[members[0].job_id] if members else None, (), (), group=sd, members=members)
+        items.append(gi)
     for r in request.running:
         if r.job.job_id in in_shared:
             continue
@@ -197,7 +213,7 @@ def run_round(request: ScheduleRequest, s: Strategy, cache: GridCache) -> Schedu
     for j in request.pending:
         items.append(_make_item(j, None, grid_of(j), s, cache.memo))
     for it in items:
-        it.key = _key(it, s, request.now)
+        it.key = _group_key(it, s, request.now, grid_of) if it.group is not None else _key(it, s, request.now)
     items.sort(key=lambda it: it.key)
     # Jobs that may still lose devices this round: lower priority (processed later) and
     # placed at least ``min_run_s`` ago (a fresh placement is not undone at once).
@@ -206,11 +222,14 @@ def run_round(request: ScheduleRequest, s: Strategy, cache: GridCache) -> Schedu
 
     touched: dict[str, mx.SharedDevice] = {}
     for it in items:
-        if it.running:
+        if it.group is not None:
+            running_left.discard(it.job.job_id)
+            _handle_group(rd, it, shared_list)
+        elif it.running:
             running_left.discard(it.job.job_id)
             _handle_running(rd, it)
         elif it.fractional:
-            _handle_fractional(rd, it, shared_list, touched)
+            _handle_fractional(rd, it, shared_list, touched, running_left)
         else:
             _handle_pending(rd, it, running_left)
 
@@ -222,7 +241,7 @@ def run_round(request: ScheduleRequest, s: Strategy, cache: GridCache) -> Schedu
             rd.placements.append(it.placed)
 
     colocations = [mx.group_of(sd) for sd in touched.values()]
-    reshards, repartitions = [], []
+    reshards = []
     if s.multiplex:
         for it in items:
             if it.placed is not None and not it.running:
@@ -233,11 +252,6 @@ def run_round(request: ScheduleRequest, s: Strategy, cache: GridCache) -> Schedu
             a = mx.reshard_action(r, s.restart_cost_s / 2)
             if a:
                 reshards.append(a)
-        jobs = {r.job.job_id: r.job for r in request.running}
-        for g in request.groups:
-            a = mx.repartition_action(g, jobs, s.restart_cost_s)
-            if a:
-                repartitions.append(a)
     placed = {p.job_id for p in rd.placements}
     starving = tuple(sorted(j.job_id for j in request.pending
                             if j.job_id not in placed and request.now - j.submit_time > s.wait_bound_s))
@@ -275,9 +289,37 @@ def _key(it: _Item, s: Strategy, now: float) -> tuple:
         v = it.rem_iters * c.iter_time * c.count / max(j.weight, 1e-9)
     else:
         v = it.rem_iters * best_t / max(j.weight, 1e-9)
+    if it.fractional:
+        v *= max(j.gpu_fraction, 0.01)  # a small job's work is its share of the device
     if it.running and s.preempt:
         v *= s.preempt_ratio
     return (0 if starving else 1, v if not starving else j.submit_time, j.submit_time, j.job_id)
+
+
+def _group_key(it: _Item, s: Strategy, now: float, grid_of) -> tuple:
+    """A shared device is ordered by its most urgent member's remaining work (on one
+    device, times its quota), like a running job."""
+    vals = []
+    for m in it.members:
+        t = min((c.iter_time for c in grid_of(m) if c.count == 1), default=1.0)
+        vals.append(remaining_iters(m) * t * max(m.gpu_fraction, 0.01) / max(m.weight, 1e-9))
+    v = min(vals, default=0.0) * (s.preempt_ratio if s.preempt else 1.0)
+    starving = any(now - m.submit_time > s.wait_bound_s for m in it.members)
+    return (0 if starving else 1, it.job.submit_time if starving else v, it.job.submit_time, it.job.job_id)
+
+
+def _handle_group(rd: _Round, it: _Item, shared: list[mx.SharedDevice]) -> None:
+    sd = it.group
+    if rd.pool.intact(sd.group_id, 1):
+        rd.pool.confirm(sd.group_id)
+        sd.confirmed = True
+        for m in it.members:
+            _charge(rd, m, sd.members.get(m.job_id, 0.0))
+        return
+    rd.pool.release(sd.group_id)
+    shared.remove(sd)
+    for m in it.members:
+        rd.preemptions.append(Preempt(m.job_id, "shared device taken by a job with much less remaining work"))
 
 
 def _quota_ok(rd: _Round, job: JobView, amount: float) -> bool:
@@ -361,7 +403,8 @@ def _handle_pending(rd: _Round, it: _Item, running_left: set[str]) -> None:
     _charge(rd, job, c.count)
 
 
-def _handle_fractional(rd: _Round, it: _Item, shared: list[mx.SharedDevice], touched: dict) -> None:
+def _handle_fractional(rd: _Round, it: _Item, shared: list[mx.SharedDevice], touched: dict,
+                       running_left: set[str]) -> None:
     job = it.job
     if not it.cells:
         rd.infeasible.append(Infeasible(job.job_id, "no single-device configuration fits this job"))
@@ -370,13 +413,26 @@ def _handle_fractional(rd: _Round, it: _Item, shared: list[mx.SharedDevice], tou
         rd.infeasible.append(Infeasible(job.job_id, f"tenant {job.tenant} is at its GPU quota"))
         return
     types = {c.gpu_type for c in it.cells}
-    dev = mx.pick_shared(job, [d for d in shared if d.gpu_type in types], rd.s.max_members)
+    dev = None
+    # Alone on a free device the job runs without interference, so it finishes sooner
+    # than packed: pack only when no device is free (then packing beats waiting). The
+    # new device is opened as a shared one so later jobs can join it under contention.
+    # Small jobs are not bound by device speed: open on the type with most free devices.
+    for c in sorted(it.cells, key=lambda c: (-rd.pool.free_count(c.gpu_type), c.iter_time)):
+        sh = rd.pool.take(c.gpu_type, 1, 1)
+        if sh is not None:
+            dev = mx.SharedDevice(sh[0].node, sh[0].device_ids[0], c.gpu_type)
+            shared.append(dev)
+            break
     if dev is None:
-        # Open a new shared device on the type with most free devices: small jobs are
-        # not bound by device speed, so they should not take the scarce fast types.
-        for c in sorted(it.cells, key=lambda c: (-rd.pool.free_count(c.gpu_type), c.iter_time)):
-            sh = rd.pool.take(c.gpu_type, 1, 1)
-            if sh is not None:
+        dev = mx.pick_shared(job, [d for d in shared if d.gpu_type in types], rd.s.max_members)
+    if dev is None and rd.s.preempt and rd.attempts < rd.s.max_preempt_attempts:
+        # Like any job, a small one with much less remaining work may preempt.
+        for c in it.cells[:2]:
+            rd.attempts += 1
+            got = rd.pool.take_preempting(c.gpu_type, 1, 1, lambda j: j in running_left)
+            if got is not None:
+                sh = got[0]
                 dev = mx.SharedDevice(sh[0].node, sh[0].device_ids[0], c.gpu_type)
                 shared.append(dev)
                 break

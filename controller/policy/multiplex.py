@@ -27,6 +27,7 @@ class SharedDevice:
     gpu_type: str
     members: dict[str, float] = field(default_factory=dict)
     backbones: dict[str, str] = field(default_factory=dict)
+    confirmed: bool = True   # False while a running group may still lose its device this round
 
     @property
     def group_id(self) -> str:
@@ -56,7 +57,7 @@ def pick_shared(job: JobView, devices: list[SharedDevice], max_members: int) -> 
     devices whose members share the job's backbone win ties (they fuse)."""
     best, best_key = None, None
     for dev in devices:
-        if len(dev.members) >= max_members:
+        if not dev.confirmed or len(dev.members) >= max_members:
             continue
         q = demand(job, dev)
         room = 1.0 - dev.used - q

@@ -234,6 +234,20 @@ class Simulator:
                 raise SimError(f"resize of {a.job_id}, which is not running")
             self._release(r.placement)
             moves.append(a)
+        # Quota changes before new placements: the policy packed new jobs against them.
+        for a in reply.repartitions:
+            # Release every member first: quotas move together, so only the end state
+            # must fit (an intermediate sum above 1 is not an over-allocation).
+            members = [(jid, q, self.running[jid]) for jid, q in a.quotas if jid in self.running]
+            for _, _, r in members:
+                self._release(r.placement)
+            for jid, q, r in members:
+                r.placement = Placement(r.placement.job_id, r.placement.shards, r.placement.reason,
+                                        r.placement.gpu_type, r.placement.plan, q, r.placement.group)
+                r.base_it = 0.0
+                self._acquire(r.placement)
+                r.ready_at = max(r.ready_at, now) + a.cost_s
+            count["repartition"] = count.get("repartition", 0) + 1
         for a in moves:
             self.records[a.job_id].restarts += 1
             same = self.last_nodes.get(a.job_id) == self._nodes_of(a.placement)
@@ -255,18 +269,6 @@ class Simulator:
                 raise SimError(f"reshard of {a.job_id}, which is not running")
             r.ready_at = max(r.ready_at, now) + self.ov.reshard_s
             count["reshard"] = count.get("reshard", 0) + 1
-        for a in reply.repartitions:
-            for jid, q in a.quotas:
-                r = self.running.get(jid)
-                if r is None:
-                    continue
-                self._release(r.placement)
-                r.placement = Placement(r.placement.job_id, r.placement.shards, r.placement.reason,
-                                        r.placement.gpu_type, r.placement.plan, q, r.placement.group)
-                r.base_it = 0.0
-                self._acquire(r.placement)
-                r.ready_at = max(r.ready_at, now) + a.cost_s
-            count["repartition"] = count.get("repartition", 0) + 1
         self._rates()
 
     # -- the loop ------------------------------------------------------------------------------

@@ -130,12 +130,18 @@ def test_running_job_on_lost_node_is_preempted_when_nothing_is_free():
 
 def test_fractional_jobs_are_packed_on_one_device():
     js = [job(f"f{i}", 1, model="fixed:1", gpu_fraction=0.3) for i in range(3)]
-    r = TesseraPolicy().schedule(req(js, ns=nodes(a=1, b=0)))
+    r = TesseraPolicy().schedule(req(js, ns=nodes(a=1, b=0, per_a=1)))
     devs = {(p.shards[0].node, p.shards[0].device_ids) for p in r.placements}
     assert len(r.placements) == 3 and len(devs) == 1
     assert all(p.quota == pytest.approx(0.3) and p.group for p in r.placements)
     (g,) = r.colocations
     assert g.mode == "mps" and sum(q for _, q in g.members) <= 1.0
+
+
+def test_fractional_job_prefers_a_free_device_to_packing():
+    js = [job(f"f{i}", 1, model="fixed:1", gpu_fraction=0.3) for i in range(2)]
+    r = TesseraPolicy().schedule(req(js, ns=nodes(a=1, b=0, per_a=2)))
+    assert len({p.shards[0] for p in r.placements}) == 2
 
 
 def test_without_multiplexing_fractional_jobs_get_whole_devices():
@@ -146,7 +152,7 @@ def test_without_multiplexing_fractional_jobs_get_whole_devices():
 
 def test_lora_jobs_on_same_backbone_are_fused_with_discount():
     js = [job(f"l{i}", 1, model="fixed:1", gpu_fraction=0.4, backbone="llama") for i in range(3)]
-    r = TesseraPolicy().schedule(req(js, ns=nodes(a=1, b=0)))
+    r = TesseraPolicy().schedule(req(js, ns=nodes(a=1, b=0, per_a=1)))
     groups = [g for g in r.colocations if g.mode == "fused-spatial"]
     assert groups and len(groups[0].members) == 3  # 0.4 + 0.24 + 0.24 <= 1 thanks to fusion
     assert sum(q for _, q in groups[0].members) <= 1.0

@@ -52,7 +52,7 @@ def unique(jobs):
 
 
 @pytest.mark.parametrize("make", POLICIES)
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs=st.lists(job_st, min_size=1, max_size=14))
 def test_every_job_finishes_once_and_devices_never_overbooked(make, jobs):
     jobs = unique(jobs)
@@ -66,7 +66,7 @@ def test_every_job_finishes_once_and_devices_never_overbooked(make, jobs):
     assert all(abs(r.done - sim.by_id[r.job_id].iterations) < 1e-6 for r in res.records.values())
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(jobs=st.lists(job_st, min_size=1, max_size=10), err=st.sampled_from([0.1, 0.5]))
 def test_estimator_error_changes_decisions_not_truth(jobs, err):
     jobs = unique(jobs)
