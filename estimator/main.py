@@ -1,0 +1,69 @@
+"""``tessera-estimator``: receives measurements from the profilerds, persists them
+(fsync before ack, duplicates dropped by (source, seq)), and answers profiles."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import structlog
+
+from tessera import config, grpcserver, log
+from tessera.api.v1 import estimator_pb2, estimator_pb2_grpc
+from tessera.errors import SpecError
+
+from .api import EstimatorService
+from .config import EstimatorConfig
+from .store import MeasurementStore
+
+SERVICE = grpcserver.full_name(estimator_pb2, "EstimatorService")
+
+
+async def start(cfg: EstimatorConfig) -> tuple[grpcserver.Running, MeasurementStore]:
+    """Open the store and start serving; the caller stops the server, then closes the store."""
+    store = MeasurementStore(cfg.state_dir)
+    try:
+        running = await grpcserver.start([(estimator_pb2_grpc.add_EstimatorServiceServicer_to_server, EstimatorService(store))],
+                                         [SERVICE], cfg.listen)
+    except BaseException:
+        store.close()
+        raise
+    log.get(component="estimator").info("estimator started", listen=cfg.listen, port=running.port, state_dir=cfg.state_dir)
+    return running, store
+
+
+async def serve(cfg: EstimatorConfig, stop: asyncio.Event | None = None) -> None:
+    """Run until ``stop`` is set (SIGTERM/SIGINT when None)."""
+    logger = log.get(component="estimator")
+    store = MeasurementStore(cfg.state_dir)
+
+    def started(r: grpcserver.Running) -> None:
+        logger.info("estimator started", listen=cfg.listen, port=r.port, state_dir=cfg.state_dir)
+
+    try:
+        await grpcserver.serve([(estimator_pb2_grpc.add_EstimatorServiceServicer_to_server, EstimatorService(store))],
+                               [SERVICE], cfg.listen, stop=stop, grace=cfg.grace_s, on_started=started)
+    finally:
+        store.close()
+        logger.info("estimator stopped", measurements=store.count, duplicates=store.duplicates)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code (2: bad configuration, 1: cannot serve)."""
+    try:
+        cfg = config.load(EstimatorConfig, argv, "TESSERA_ESTIMATOR_", __doc__)
+    except SpecError as e:
+        print(f"tessera-estimator: {e}", file=sys.stderr)
+        return 2
+    logger = log.setup("estimator")
+    structlog.contextvars.bind_contextvars(service="estimator")  # on every line, not only this logger's
+    try:
+        asyncio.run(serve(cfg))
+    except OSError as e:
+        logger.error("estimator failed", error=str(e))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

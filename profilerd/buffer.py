@@ -1,0 +1,88 @@
+"""The bounded, sequence-numbered buffer between producers (samplers, ReportStep) and
+the stream to the estimator (pure: no I/O, no clock).
+
+Measurements get seq numbers 1, 2, 3, ... (per source) on entry. They stay until the
+estimator's watermark (highest persisted seq) covers them; when the buffer is full the
+oldest is dropped and counted, so an outage shorter than the buffer loses nothing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tessera.api.v1 import profiler_pb2
+
+
+@dataclass
+class Counters:
+    buffered: int
+    sent: int
+    dropped: int
+    next_seq: int
+
+
+class SeqBuffer:
+    def __init__(self, capacity: int, next_seq: int = 1) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        if next_seq < 1:
+            raise ValueError(f"next_seq must be >= 1, got {next_seq}")
+        self.capacity = capacity
+        self.next_seq = next_seq
+        self.sent = 0      # acknowledged by the estimator (trimmed by a watermark)
+        self.dropped = 0   # lost to a full buffer
+        self._items: deque[profiler_pb2.Measurement] = deque()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, m: profiler_pb2.Measurement) -> tuple[int, bool]:
+        """Number ``m`` (sets ``m.seq`` in place), append it, and drop the oldest if the
+        buffer was full. Returns (seq, whether one was dropped)."""
+        m.seq = self.next_seq
+        self.next_seq += 1
+        dropped = False
+        if len(self._items) >= self.capacity:
+            self._items.popleft()
+            self.dropped += 1
+            dropped = True
+        self._items.append(m)
+        return m.seq, dropped
+
+    def pending(self, after: int = 0, limit: int | None = None) -> list[profiler_pb2.Measurement]:
+        """Buffered measurements with seq > ``after``, oldest first, at most ``limit``."""
+        out = []
+        for m in self._items:  # seqs are increasing: skip the head, stop at the limit
+            if m.seq <= after:
+                continue
+            if limit is not None and len(out) >= limit:
+                break
+            out.append(m)
+        return out
+
+    def trim(self, watermark: int) -> int:
+        """Remove every measurement with seq <= ``watermark`` (persisted by the estimator);
+        returns how many, which are counted as sent."""
+        n = 0
+        while self._items and self._items[0].seq <= watermark:
+            self._items.popleft()
+            n += 1
+        self.sent += n
+        return n
+
+    def rebase(self, watermark: int) -> int:
+        """The estimator has persisted seqs we never issued (our seq state was lost):
+        renumber the buffer from ``watermark + 1`` so nothing is taken for a duplicate.
+        Returns the new next_seq; no-op when ``watermark < next_seq``."""
+        if watermark < self.next_seq:
+            return self.next_seq
+        seq = watermark + 1
+        for m in self._items:
+            m.seq = seq
+            seq += 1
+        self.next_seq = seq
+        return seq
+
+    def counters(self) -> Counters:
+        return Counters(buffered=len(self._items), sent=self.sent, dropped=self.dropped, next_seq=self.next_seq)

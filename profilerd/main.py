@@ -1,0 +1,155 @@
+"""``tessera-profilerd``: one per node. Samples the node's devices (NVML; /proc on CPU),
+receives step timings from local executors (ReportStep), and streams every measurement
+to the estimator with a bounded buffer, per-source sequence numbers and reconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import structlog
+import time
+
+from tessera import config, grpcserver, log
+from tessera.api.v1 import profiler_pb2, profiler_pb2_grpc
+from tessera.errors import SpecError
+
+from .api import ProfilerService
+from .buffer import SeqBuffer
+from .config import ProfilerdConfig
+from .samplers import CpuSampler, NvmlSampler, Sampler
+from .seqstate import SeqReservation
+from .stream import Streamer, wait_any
+
+SERVICE = grpcserver.full_name(profiler_pb2, "ProfilerService")
+DROP_LOG_INTERVAL_S = 5.0
+
+
+def default_samplers(cfg: ProfilerdConfig, nvml=None) -> list[Sampler]:
+    """NVML GPUs when present (and not disabled), else the CPU sampler."""
+    if not cfg.disable_nvml:
+        gpu = NvmlSampler.create(cfg.node, nvml)
+        if gpu is not None:
+            return [gpu]
+    return [CpuSampler(cfg.node)]
+
+
+class Profilerd:
+    """The daemon's core: numbering, buffering, sampling and streaming. ``start`` and
+    ``stop`` drive the background tasks; the gRPC server is run around it."""
+
+    def __init__(self, cfg: ProfilerdConfig, samplers: list[Sampler] | None = None) -> None:
+        self.cfg = cfg
+        self.source = f"profilerd/{cfg.node}"
+        self.log = log.get(component="profilerd", node_id=cfg.node)
+        self.reservation = SeqReservation(cfg.state_dir)
+        self.buffer = SeqBuffer(cfg.buffer_size, self.reservation.first_seq())
+        self.samplers = samplers if samplers is not None else (default_samplers(cfg) if cfg.sample_interval_s > 0 else [])
+        self.streamer = (Streamer(self.buffer, self.source, cfg.estimator, on_seq_change=self.reservation.ensure,
+                                  flush_interval_s=cfg.flush_interval_s, batch_size=cfg.batch_size,
+                                  backoff_max_s=cfg.reconnect_max_s, rpc_timeout_s=max(cfg.grace_s, 1.0) * 3)
+                         if cfg.estimator else None)
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._drops_unlogged = 0
+        self._last_drop_log = float("-inf")
+
+    @property
+    def connected(self) -> bool:
+        return self.streamer is not None and self.streamer.connected
+
+    def add(self, m: profiler_pb2.Measurement) -> int:
+        """Stamp (source, node, time when unset), number and buffer ``m``; returns its seq."""
+        m.source = self.source
+        if not m.node:
+            m.node = self.cfg.node
+        if not m.time:
+            m.time = time.time()
+        self.reservation.ensure(self.buffer.next_seq)  # the number is durable before it is used
+        seq, dropped = self.buffer.add(m)
+        if dropped:
+            self._drops_unlogged += 1
+            now = time.monotonic()
+            if now - self._last_drop_log >= DROP_LOG_INTERVAL_S:
+                self.log.warning("buffer full: dropped oldest measurements", dropped=self._drops_unlogged,
+                                 dropped_total=self.buffer.dropped, capacity=self.buffer.capacity)
+                self._drops_unlogged = 0
+                self._last_drop_log = now
+        if self.streamer is not None:
+            self.streamer.notify()
+        return seq
+
+    async def _sample_loop(self) -> None:
+        interval = self.cfg.sample_interval_s
+        next_at = time.monotonic() + interval
+        while not self._stop.is_set():
+            await wait_any(self._stop, timeout=max(0.0, next_at - time.monotonic()))
+            if self._stop.is_set():
+                return
+            next_at = max(next_at + interval, time.monotonic())  # no burst after a stall
+            for s in self.samplers:
+                try:
+                    for m in s.sample():
+                        self.add(m)
+                except Exception as e:  # a flaky sensor must not kill the daemon
+                    self.log.warning("sampling failed", sampler=type(s).__name__, error=str(e))
+
+    def start(self) -> None:
+        """Start sampling and streaming (call from the running loop)."""
+        if self.samplers and self.cfg.sample_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._sample_loop()))
+        if self.streamer is not None:
+            self._tasks.append(asyncio.create_task(self.streamer.run(self._stop)))
+        self.log.info("profilerd started", source=self.source, estimator=self.cfg.estimator or None,
+                      next_seq=self.buffer.next_seq, samplers=[type(s).__name__ for s in self.samplers])
+
+    async def stop(self) -> None:
+        """Stop sampling, try one last flush (bounded by the grace), stop streaming."""
+        self._stop.set()
+        if self._tasks:
+            done, pending = await asyncio.wait(self._tasks, timeout=self.cfg.grace_s + 1)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for s in self.samplers:
+            close = getattr(s, "close", None)
+            if close:
+                close()
+        c = self.buffer.counters()
+        self.log.info("profilerd stopped", sent=c.sent, dropped=c.dropped, unsent=c.buffered, next_seq=c.next_seq)
+
+    def servicers(self):
+        return [(profiler_pb2_grpc.add_ProfilerServiceServicer_to_server, ProfilerService(self))]
+
+
+async def serve(cfg: ProfilerdConfig, stop: asyncio.Event | None = None, samplers: list[Sampler] | None = None) -> None:
+    """Run until ``stop`` is set (SIGTERM/SIGINT when None)."""
+    d = Profilerd(cfg, samplers)
+
+    def started(r: grpcserver.Running) -> None:
+        d.log.info("listening", listen=cfg.listen, port=r.port)
+        d.start()
+
+    await grpcserver.serve(d.servicers(), [SERVICE], cfg.listen, stop=stop, grace=cfg.grace_s,
+                           on_started=started, on_stop=d.stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code (2: bad configuration, 1: cannot serve)."""
+    try:
+        cfg = config.load(ProfilerdConfig, argv, "TESSERA_PROFILERD_", __doc__)
+    except SpecError as e:
+        print(f"tessera-profilerd: {e}", file=sys.stderr)
+        return 2
+    logger = log.setup("profilerd", node_id=cfg.node)
+    structlog.contextvars.bind_contextvars(service="profilerd", node_id=cfg.node)  # on every line, not only this logger's
+    try:
+        asyncio.run(serve(cfg))
+    except OSError as e:
+        logger.error("profilerd failed", error=str(e))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
