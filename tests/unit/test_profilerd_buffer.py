@@ -1,0 +1,101 @@
+"""profilerd's bounded seq buffer and its seq reservation (pure logic, no servers)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from profilerd.buffer import SeqBuffer
+from profilerd.seqstate import SeqReservation
+from tessera.api.v1 import profiler_pb2
+
+
+def m(i: int = 0) -> profiler_pb2.Measurement:
+    return profiler_pb2.Measurement(kind="step", step=i)
+
+
+def test_numbers_from_next_seq():
+    b = SeqBuffer(10, next_seq=5)
+    assert [b.add(m())[0] for _ in range(3)] == [5, 6, 7]
+    assert [x.seq for x in b.pending()] == [5, 6, 7]
+    assert b.counters().next_seq == 8
+
+
+def test_bounded_drops_oldest_and_counts():
+    b = SeqBuffer(3)
+    dropped = [b.add(m(i))[1] for i in range(5)]
+    assert dropped == [False, False, False, True, True]
+    assert [x.seq for x in b.pending()] == [3, 4, 5]
+    c = b.counters()
+    assert (c.buffered, c.dropped, c.sent, c.next_seq) == (3, 2, 0, 6)
+
+
+def test_trim_to_watermark_counts_sent():
+    b = SeqBuffer(10)
+    for _ in range(6):
+        b.add(m())
+    assert b.trim(0) == 0
+    assert b.trim(4) == 4
+    assert [x.seq for x in b.pending()] == [5, 6]
+    assert b.trim(4) == 0  # idempotent: a repeated ack changes nothing
+    assert b.trim(100) == 2
+    assert (len(b), b.sent) == (0, 6)
+
+
+def test_trim_after_drop_and_pending_window():
+    b = SeqBuffer(3)
+    for _ in range(5):
+        b.add(m())
+    assert b.trim(3) == 1  # 1, 2 were dropped, not sent
+    assert b.sent == 1 and b.dropped == 2
+    b.add(m())
+    assert [x.seq for x in b.pending(after=4)] == [5, 6]
+    assert [x.seq for x in b.pending(limit=1)] == [4]
+
+
+def test_rebase_when_estimator_is_ahead():
+    b = SeqBuffer(10)
+    for _ in range(3):
+        b.add(m())
+    assert b.rebase(2) == 4  # estimator behind: nothing changes
+    assert b.rebase(40) == 44
+    assert [x.seq for x in b.pending()] == [41, 42, 43]
+    assert b.add(m())[0] == 44
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        SeqBuffer(0)
+    with pytest.raises(ValueError):
+        SeqBuffer(5, next_seq=0)
+
+
+@given(cap=st.integers(1, 20), ops=st.lists(st.one_of(st.just(None), st.integers(0, 80)), max_size=120))
+def test_invariants(cap, ops):
+    """Any mix of adds (None) and acks (ints): bounded, seqs increasing, every number
+    issued is exactly one of buffered, sent, dropped, or trimmed-after-drop."""
+    b = SeqBuffer(cap)
+    acked = 0
+    for op in ops:
+        if op is None:
+            b.add(m())
+        else:
+            acked = max(acked, min(op, b.next_seq - 1))
+            b.trim(acked)
+        seqs = [x.seq for x in b.pending()]
+        assert len(seqs) <= cap
+        assert seqs == sorted(set(seqs))
+        assert all(s > acked for s in seqs)
+        c = b.counters()
+        assert c.buffered + c.sent + c.dropped == c.next_seq - 1
+
+
+def test_seq_reservation_survives_restart(tmp_path):
+    r = SeqReservation(tmp_path, block=10)
+    assert r.first_seq() == 1
+    r.ensure(10)
+    r.ensure(11)  # crosses the block: a new reservation is persisted first
+    assert r.reserved == 20
+    r2 = SeqReservation(tmp_path, block=10)
+    assert r2.first_seq() == 21  # never reuses a number that may have been sent
