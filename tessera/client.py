@@ -1,0 +1,351 @@
+"""Python client of the Tessera controller: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
+
+The CLI is built on this module; programs that submit jobs without the CLI use it too::
+
+    from tessera.client import Client
+
+    with Client() as c:                      # address: arg > $TESSERA_CONTROLLER > .tessera/testbed.json
+        job = c.submit("examples/gpt-small.yaml")   # path, manifest dict or JobSpec
+        job = c.wait(job.id, timeout=300)          # follows WatchJobs until a terminal phase
+        print(c.phase_name(job), job.status.loss)
+
+Contracts:
+
+- Every failed call raises ``TesseraError`` carrying the gRPC status ``code`` and the
+  server's ``message`` (INVALID_ARGUMENT names the field at fault).
+- A manifest is validated locally first (``tessera.manifest.validate``): an invalid one
+  raises ``SpecError`` and nothing is sent.
+- ``submit`` uses an idempotency key (a fresh uuid4 unless given) and retries UNAVAILABLE
+  with the same key, so a retried submission never creates a second job.
+- ``watch`` yields ``JobEvent``s; it resumes after the last revision it yielded when the
+  stream breaks with UNAVAILABLE, and re-lists (as SNAPSHOT events) when that revision
+  was compacted (OUT_OF_RANGE).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Iterator
+
+import grpc
+
+from . import manifest
+from .api.v1 import controller_pb2, controller_pb2_grpc, types_pb2
+
+__all__ = [
+    "AsyncClient", "Client", "TesseraError", "TERMINAL_PHASES", "phase_name", "parse_phase",
+    "resolve_address", "TESTBED_FILE",
+]
+
+TESTBED_FILE = Path(".tessera") / "testbed.json"
+TERMINAL_PHASES = frozenset({types_pb2.SUCCEEDED, types_pb2.FAILED, types_pb2.CANCELLED})
+DEFAULT_TIMEOUT_S = 10.0
+_RETRY_CODES = (grpc.StatusCode.UNAVAILABLE,)
+
+
+class TesseraError(Exception):
+    """A failed call: ``code`` is a ``grpc.StatusCode``, ``message`` the server's details."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def from_rpc(cls, e: grpc.RpcError) -> "TesseraError":
+        code = e.code() if callable(getattr(e, "code", None)) else grpc.StatusCode.UNKNOWN
+        details = e.details() if callable(getattr(e, "details", None)) else str(e)
+        return cls(code or grpc.StatusCode.UNKNOWN, details or "")
+
+
+def phase_name(phase: int) -> str:
+    """``types_pb2.RUNNING`` -> ``"RUNNING"``."""
+    return types_pb2.JobPhase.Name(phase)
+
+
+def parse_phase(name: str) -> int:
+    """``"running"`` (any case) -> ``types_pb2.RUNNING``; ``ValueError`` listing the phases."""
+    try:
+        return types_pb2.JobPhase.Value(name.upper())
+    except ValueError:
+        names = [n for n in types_pb2.JobPhase.keys() if n != "JOB_PHASE_UNSPECIFIED"]
+        raise ValueError(f"unknown phase {name!r} (one of {', '.join(names)})") from None
+
+
+def resolve_address(address: str | None = None, testbed_dir: str | Path | None = None) -> str:
+    """Controller address: ``address`` if given, else env TESSERA_CONTROLLER, else the
+    ``controller`` entry of ``<testbed_dir or .tessera>/testbed.json``. ``TesseraError``
+    (FAILED_PRECONDITION) explaining the three options when none is found."""
+    if address:
+        return address
+    env = os.environ.get("TESSERA_CONTROLLER")
+    if env:
+        return env
+    path = Path(testbed_dir) / "testbed.json" if testbed_dir else TESTBED_FILE
+    try:
+        addr = json.loads(path.read_text()).get("controller")
+        if addr:
+            return str(addr)
+    except (OSError, ValueError):
+        pass
+    raise TesseraError(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"no controller address: pass --controller HOST:PORT, set TESSERA_CONTROLLER, or start a "
+        f"local testbed with `tessera up` (writes {path})",
+    )
+
+
+def to_spec(spec: Any) -> types_pb2.JobSpec:
+    """A JobSpec, a manifest dict, or a path to a YAML manifest -> validated ``JobSpec``.
+    Raises ``SpecError`` (field and message) for an invalid manifest."""
+    if isinstance(spec, types_pb2.JobSpec):
+        return manifest.to_proto(manifest.validate(manifest.from_proto(spec)))
+    if isinstance(spec, (str, Path)):
+        return manifest.to_proto(manifest.load_file(spec))
+    return manifest.to_proto(manifest.validate(spec))
+
+
+def _list_request(tenant: str, phases: Any, page_size: int, token: str) -> controller_pb2.ListJobsRequest:
+    ph = [parse_phase(p) if isinstance(p, str) else int(p) for p in (phases or [])]
+    return controller_pb2.ListJobsRequest(tenant=tenant or "", phases=ph, page_size=page_size, page_token=token)
+
+
+class Client:
+    """Blocking client. ``address`` resolved by ``resolve_address``; ``timeout`` is the
+    deadline of each unary call in seconds. Use as a context manager or call ``close()``."""
+
+    def __init__(self, address: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+                 channel: grpc.Channel | None = None) -> None:
+        self.address = resolve_address(address) if channel is None else (address or "")
+        self.timeout = timeout
+        self._channel = channel or grpc.insecure_channel(self.address)
+        self.jobs = controller_pb2_grpc.JobServiceStub(self._channel)
+        self.nodes_stub = controller_pb2_grpc.NodeServiceStub(self._channel)
+
+    phase_name = staticmethod(phase_name)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, fn: Callable, req: Any, retries: int = 0, timeout: float | None = None) -> Any:
+        delay = 0.2
+        for attempt in range(retries + 1):
+            try:
+                return fn(req, timeout=timeout or self.timeout)
+            except grpc.RpcError as e:
+                if attempt < retries and e.code() in _RETRY_CODES:
+                    time.sleep(delay)  # backoff between retries of an idempotent call
+                    delay = min(delay * 2, 2.0)
+                    continue
+                raise TesseraError.from_rpc(e) from None
+
+    def submit(self, spec: Any, idempotency_key: str | None = None, retries: int = 3) -> types_pb2.Job:
+        """Validate ``spec`` locally and submit it; returns the persisted Job (PENDING, or
+        the earlier job when the key was already used with the same spec)."""
+        req = controller_pb2.SubmitJobRequest(spec=to_spec(spec), idempotency_key=idempotency_key or str(uuid.uuid4()))
+        return self._call(self.jobs.SubmitJob, req, retries=retries).job
+
+    def get(self, job_id: str) -> types_pb2.Job:
+        """The job ``job_id``; ``TesseraError(NOT_FOUND)`` if unknown."""
+        return self._call(self.jobs.GetJob, controller_pb2.GetJobRequest(job_id=job_id), retries=2)
+
+    def list(self, tenant: str = "", phases: Any = None, page_size: int = 100) -> list[types_pb2.Job]:
+        """Every matching job, oldest first; follows pagination to the end."""
+        return self.list_with_revision(tenant, phases, page_size)[0]
+
+    def list_with_revision(self, tenant: str = "", phases: Any = None, page_size: int = 100) -> tuple[list[types_pb2.Job], int]:
+        """Like ``list``, also returning the etcd revision of the first page's read."""
+        out: list[types_pb2.Job] = []
+        token, revision = "", 0
+        while True:
+            resp = self._call(self.jobs.ListJobs, _list_request(tenant, phases, page_size, token), retries=2)
+            out.extend(resp.jobs)
+            revision = revision or resp.revision
+            token = resp.next_page_token
+            if not token:
+                return out, revision
+
+    def cancel(self, job_id: str, reason: str = "") -> types_pb2.Job:
+        """Cancel a job; a no-op when already CANCELLED, FAILED_PRECONDITION when finished."""
+        return self._call(self.jobs.CancelJob, controller_pb2.CancelJobRequest(job_id=job_id, reason=reason), retries=2)
+
+    def nodes(self) -> list[types_pb2.Node]:
+        """Every registered node with its devices and state."""
+        return list(self._call(self.nodes_stub.ListNodes, controller_pb2.ListNodesRequest(), retries=2).nodes)
+
+    def logs(self, job_id: str, tail_bytes: int = 0) -> controller_pb2.GetJobLogsResponse:
+        """The tail of a job's executor logs (``text``, ``truncated``)."""
+        return self._call(self.jobs.GetJobLogs, controller_pb2.GetJobLogsRequest(job_id=job_id, tail_bytes=tail_bytes),
+                          timeout=max(self.timeout, 30))
+
+    def watch(self, job_id: str = "", tenant: str = "", start_revision: int = 0,
+              timeout: float | None = None, reconnect: bool = True) -> Iterator[controller_pb2.JobEvent]:
+        """Yield job events (SNAPSHOT first when ``start_revision`` is 0). Reconnects on
+        UNAVAILABLE from the last revision yielded; re-lists when it was compacted.
+        ``timeout``: overall deadline in seconds, then ``TesseraError(DEADLINE_EXCEEDED)``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        rev = start_revision
+        delay = 0.2
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TesseraError(grpc.StatusCode.DEADLINE_EXCEEDED, f"watch: no terminal state within {timeout}s")
+            call = self.jobs.WatchJobs(controller_pb2.WatchJobsRequest(tenant=tenant, job_id=job_id, start_revision=rev),
+                                       timeout=remaining)
+            try:
+                for ev in call:
+                    rev = max(rev, ev.revision)
+                    delay = 0.2
+                    yield ev
+                return  # the server ended the stream
+            except grpc.RpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.OUT_OF_RANGE and reconnect:
+                    jobs, rev = self.list_with_revision(tenant)
+                    for j in jobs:
+                        if not job_id or j.id == job_id:
+                            yield controller_pb2.JobEvent(type=controller_pb2.JobEvent.SNAPSHOT, job=j, revision=rev)
+                    continue
+                if code in _RETRY_CODES and reconnect:
+                    time.sleep(delay)  # backoff before reconnecting
+                    delay = min(delay * 2, 2.0)
+                    continue
+                raise TesseraError.from_rpc(e) from None
+            finally:
+                call.cancel()
+
+    def wait(self, job_id: str, timeout: float | None = None,
+             on_event: Callable[[types_pb2.Job], None] | None = None) -> types_pb2.Job:
+        """Follow ``job_id`` until SUCCEEDED, FAILED or CANCELLED and return the final Job;
+        ``on_event(job)`` is called on every change. ``TesseraError(DEADLINE_EXCEEDED)`` on timeout."""
+        for ev in self.watch(job_id=job_id, timeout=timeout):
+            if ev.job.id != job_id:
+                continue
+            if on_event is not None:
+                on_event(ev.job)
+            if ev.job.status.phase in TERMINAL_PHASES:
+                return ev.job
+        # The stream ended without a terminal phase (server shutdown): read it directly.
+        return self.get(job_id)
+
+
+class AsyncClient:
+    """asyncio client with the same methods as ``Client`` (coroutines; ``watch`` is an
+    async iterator). Use ``async with AsyncClient() as c`` or ``await c.close()``."""
+
+    def __init__(self, address: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+                 channel: grpc.aio.Channel | None = None) -> None:
+        self.address = resolve_address(address) if channel is None else (address or "")
+        self.timeout = timeout
+        self._channel = channel or grpc.aio.insecure_channel(self.address)
+        self.jobs = controller_pb2_grpc.JobServiceStub(self._channel)
+        self.nodes_stub = controller_pb2_grpc.NodeServiceStub(self._channel)
+
+    phase_name = staticmethod(phase_name)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, fn: Callable, req: Any, retries: int = 0, timeout: float | None = None) -> Any:
+        delay = 0.2
+        for attempt in range(retries + 1):
+            try:
+                return await fn(req, timeout=timeout or self.timeout)
+            except grpc.aio.AioRpcError as e:
+                if attempt < retries and e.code() in _RETRY_CODES:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+                    continue
+                raise TesseraError.from_rpc(e) from None
+
+    async def submit(self, spec: Any, idempotency_key: str | None = None, retries: int = 3) -> types_pb2.Job:
+        req = controller_pb2.SubmitJobRequest(spec=to_spec(spec), idempotency_key=idempotency_key or str(uuid.uuid4()))
+        return (await self._call(self.jobs.SubmitJob, req, retries=retries)).job
+
+    async def get(self, job_id: str) -> types_pb2.Job:
+        return await self._call(self.jobs.GetJob, controller_pb2.GetJobRequest(job_id=job_id), retries=2)
+
+    async def list(self, tenant: str = "", phases: Any = None, page_size: int = 100) -> list[types_pb2.Job]:
+        return (await self.list_with_revision(tenant, phases, page_size))[0]
+
+    async def list_with_revision(self, tenant: str = "", phases: Any = None, page_size: int = 100) -> tuple[list[types_pb2.Job], int]:
+        out: list[types_pb2.Job] = []
+        token, revision = "", 0
+        while True:
+            resp = await self._call(self.jobs.ListJobs, _list_request(tenant, phases, page_size, token), retries=2)
+            out.extend(resp.jobs)
+            revision = revision or resp.revision
+            token = resp.next_page_token
+            if not token:
+                return out, revision
+
+    async def cancel(self, job_id: str, reason: str = "") -> types_pb2.Job:
+        return await self._call(self.jobs.CancelJob, controller_pb2.CancelJobRequest(job_id=job_id, reason=reason), retries=2)
+
+    async def nodes(self) -> list[types_pb2.Node]:
+        return list((await self._call(self.nodes_stub.ListNodes, controller_pb2.ListNodesRequest(), retries=2)).nodes)
+
+    async def logs(self, job_id: str, tail_bytes: int = 0) -> controller_pb2.GetJobLogsResponse:
+        return await self._call(self.jobs.GetJobLogs, controller_pb2.GetJobLogsRequest(job_id=job_id, tail_bytes=tail_bytes),
+                                timeout=max(self.timeout, 30))
+
+    async def watch(self, job_id: str = "", tenant: str = "", start_revision: int = 0,
+                    timeout: float | None = None, reconnect: bool = True) -> AsyncIterator[controller_pb2.JobEvent]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        rev = start_revision
+        delay = 0.2
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TesseraError(grpc.StatusCode.DEADLINE_EXCEEDED, f"watch: no terminal state within {timeout}s")
+            call = self.jobs.WatchJobs(controller_pb2.WatchJobsRequest(tenant=tenant, job_id=job_id, start_revision=rev),
+                                       timeout=remaining)
+            try:
+                async for ev in call:
+                    rev = max(rev, ev.revision)
+                    delay = 0.2
+                    yield ev
+                return
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.OUT_OF_RANGE and reconnect:
+                    jobs, rev = await self.list_with_revision(tenant)
+                    for j in jobs:
+                        if not job_id or j.id == job_id:
+                            yield controller_pb2.JobEvent(type=controller_pb2.JobEvent.SNAPSHOT, job=j, revision=rev)
+                    continue
+                if code in _RETRY_CODES and reconnect:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+                    continue
+                raise TesseraError.from_rpc(e) from None
+            finally:
+                call.cancel()
+
+    async def wait(self, job_id: str, timeout: float | None = None,
+                   on_event: Callable[[types_pb2.Job], None] | None = None) -> types_pb2.Job:
+        async for ev in self.watch(job_id=job_id, timeout=timeout):
+            if ev.job.id != job_id:
+                continue
+            if on_event is not None:
+                on_event(ev.job)
+            if ev.job.status.phase in TERMINAL_PHASES:
+                return ev.job
+        return await self.get(job_id)
