@@ -1,0 +1,22 @@
+"""Tessera's performance model: pure code (numpy only) shared by estimator and controller.
+
+Parts: ``features`` (FLOPs, memory traffic, parameters of a stage), ``compute``
+(fitted compute-time curve per device type), ``comm`` (latency/bandwidth per link
+type), ``model`` (snapshot, plan composition, colocation, memory, confidence).
+See docs/estimator.md.
+
+Typical use::
+
+    fit = fit_compute("cpu", samples)                  # estimator, from profiles
+    model = PerfModel(version=1, compute={"cpu": fit}, comm={"loopback": fit_comm("loopback", rows)},
+                      interference={"cpu": fit_interference(pairs)})
+    snap = model.to_dict()                             # served to the controller
+    PerfModel.from_dict(snap).estimate_batch([Candidate(...), ...])
+"""
+
+from tessera.perfmodel.comm import CommFit, fit_comm
+from tessera.perfmodel.compute import ComputeFit, ComputeSample, fit_compute
+from tessera.perfmodel.model import FORMAT, Candidate, Estimate, PerfModel, fit_interference
+
+__all__ = ["Candidate", "CommFit", "ComputeFit", "ComputeSample", "Estimate", "FORMAT", "PerfModel",
+           "fit_comm", "fit_compute", "fit_interference"]

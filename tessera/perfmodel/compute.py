@@ -1,0 +1,215 @@
+"""Compute-time model of one device type: a fitted curve with a physical form.
+
+Step time of one rank that runs ``m`` micro-batches of a stage on a quota ``q``
+(CPU cores here; an SM share in (0, 1] on a GPU):
+
+    t = m * [ (c_flops * flops + c_elems * elems) * s(q) + c_ops * ops + c_mb ]
+        + c_params * params + c_tensors * tensors + c_seq * seq + c_one
+
+    s(q) = (1 - p) + p / min(q, q_sat)                          (Amdahl + roofline cap)
+
+The FLOP and memory terms run in parallel on the quota, a fraction ``1 - p`` of them
+does not (Amdahl); beyond ``q_sat`` more quota buys nothing (roofline-like
+saturation: memory bandwidth, or too little work per SM). Dispatch overhead
+(``ops``, ``mb``) and AdamW's per-tensor loop are serial Python/C++ work. All
+coefficients are >= 0. ``c_*`` are found by non-negative least squares on relative
+residuals (MAPE is what we are judged on); ``p`` and ``q_sat`` by a grid search
+around it (variable projection). Pure: numpy only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tessera.perfmodel import features as F
+
+COEFS = ("c_flops", "c_elems", "c_ops", "c_mb", "c_params", "c_tensors", "c_seq", "c_one")
+P_GRID = tuple(i / 40 for i in range(41))
+INF = float("inf")
+
+
+def quota_scale(q, p: float, q_sat: float):
+    """s(q): time multiplier of the parallel part at quota q (1 at q = 1 when q_sat >= 1)."""
+    q = np.asarray(q, dtype=float)
+    return (1.0 - p) + p / np.minimum(q, q_sat)
+
+
+def design(mbf: dict, stf: dict, m, q, p: float, q_sat: float) -> np.ndarray:
+    """Design matrix (n, 8) in COEFS order for features, micro-batches m and quota q."""
+    s = quota_scale(q, p, q_sat)
+    m = np.asarray(m, dtype=float)
+    cols = [m * mbf["flops"] * s, m * mbf["elems"] * s, m * mbf["ops"], m * mbf["mb"],
+            stf["params"], stf["tensors"], stf["seq"], stf["one"]]
+    return np.stack(np.broadcast_arrays(*[np.asarray(c, dtype=float) for c in cols]), axis=-1)
+
+
+def nnls(a: np.ndarray, b: np.ndarray, iters: int = 50) -> np.ndarray:
+    """Non-negative least squares (Lawson-Hanson active set, small problems)."""
+    n = a.shape[1]
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    w = a.T @ (b - a @ x)
+    for _ in range(iters):
+        if passive.all() or (w[~passive] <= 1e-12 * max(1.0, np.abs(w).max())).all():
+            break
+        j = int(np.argmax(np.where(passive, -np.inf, w)))
+        passive[j] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = np.min(x[neg] / np.maximum(x[neg] - z[neg], 1e-300))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+            x[~passive] = 0.0
+        w = a.T @ (b - a @ x)
+    return x
+
+
+@dataclass(frozen=True)
+class ComputeSample:
+    """One profiled point: a single-stage run of a module on one device of a type."""
+
+    module: str
+    rows: int          # global batch rows (dp = 1)
+    seq: int
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    q: float           # quota: cores (CPU) or SM share (GPU)
+    seconds: float     # measured median step time
+    micro_batches: int = 1
+    seq_len: int = 0   # model's max sequence length (position table); 0 -> seq
+
+    def features(self) -> tuple[dict, dict]:
+        sl = self.seq_len or self.seq
+        mbf = F.mb_features(self.rows / self.micro_batches, self.seq, self.layers, self.hidden, self.heads,
+                            self.vocab, 1, 1)
+        stf = F.step_features(self.seq, self.layers, self.hidden, self.vocab, sl, 1, 1)
+        return mbf, stf
+
+
+@dataclass
+class ComputeFit:
+    """Fitted coefficients of one device type; ``status`` is "ok" or "insufficient_data"."""
+
+    device_type: str
+    coef: dict = field(default_factory=dict)
+    p: float = 1.0
+    q_sat: float = INF
+    rel_sigma: float = INF      # std of relative residuals (dof-corrected)
+    n: int = 0
+    status: str = "insufficient_data"
+    reason: str = ""
+    # Profiled ranges (log-space box) for the extrapolation term of the confidence.
+    ranges: dict = field(default_factory=dict)
+    modules: dict = field(default_factory=dict)  # module -> multiplicative correction
+
+    def to_dict(self) -> dict:
+        return {"device_type": self.device_type, "coef": dict(self.coef), "p": self.p,
+                "q_sat": None if math.isinf(self.q_sat) else self.q_sat,
+                "rel_sigma": None if math.isinf(self.rel_sigma) else self.rel_sigma, "n": self.n,
+                "status": self.status, "reason": self.reason, "ranges": {k: list(v) for k, v in self.ranges.items()},
+                "modules": dict(self.modules)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ComputeFit":
+        return cls(device_type=d["device_type"], coef={k: float(v) for k, v in d["coef"].items()}, p=float(d["p"]),
+                   q_sat=INF if d.get("q_sat") is None else float(d["q_sat"]),
+                   rel_sigma=INF if d.get("rel_sigma") is None else float(d["rel_sigma"]), n=int(d["n"]),
+                   status=d["status"], reason=d.get("reason", ""),
+                   ranges={k: tuple(v) for k, v in d.get("ranges", {}).items()}, modules=dict(d.get("modules", {})))
+
+    def vector(self) -> np.ndarray:
+        return np.array([self.coef.get(k, 0.0) for k in COEFS])
+
+    def mb_time(self, mbf: dict, q):
+        """Seconds of one micro-batch's forward + backward (no per-step work) at quota q."""
+        c = self.coef
+        s = quota_scale(q, self.p, self.q_sat)
+        return (c["c_flops"] * mbf["flops"] + c["c_elems"] * mbf["elems"]) * s + c["c_ops"] * mbf["ops"] + c["c_mb"] * mbf["mb"]
+
+    def step_time(self, stf: dict):
+        """Seconds of the per-step work (optimizer, data) of one rank."""
+        c = self.coef
+        return c["c_params"] * stf["params"] + c["c_tensors"] * stf["tensors"] + c["c_seq"] * stf["seq"] + c["c_one"] * stf["one"]
+
+
+# Keys of the extrapolation box: log-space distance from the profiled ranges.
+RANGE_KEYS = ("tokens", "seq", "layers", "hidden", "vocab", "q")
+MIN_SAMPLES = len(COEFS) + 2  # coefficients + p + one degree of freedom for the residual
+
+
+def fit_compute(device_type: str, samples: list[ComputeSample], *, q_sat_grid: tuple[float, ...] | None = None) -> ComputeFit:
+    """Fit one device type's coefficients from its profiles.
+
+    Fewer than ``MIN_SAMPLES`` points, or points that do not vary batch and model
+    size, give ``status="insufficient_data"`` with the reason, never a guess.
+    """
+    n = len(samples)
+    out = ComputeFit(device_type=device_type, n=n)
+    if n < MIN_SAMPLES:
+        out.reason = f"{n} profiles of {device_type}; at least {MIN_SAMPLES} needed"
+        return out
+    if len({(s.layers, s.hidden) for s in samples}) < 2 or len({s.rows * s.seq for s in samples}) < 2:
+        out.reason = "profiles must vary both the batch (tokens) and the model size"
+        return out
+    feats = [s.features() for s in samples]
+    mbf = {k: np.array([f[0][k] for f in feats], dtype=float) for k in F.MB_FEATURES}
+    stf = {k: np.array([f[1][k] for f in feats], dtype=float) for k in F.STEP_FEATURES}
+    m = np.array([s.micro_batches for s in samples], dtype=float)
+    q = np.array([s.q for s in samples], dtype=float)
+    y = np.array([s.seconds for s in samples], dtype=float)
+    qs = sorted(set(q.tolist()))
+    sat_grid = q_sat_grid if q_sat_grid is not None else tuple([INF] + [v for v in qs[1:]])
+    p_grid = P_GRID if len(qs) > 1 else (1.0,)  # one quota level says nothing about p
+    best = None
+    for p in p_grid:
+        for qsat in sat_grid:
+            x = design(mbf, stf, m, q, p, qsat)
+            a = x / y[:, None]
+            # Column scaling: features span ~12 orders of magnitude.
+            scale = np.maximum(np.abs(a).max(axis=0), 1e-300)
+            c = nnls(a / scale, np.ones(n)) / scale
+            r = (x @ c - y) / y
+            sse = float(r @ r)
+            if best is None or sse < best[0] - 1e-15:
+                best = (sse, p, qsat, c, r)
+    sse, p, qsat, c, r = best
+    k = int((c > 0).sum()) + (1 if len(qs) > 1 else 0)
+    dof = max(1, n - k)
+    out.coef = dict(zip(COEFS, map(float, c)))
+    out.p, out.q_sat = float(p), float(qsat)
+    out.rel_sigma = math.sqrt(sse / dof)
+    out.status = "ok"
+    tok = [s.rows * s.seq for s in samples]
+    vals = {"tokens": tok, "seq": [s.seq for s in samples], "layers": [s.layers for s in samples],
+            "hidden": [s.hidden for s in samples], "vocab": [s.vocab for s in samples], "q": q.tolist()}
+    out.ranges = {kk: (float(min(v)), float(max(v))) for kk, v in vals.items()}
+    # Per-module correction: geometric mean of measured/predicted, shrunk toward 1 by
+    # one pseudo-observation so that a single profile cannot swing it far.
+    by: dict[str, list[float]] = {}
+    for s, ri in zip(samples, r):
+        by.setdefault(s.module, []).append(math.log(1.0 / (1.0 + ri)) if ri > -1 else 0.0)
+    out.modules = {mod: math.exp(sum(v) / (len(v) + 1)) for mod, v in by.items()}
+    return out
+
+
+def extrapolation(fit: ComputeFit, point: dict):
+    """Sum over RANGE_KEYS of how far (natural log units) ``point`` lies outside the
+    profiled box; 0 inside it. Works on arrays."""
+    d = 0.0
+    for k in RANGE_KEYS:
+        if k not in fit.ranges:
+            continue
+        lo, hi = fit.ranges[k]
+        v = np.maximum(np.asarray(point[k], dtype=float), 1e-12)
+        d = d + np.maximum(0.0, np.log(v / hi)) + np.maximum(0.0, np.log(lo / v))
+    return d

@@ -1,0 +1,263 @@
+"""The performance model snapshot and its composition of a whole plan (pure).
+
+Contract:
+- :class:`PerfModel` holds versioned coefficients: a :class:`ComputeFit` per device
+  type, a :class:`CommFit` per link type and interference coefficients per device
+  type. ``to_dict``/``from_dict`` round-trip exactly (JSON-safe), so the estimator
+  serves it and the controller evaluates it with this same code.
+- :meth:`PerfModel.estimate_batch` takes many :class:`Candidate` and returns one
+  :class:`Estimate` each, vectorised per (device type, link) group;
+  :meth:`PerfModel.estimate` is the batch of one (identical numbers).
+- An estimate is ``status="ok"`` with seconds, memory, a breakdown and a
+  confidence, or ``status="insufficient_data"`` with the reason and no numbers.
+
+Composition (one training step of the runtime's ``gpt`` workload, rank 0's view):
+
+    t_s      = m-independent per-micro-batch stage time: compute(q) + 4*layers_s*AR_tp(act)
+               + sends_s * P2P(act)           (sends: forward to the next, grads to the previous)
+    T_pipe   = sum_s t_s + (m - 1) * max_s t_s         (fill/drain: the (pp-1)/(m+pp-1) bubble)
+    T_step   = T_pipe + max_s AR_dp(4 * params_s) + AR_world(16 B) + max_s step_work_s
+    colocated: T * oversubscription * (1 + g_mode * (colocated - 1)), mode "shared" when
+               the quotas oversubscribe the device (time slicing), else "split".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from tessera.perfmodel import features as F
+from tessera.perfmodel.comm import CommFit
+from tessera.perfmodel.compute import ComputeFit, extrapolation
+
+FORMAT = "tessera.perfmodel/1"
+
+# Prior uncertainties (relative, 1 sigma) added where the data cannot speak: per
+# natural-log unit of extrapolation outside the profiled box, for a module never
+# profiled itself, and for a colocation mode fitted from few pairs.
+EXTRAP_PER_LOG = 0.04
+UNSEEN_MODULE = 0.02
+COLOCATION = 0.04
+CONF_TOLERANCE = 0.10  # confidence = P(|relative error| < 10%) under a normal error
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration to estimate. ``batch`` is the global batch (rows); ``seq``
+    defaults to ``seq_len``; ``quota`` is per rank (cores on CPU, SM share on GPU)."""
+
+    device_type: str
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int
+    batch: int
+    seq: int = 0
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    micro_batches: int = 1
+    quota: float = 1.0
+    link: str = ""
+    module: str = ""
+    colocated: int = 1              # modules sharing the device, this one included
+    oversubscription: float = 1.0   # sum of quotas on the device / its capacity
+    schedule: str = "1f1b"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Step time and per-device memory of a candidate, with its uncertainty."""
+
+    status: str                     # "ok" | "insufficient_data"
+    seconds: float = math.nan
+    memory_bytes: float = math.nan  # the most loaded rank
+    rel_std: float = math.nan       # expected relative error (1 sigma)
+    confidence: float = 0.0         # P(|error| < 10%)
+    reason: str = ""
+    breakdown: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def _insufficient(reason: str) -> Estimate:
+    return Estimate(status="insufficient_data", reason=reason)
+
+
+@dataclass
+class PerfModel:
+    """Versioned snapshot of every fitted coefficient (see module docstring)."""
+
+    version: int = 0
+    compute: dict = field(default_factory=dict)       # device_type -> ComputeFit
+    comm: dict = field(default_factory=dict)          # link -> CommFit
+    interference: dict = field(default_factory=dict)  # device_type -> {"split": g, "shared": g}
+
+    # ------------------------------------------------------------------ snapshot
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "version": self.version,
+                "compute": {k: v.to_dict() for k, v in self.compute.items()},
+                "comm": {k: v.to_dict() for k, v in self.comm.items()},
+                "interference": {k: dict(v) for k, v in self.interference.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PerfModel":
+        if d.get("format") != FORMAT:
+            raise ValueError(f"unknown perf model format {d.get('format')!r}; expected {FORMAT}")
+        return cls(version=int(d["version"]),
+                   compute={k: ComputeFit.from_dict(v) for k, v in d["compute"].items()},
+                   comm={k: CommFit.from_dict(v) for k, v in d["comm"].items()},
+                   interference={k: {m: float(g) for m, g in v.items()} for k, v in d["interference"].items()})
+
+    # ------------------------------------------------------------------ estimates
+    def estimate(self, c: Candidate) -> Estimate:
+        """Estimate one candidate (same code path as a batch of one)."""
+        return self.estimate_batch([c])[0]
+
+    def estimate_batch(self, cands: list[Candidate]) -> list[Estimate]:
+        """Estimate many candidates; order preserved. Invalid or unsupported ones get
+        ``insufficient_data`` (with the reason) instead of raising."""
+        out: list[Estimate | None] = [None] * len(cands)
+        groups: dict[tuple, list[int]] = {}
+        for i, c in enumerate(cands):
+            why = self._why_not(c)
+            if why:
+                out[i] = _insufficient(why)
+            else:
+                groups.setdefault((c.device_type, c.link if c.world > 1 else ""), []).append(i)
+        for (dev, link), idx in groups.items():
+            for i, e in zip(idx, self._evaluate(dev, link, [cands[i] for i in idx])):
+                out[i] = e
+        return out  # type: ignore[return-value]
+
+    def _why_not(self, c: Candidate) -> str:
+        fit = self.compute.get(c.device_type)
+        if fit is None:
+            return f"no compute profile for device type {c.device_type!r}"
+        if fit.status != "ok":
+            return fit.reason or f"compute model of {c.device_type!r} not fitted"
+        if min(c.dp, c.tp, c.pp, c.micro_batches, c.batch, c.layers) < 1 or c.layers < c.pp:
+            return "invalid plan (dp, tp, pp, micro_batches, batch >= 1; layers >= pp)"
+        if c.batch % (c.dp * c.micro_batches) or c.hidden % c.tp or c.heads % c.tp:
+            return "batch must divide by dp*micro_batches, hidden and heads by tp"
+        if c.quota <= 0:
+            return "quota must be positive"
+        if c.world > 1:
+            cf = self.comm.get(c.link)
+            if cf is None:
+                return f"no communication table for link type {c.link!r}"
+            need = ["all_reduce"] + (["send_recv"] if c.pp > 1 else [])
+            missing = [op for op in need if not cf.has(op)]
+            if missing:
+                return f"link {c.link!r} has no measurements of {', '.join(missing)}"
+        if c.colocated > 1:
+            mode = "shared" if c.oversubscription > 1 else "split"
+            if mode not in self.interference.get(c.device_type, {}):
+                return f"no colocation ({mode}) profile for device type {c.device_type!r}"
+        return ""
+
+    def _evaluate(self, dev: str, link: str, cs: list[Candidate]) -> list[Estimate]:
+        fit: ComputeFit = self.compute[dev]
+        comm: CommFit | None = self.comm.get(link) if link else None
+
+        def arr(name):
+            return np.array([getattr(c, name) for c in cs], dtype=float)
+
+        L, h, a, V, sl = arr("layers"), arr("hidden"), arr("heads"), arr("vocab"), arr("seq_len")
+        T = np.array([c.seq or c.seq_len for c in cs], dtype=float)
+        B, dp, tp, pp, m, q = arr("batch"), arr("dp"), arr("tp"), arr("pp"), arr("micro_batches"), arr("quota")
+        rows = B / dp / m
+        act = rows * T * h * F.BYTES_PER_ELEM
+
+        def ar(n, nbytes):
+            return comm.time("all_reduce", n, nbytes) * (n > 1) if comm is not None else 0.0 * n
+
+        def p2p(nbytes):
+            return comm.time("send_recv", 2, nbytes) if comm is not None and comm.has("send_recv") else 0.0 * nbytes
+
+        base, extra = np.floor_divide(L, pp), np.mod(L, pp)
+        single = pp == 1
+        # Stage kinds: first (embeds; also the head when pp = 1), last, middle big/small.
+        kinds = {
+            "first": (base + (extra > 0), 1.0, single * 1.0, 1.0),
+            "last": (base, 0.0, 1.0, (~single) * 1.0),
+            "mid_big": (base + 1, 0.0, 0.0, np.clip(extra - 1, 0, np.maximum(pp - 2, 0))),
+            "mid_small": (base, 0.0, 0.0, np.maximum(pp - 2, 0) - np.clip(extra - 1, 0, np.maximum(pp - 2, 0))),
+        }
+        t_mb, t_step, params, mem = {}, {}, {}, {}
+        for k, (ls, e, hd, count) in kinds.items():
+            mbf = F.mb_features(rows, T, ls, h, a, V, e, hd, tp)
+            stf = F.step_features(T, ls, h, V, sl, e, hd, tp)
+            sends = (pp > 1) * ((k != "last") * 1.0 + (k != "first") * 1.0)
+            t = fit.mb_time(mbf, q) + 4.0 * ls * ar(tp, act) + sends * p2p(act)
+            t_mb[k] = np.where(count > 0, t, 0.0)
+            params[k] = np.where(count > 0, stf["params"], 0.0)
+            t_step[k] = np.where(count > 0, fit.step_time(stf) + ar(dp, params[k] * F.BYTES_PER_ELEM), 0.0)
+            inflight = m if cs[0].schedule == "gpipe" else np.minimum(m, pp if k == "first" else 1.0)
+            mem[k] = np.where(count > 0, 16.0 * params[k] + inflight * F.activation_bytes(rows, T, ls, h, a, V, hd, tp), 0.0)
+        counts = {k: v[3] * np.ones_like(L) for k, v in kinds.items()}
+        t_sum = sum(counts[k] * t_mb[k] for k in kinds)
+        t_max = np.max(np.stack([t_mb[k] for k in kinds]), axis=0)
+        pipe = t_sum + (m - 1) * t_max
+        per_step = np.max(np.stack([t_step[k] for k in kinds]), axis=0)
+        world = dp * tp * pp
+        loss_ar = ar(world, 16.0)
+        total = pipe + per_step + loss_ar
+        # Colocation: time slicing stretches by the oversubscription, interference by mode.
+        n_co, over = arr("colocated"), np.maximum(arr("oversubscription"), 1.0)
+        g = np.array([self.interference.get(dev, {}).get("shared" if c.oversubscription > 1 else "split", 0.0)
+                      for c in cs])
+        total = np.where(n_co > 1, total * over * (1.0 + g * (n_co - 1)), total)
+        # Uncertainty: fit residuals, extrapolation, unseen module, comm share, colocation.
+        point = {"tokens": rows * m * T, "seq": T, "layers": L / pp, "hidden": h / tp, "vocab": V, "q": q}
+        d = extrapolation(fit, point)
+        # The profiled module's own correction (1 for a module never profiled).
+        unseen = np.array([0.0 if c.module in fit.modules else UNSEEN_MODULE for c in cs])
+        total = total * np.array([fit.modules.get(c.module, 1.0) for c in cs])
+        comm_part = np.zeros_like(total) + ar(dp, params["first"] * F.BYTES_PER_ELEM) + loss_ar
+        csig = 0.0
+        if comm is not None:
+            csig = max((v.get("rel_sigma", 0.0) for v in comm.ops.values()), default=0.0)
+        var = fit.rel_sigma ** 2 + (EXTRAP_PER_LOG * d) ** 2 + unseen ** 2 \
+            + (csig * comm_part / np.maximum(total, 1e-12)) ** 2 + (COLOCATION * (n_co > 1)) ** 2
+        rel = np.sqrt(var)
+        out = []
+        for i in range(len(cs)):
+            r = float(rel[i])
+            conf = math.erf(CONF_TOLERANCE / (math.sqrt(2.0) * r)) if r > 0 else 1.0
+            out.append(Estimate(
+                status="ok", seconds=float(total[i]), memory_bytes=float(max(mem[k][i] for k in kinds)),
+                rel_std=r, confidence=conf,
+                breakdown={"pipeline": float(pipe[i]), "bubble": float((pp[i] > 1) * (t_sum[i] - t_max[i])),
+                           "per_step": float(per_step[i]), "loss_allreduce": float(np.asarray(loss_ar)[i] if np.ndim(loss_ar) else loss_ar),
+                           "extrapolation": float(np.asarray(d)[i] if np.ndim(d) else d)}))
+        return out
+
+    def with_version(self, version: int) -> "PerfModel":
+        return replace(self, version=version)
+
+
+def fit_interference(pairs: list[dict]) -> dict:
+    """Interference coefficient per mode from colocation profiles.
+
+    Each pair row: ``{"mode": "split"|"shared", "colocated": n, "oversubscription": o,
+    "alone_s": measured alone step time, "together_s": measured colocated step time}``.
+    g = median over rows of (together / (alone * o) - 1) / (n - 1), floored at 0.
+    """
+    by: dict[str, list[float]] = {}
+    for r in pairs:
+        n = r["colocated"]
+        if n < 2 or r["alone_s"] <= 0:
+            continue
+        over = max(1.0, r.get("oversubscription", 1.0))
+        by.setdefault(r["mode"], []).append((r["together_s"] / (r["alone_s"] * over) - 1.0) / (n - 1))
+    return {mode: max(0.0, float(np.median(v))) for mode, v in by.items()}
