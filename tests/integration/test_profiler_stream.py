@@ -1,0 +1,258 @@
+"""profilerd streaming to a real estimator over loopback gRPC: restart of the estimator
+mid-stream (no duplicate, no loss within the buffer), overflow (oldest dropped and
+counted), health and reflection, and the two daemons as real processes (SIGTERM)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from estimator import main as emain
+from estimator.config import EstimatorConfig
+from estimator.store import LOG_NAME, read_log
+from profilerd import main as pmain
+from profilerd.config import ProfilerdConfig
+from tessera import grpcserver
+from tessera.api.v1 import estimator_pb2, estimator_pb2_grpc, profiler_pb2, profiler_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def until(cond, timeout: float = 15.0, what: str = "condition"):
+    """Poll ``cond`` (sync or async) until truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = cond()
+        if asyncio.iscoroutine(r):
+            r = await r
+        if r:
+            return r
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+class Estimator:
+    """An in-process estimator that can be stopped and restarted on the same port."""
+
+    def __init__(self, state_dir: Path, port: int = 0) -> None:
+        self.state_dir, self.port = state_dir, port
+        self.running = self.store = None
+
+    async def start(self) -> "Estimator":
+        cfg = EstimatorConfig(listen=f"127.0.0.1:{self.port}", state_dir=str(self.state_dir), grace_s=0)
+        self.running, self.store = await emain.start(cfg)
+        self.port = self.running.port
+        return self
+
+    async def stop(self) -> None:
+        await self.running.stop(0)
+        self.store.close()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+async def start_profilerd(tmp_path: Path, estimator: str, **kw):
+    cfg = ProfilerdConfig(node="n1", listen="127.0.0.1:0", estimator=estimator, state_dir=str(tmp_path / "prof"),
+                          flush_interval_s=0.02, reconnect_max_s=0.2, grace_s=2, **kw)
+    d = pmain.Profilerd(cfg, samplers=None if cfg.sample_interval_s > 0 else [])
+    running = await grpcserver.start(d.servicers(), [pmain.SERVICE], cfg.listen)
+    d.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    return d, running, channel, profiler_pb2_grpc.ProfilerServiceStub(channel)
+
+
+async def stop_profilerd(d, running, channel) -> None:
+    await channel.close()
+    await running.stop(0)
+    await d.stop()
+
+
+def step(job: str, i: int, t: float) -> profiler_pb2.Measurement:
+    return profiler_pb2.Measurement(kind="step", job_id=job, model_key="gpt:test", module="gpt", step=i,
+                                    step_time_s=t, phases={"forward": t / 3, "backward": 2 * t / 3})
+
+
+async def test_estimator_restart_mid_stream_no_duplicate_no_loss(tmp_path):
+    est = await Estimator(tmp_path / "est").start()
+    # real CPU sampling every 20 ms keeps the stream busy, so the stop lands mid-stream
+    d, prun, pch, prof = await start_profilerd(tmp_path, est.address, sample_interval_s=0.02)
+    source = d.source
+    try:
+        seqs = [(await prof.ReportStep(step("job-1", i, 0.1 + i * 0.001))).seq for i in range(40)]
+        assert seqs == sorted(seqs) and len(set(seqs)) == 40
+        await until(lambda: est.store.watermark(source) >= seqs[-1], what="first steps persisted")
+        assert (await prof.GetStats(profiler_pb2.GetStatsRequest())).connected
+
+        await est.stop()
+        more = [(await prof.ReportStep(step("job-1", 40 + i, 0.2))).seq for i in range(40)]
+
+        async def disconnected():
+            return not (await prof.GetStats(profiler_pb2.GetStatsRequest())).connected
+
+        await until(disconnected, what="profilerd to notice the outage")
+        mid = await prof.GetStats(profiler_pb2.GetStatsRequest())
+        assert mid.buffered >= 40 and mid.dropped == 0
+
+        est = await Estimator(tmp_path / "est", port=est.port).start()  # same port, same state
+        await until(lambda: est.store.watermark(source) >= more[-1], what="steps of the outage persisted")
+    finally:
+        await stop_profilerd(d, prun, pch)  # last flush: everything sampled so far
+    stats = d.buffer.counters()
+    assert stats.dropped == 0 and stats.buffered == 0
+
+    async with grpc.aio.insecure_channel(est.address) as ch:
+        e = estimator_pb2_grpc.EstimatorServiceStub(ch)
+        p = await e.GetProfile(estimator_pb2.GetProfileRequest(job_id="job-1"))
+        assert p.samples == 80
+        assert p.mean_phases["forward"] == pytest.approx(p.mean_step_time_s / 3)
+        wm = await e.GetWatermark(estimator_pb2.GetWatermarkRequest(source=source))
+        assert wm.seq == stats.next_seq - 1
+    await est.stop()
+
+    # the log holds every seq exactly once: no duplicate, no loss
+    records, _ = read_log(tmp_path / "est" / LOG_NAME)
+    logged = [r.seq for r in records if r.source == source]
+    assert logged == list(range(1, stats.next_seq))
+    assert sorted(r.step for r in records if r.kind == "step") == list(range(80))
+    assert any(r.kind == "device" and "cpu_util" in r.values for r in records)
+
+
+async def test_overflow_drops_oldest_and_counts(tmp_path, free_port):
+    port = free_port()  # nothing listens here yet: the estimator is down
+    d, prun, pch, prof = await start_profilerd(tmp_path, f"127.0.0.1:{port}", sample_interval_s=0, buffer_size=10)
+    est = None
+    try:
+        with structlog.testing.capture_logs() as logs:
+            for i in range(25):
+                await prof.ReportStep(step("job-2", i, 0.05))
+        s = await prof.GetStats(profiler_pb2.GetStatsRequest())
+        assert (s.buffered, s.dropped, s.sent, s.next_seq, s.connected) == (10, 15, 0, 26, False)
+        drops = [e for e in logs if e["event"] == "buffer full: dropped oldest measurements"]
+        assert drops and drops[0]["dropped_total"] == 1 and drops[0]["capacity"] == 10
+
+        est = await Estimator(tmp_path / "est", port=port).start()
+
+        async def all_sent():
+            return (await prof.GetStats(profiler_pb2.GetStatsRequest())).sent == 10
+
+        await until(all_sent, what="the buffered 10 to be acknowledged")
+        records, _ = read_log(tmp_path / "est" / LOG_NAME)
+        assert [r.seq for r in records] == list(range(16, 26))  # the newest 10 survive
+        assert [r.step for r in records] == list(range(15, 25))
+    finally:
+        await stop_profilerd(d, prun, pch)
+        if est is not None:
+            await est.stop()
+
+
+async def test_profilerd_restart_keeps_numbering(tmp_path):
+    """A restarted profilerd (same state dir) continues past its last seqs, so the
+    estimator takes none of its new measurements for duplicates."""
+    est = await Estimator(tmp_path / "est").start()
+    try:
+        for round_ in range(2):
+            d, prun, pch, prof = await start_profilerd(tmp_path, est.address, sample_interval_s=0)
+            last = [(await prof.ReportStep(step("job-3", round_ * 5 + i, 0.1))).seq for i in range(5)][-1]
+            await until(lambda: est.store.watermark(d.source) >= last, what="steps persisted")
+            await stop_profilerd(d, prun, pch)
+        assert len(est.store.steps(job_id="job-3")) == 10
+    finally:
+        await est.stop()
+
+
+async def test_errors_health_and_reflection(tmp_path):
+    est = await Estimator(tmp_path / "est").start()
+    d, prun, pch, prof = await start_profilerd(tmp_path, "", sample_interval_s=0)  # buffer only
+    try:
+        async with grpc.aio.insecure_channel(est.address) as ch:
+            e = estimator_pb2_grpc.EstimatorServiceStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await e.GetProfile(estimator_pb2.GetProfileRequest(job_id="nope"))
+            assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await e.GetProfile(estimator_pb2.GetProfileRequest())
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            bad = estimator_pb2.MeasurementBatch(measurements=[profiler_pb2.Measurement(source="x", seq=0, kind="step")])
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await e.ReportMeasurements(iter([bad]))
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "seq" in ei.value.details()
+            assert est.store.count == 0
+
+            h = health_pb2_grpc.HealthStub(ch)
+            for name in (emain.SERVICE, ""):
+                r = await h.Check(health_pb2.HealthCheckRequest(service=name))
+                assert r.status == health_pb2.HealthCheckResponse.SERVING
+            refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+            [resp] = [x async for x in refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))]
+            assert emain.SERVICE in {s.name for s in resp.list_services_response.service}
+
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await prof.ReportStep(profiler_pb2.Measurement(kind="device"))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await prof.ReportStep(profiler_pb2.Measurement(step_time_s=-1))
+        assert "step_time_s" in ei.value.details()
+        assert (await prof.ReportStep(step("j", 0, 0.1))).seq == 1
+        s = await prof.GetStats(profiler_pb2.GetStatsRequest())
+        assert (s.buffered, s.connected) == (1, False)
+        h = health_pb2_grpc.HealthStub(pch)
+        r = await h.Check(health_pb2.HealthCheckRequest(service=pmain.SERVICE))
+        assert r.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await stop_profilerd(d, prun, pch)
+        await est.stop()
+
+
+def test_bad_flags_exit_2(tmp_path):
+    assert pmain.main(["--buffer-size", "0", "--state-dir", str(tmp_path)]) == 2
+    assert emain.main(["--grace-s", "-1"]) == 2
+
+
+async def test_daemons_as_processes_stop_on_sigterm(tmp_path, free_port):
+    """The launcher's view: the console-script flags, streaming between real processes,
+    exit code 0 on SIGTERM."""
+    eport, pport = free_port(), free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    est = subprocess.Popen([sys.executable, "-m", "estimator", "--listen", f"127.0.0.1:{eport}",
+                            "--state-dir", str(tmp_path / "e")], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    prof = subprocess.Popen([sys.executable, "-m", "profilerd", "--node", "n9", "--listen", f"127.0.0.1:{pport}",
+                             "--estimator", f"127.0.0.1:{eport}", "--sample-interval-s", "0.2", "--buffer-size", "100",
+                             "--state-dir", str(tmp_path / "p")], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{pport}") as pch, \
+                grpc.aio.insecure_channel(f"127.0.0.1:{eport}") as ech:
+            for ch in (pch, ech):
+                await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), wait_for_ready=True, timeout=20)
+            await profiler_pb2_grpc.ProfilerServiceStub(pch).ReportStep(step("job-9", 0, 0.3))
+            e = estimator_pb2_grpc.EstimatorServiceStub(ech)
+
+            async def profiled():
+                try:
+                    return await e.GetProfile(estimator_pb2.GetProfileRequest(model_key="gpt:test"))
+                except grpc.aio.AioRpcError as err:
+                    assert err.code() == grpc.StatusCode.NOT_FOUND
+                    return None
+
+            p = await until(profiled, what="the step to reach the estimator")
+            assert p.samples == 1 and p.p90_step_time_s == pytest.approx(0.3)
+    finally:
+        for proc in (prof, est):
+            proc.send_signal(signal.SIGTERM)
+        outs = [proc.communicate(timeout=15)[1] for proc in (prof, est)]
+    assert (prof.returncode, est.returncode) == (0, 0), outs
+    assert '"event": "profilerd stopped"' in outs[0] and '"service": "profilerd"' in outs[0]
+    assert '"event": "estimator stopped"' in outs[1]
