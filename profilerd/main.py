@@ -47,7 +47,7 @@ class Profilerd:
         self.samplers = samplers if samplers is not None else (default_samplers(cfg) if cfg.sample_interval_s > 0 else [])
         self.streamer = (Streamer(self.buffer, self.source, cfg.estimator, on_seq_change=self.reservation.ensure,
                                   flush_interval_s=cfg.flush_interval_s, batch_size=cfg.batch_size,
-                                  backoff_max_s=cfg.reconnect_max_s, rpc_timeout_s=max(cfg.grace_s, 1.0) * 3)
+                                  backoff_max_s=cfg.reconnect_max_s)
                          if cfg.estimator else None)
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []

@@ -256,3 +256,52 @@ async def test_daemons_as_processes_stop_on_sigterm(tmp_path, free_port):
     assert (prof.returncode, est.returncode) == (0, 0), outs
     assert '"event": "profilerd stopped"' in outs[0] and '"service": "profilerd"' in outs[0]
     assert '"event": "estimator stopped"' in outs[1]
+
+
+async def test_ack_lost_after_persist_resends_without_duplicates(tmp_path):
+    """The estimator persists a call's measurements but the ack never arrives, and its
+    next GetWatermark is stale (0): profilerd resends everything, the estimator drops
+    the duplicates, and the log still holds each seq once."""
+    from estimator.api import EstimatorService
+    from estimator.store import MeasurementStore
+
+    class Flaky(EstimatorService):
+        def __init__(self, store):
+            super().__init__(store)
+            self.fail_next_ack = True
+            self.stale_watermark = False
+            self.duplicates = 0
+
+        async def ReportMeasurements(self, request_iterator, context):
+            ack = await super().ReportMeasurements(request_iterator, context)
+            self.duplicates += ack.duplicates
+            if self.fail_next_ack and ack.accepted:
+                self.fail_next_ack, self.stale_watermark = False, True
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset (simulated)")
+            return ack
+
+        async def GetWatermark(self, request, context):
+            if self.stale_watermark:
+                self.stale_watermark = False
+                return estimator_pb2.Watermark(source=request.source, seq=0)
+            return await super().GetWatermark(request, context)
+
+    store = MeasurementStore(tmp_path / "est")
+    flaky = Flaky(store)
+    srv = await grpcserver.start([(estimator_pb2_grpc.add_EstimatorServiceServicer_to_server, flaky)],
+                                 [emain.SERVICE], "127.0.0.1:0")
+    d, prun, pch, prof = await start_profilerd(tmp_path, f"127.0.0.1:{srv.port}", sample_interval_s=0)
+    try:
+        seqs = [(await prof.ReportStep(step("job-4", i, 0.1))).seq for i in range(20)]
+
+        async def all_sent():
+            return (await prof.GetStats(profiler_pb2.GetStatsRequest())).sent == 20
+
+        await until(all_sent, what="every step acknowledged")
+        assert not flaky.fail_next_ack and flaky.duplicates > 0
+    finally:
+        await stop_profilerd(d, prun, pch)
+        await srv.stop(0)
+        store.close()
+    records, _ = read_log(tmp_path / "est" / LOG_NAME)
+    assert [r.seq for r in records] == seqs
