@@ -108,4 +108,5 @@ class TableEstimator(SharingModel):
     def _lookup(self, model: str, gpu_type: str, n_nodes: int, gpus_per_node: int) -> float | None:
         if model.startswith(FIXED_PREFIX):
             return float(model[len(FIXED_PREFIX):]) if n_nodes * gpus_per_node == 1 else None
-        return self._table.get(model, {}).get(config_key(gpu_type, n_nodes, gpus_per_node))
+        t = self._table.get(model, {}).get(config_key(gpu_type, n_nodes, gpus_per_node))
+        return t if t is not None and t > 0 else None  # Arena's tables mark infeasible with -1

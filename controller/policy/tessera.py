@@ -28,7 +28,7 @@ from .types import ScheduleReply, ScheduleRequest
 
 TESSERA = Strategy(order="srpw", cells="elastic", rank="balanced", beta=0.5, preempt=True,
                    preempt_ratio=0.5, expand=True, multiplex=True, shrink_limit=2.0,
-                   restart_cost_s=60.0, move_gain=0.15, wait_bound_s=60 * 86400.0)
+                   restart_cost_s=60.0, move_gain=0.15, wait_bound_s=30 * 86400.0)
 
 
 class TesseraPolicy:
