@@ -414,7 +414,7 @@ def cmd_demo(a, client_for, out: Console, err: Console) -> int:
                  "wall_s": round(wall_time(j), 2), "reason": j.status.reason} for j in jobs]})
         else:
             t = Table(title=f"tessera demo: {sum(j.status.phase == types_pb2.SUCCEEDED for j in jobs)}/{len(jobs)} "
-                            f"succeeded in {total:.1f}s", header_style="bold")
+                            f"succeeded in {total:.1f}s", header_style="bold", box=None)
             for col in ("JOB", "ID", "PHASE", "NODE", "DEVICES", "STEPS", "LOSS first→final", "WALL"):
                 t.add_column(col)
             for j in jobs:
@@ -510,7 +510,10 @@ def main(argv: list[str] | None = None, client_factory: ClientFactory | None = N
     """Run the CLI; returns the exit code. ``client_factory(address)`` builds the client
     (tests inject a fake); ``out``/``err`` are the result and progress consoles."""
     a = build_parser().parse_args(argv)
-    out = out or Console(soft_wrap=a.output == "json")
+    if out is None:
+        out = Console(soft_wrap=a.output == "json")
+        if not out.is_terminal:  # piped: do not squeeze tables into 80 columns
+            out = Console(soft_wrap=a.output == "json", width=max(out.width, 160))
     err = err or Console(stderr=True, soft_wrap=True)
     try:
         return a.fn(a, client_factory or _default_client, out, err)
