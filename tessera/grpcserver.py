@@ -58,8 +58,12 @@ class Running:
 async def start(servicers: Sequence[tuple[AddFn, Any]], service_names: Sequence[str], listen: str,
                 options: Sequence[tuple[str, Any]] | None = None) -> Running:
     """Build, bind (insecure) and start a server on ``listen``; raise ``OSError`` when the
-    address cannot be bound. All ``service_names`` are SERVING when this returns."""
-    server = grpc.aio.server(options=list(options or []))
+    address cannot be bound. All ``service_names`` are SERVING when this returns.
+    SO_REUSEPORT is off unless ``options`` turn it on: a second daemon on a busy port
+    must fail, not share the port silently."""
+    opts = dict(options or [])
+    opts.setdefault("grpc.so_reuseport", 0)
+    server = grpc.aio.server(options=list(opts.items()))
     for add, servicer in servicers:
         add(servicer, server)
     hs = health.aio.HealthServicer()
