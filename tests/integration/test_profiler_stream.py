@@ -305,3 +305,26 @@ async def test_ack_lost_after_persist_resends_without_duplicates(tmp_path):
         store.close()
     records, _ = read_log(tmp_path / "est" / LOG_NAME)
     assert [r.seq for r in records] == seqs
+
+
+async def test_grpcserver_serve_stops_on_event_and_refuses_busy_port(tmp_path):
+    est = await Estimator(tmp_path / "est").start()
+    try:
+        with pytest.raises(OSError):
+            await emain.start(EstimatorConfig(listen=est.address, state_dir=str(tmp_path / "other"), grace_s=0))
+    finally:
+        await est.stop()
+    stop = asyncio.Event()
+    cfg = ProfilerdConfig(node="n2", listen="127.0.0.1:0", state_dir=str(tmp_path / "p"), sample_interval_s=0)
+    started: list[grpcserver.Running] = []
+    stopped = []
+    d = pmain.Profilerd(cfg, samplers=[])
+    task = asyncio.create_task(grpcserver.serve(d.servicers(), [pmain.SERVICE], cfg.listen, stop=stop, grace=0,
+                                                on_started=started.append, on_stop=lambda: stopped.append(True)))
+    await until(lambda: started or task.done(), what="server started")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{started[0].port}") as ch:
+        r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=pmain.SERVICE))
+        assert r.status == health_pb2.HealthCheckResponse.SERVING
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    assert stopped == [True]
