@@ -1,0 +1,306 @@
+"""The multiplexing engine: K LoRA tasks training on one frozen GPT backbone.
+
+Contract: :class:`MuxEngine` owns the backbone (frozen, wrapped once by
+:func:`lora.inject`), the adapter banks and one :class:`lora.BankAdam`. Tasks are added
+(:meth:`MuxEngine.add_task`) and cancelled (:meth:`MuxEngine.cancel`) between steps
+without touching the others; a task that reaches its step count finishes by itself and
+its slot is freed (its final adapter kept on the :class:`TaskState`). Each
+:meth:`MuxEngine.step`:
+
+* ``spatial``: takes one micro-batch from *every* running task, packs all of them into
+  chunks (:mod:`packing`) and runs ONE forward/backward on the backbone; each chunk uses
+  its task's adapter through a gathered ``bmm``;
+* ``temporal``: takes one micro-batch from the next running task (round robin), so
+  tasks interleave step by step on the backbone.
+
+The objective is the sum over stepping tasks of each task's own mean token loss, so
+every task's adapter gradient is exactly the gradient it would get training alone.
+Pure compute: no files, no events (the workload runner does I/O).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from agent.runtime.model import GPT
+from agent.runtime.peft import lora
+from agent.runtime.peft.packing import PackStats, pack
+
+ADAPTER_FORMAT = "tessera-lora/1"
+
+
+@dataclass
+class TaskState:
+    """One task: its resolved spec, where it lives and how far it got."""
+
+    name: str
+    spec: dict
+    dataset: Any
+    slot: int
+    steps: int
+    step: int = 0
+    status: str = "running"  # running | succeeded | cancelled
+    tokens: int = 0
+    loss: float = float("nan")
+    first_loss: float = float("nan")
+    added_at: float = field(default_factory=time.perf_counter)
+    ended_at: float | None = None
+    pack: PackStats = field(default_factory=PackStats)
+    final_adapter: dict | None = None
+
+    def tokens_per_s(self, now: float | None = None) -> float:
+        """Effective (non-padding) tokens per second since the task joined the engine."""
+        end = self.ended_at if self.ended_at is not None else (now or time.perf_counter())
+        return self.tokens / max(end - self.added_at, 1e-9)
+
+
+@dataclass
+class StepReport:
+    """What one engine step did."""
+
+    tasks: list[str]
+    losses: dict[str, float]
+    tokens: dict[str, int]
+    wall_s: float
+    pack: PackStats
+    finished: list[TaskState]
+
+
+class MuxEngine:
+    """Shared-backbone multi-task LoRA trainer; see module doc."""
+
+    def __init__(self, model: GPT, chunk_size: int, mode: str = "spatial", slots: int = 4) -> None:
+        if mode not in ("spatial", "temporal"):
+            raise ValueError(f"mode must be spatial or temporal, got {mode!r}")
+        if not 2 <= chunk_size <= model.cfg.seq_len:
+            raise ValueError(f"chunk_size must be in 2..{model.cfg.seq_len}, got {chunk_size}")
+        self.model = model
+        self.cfg = model.cfg
+        self.chunk_size = chunk_size
+        self.mode = mode
+        self.device = next(model.parameters()).device
+        self.ctx = lora.MuxContext()
+        self.banks = lora.inject(model, self.ctx, slots, 1)
+        self.opt = lora.BankAdam(self.banks)
+        self.tasks: dict[str, TaskState] = {}
+        self._free = list(range(slots))
+        self._rr = 0
+        self.steps_done = 0
+        self.pack_total = PackStats(chunk_size=chunk_size)
+
+    # -- task lifecycle -------------------------------------------------------------
+    def running(self) -> list[TaskState]:
+        """Running tasks in the order they were added."""
+        return [t for t in self.tasks.values() if t.status == "running"]
+
+    def add_task(self, spec: dict, dataset: Any) -> TaskState:
+        """Start a task (validated, with ``learning_rate``/``batch_size``/``steps`` and
+        ``dataset.seed`` resolved). Its adapter is initialised from its seed, so the
+        result does not depend on which other tasks run. ValueError if the name is taken."""
+        name = spec["name"]
+        if name in self.tasks and self.tasks[name].status == "running":
+            raise ValueError(f"task {name!r} is already running")
+        for key in ("learning_rate", "batch_size", "steps"):
+            if spec.get(key) is None:
+                raise ValueError(f"task {name!r}: {key} must be resolved before add_task")
+        if not self._free:
+            self._grow(2 * self._slots())
+        slot = self._free.pop(0)
+        rank = spec["rank"]
+        if rank > next(iter(self.banks.values())).rank:
+            for b in self.banks.values():
+                b.resize(b.slots, rank)
+            self.opt.resize(self._slots())
+        g = torch.Generator().manual_seed(int(spec["dataset"]["seed"]))
+        scale = spec["alpha"] / rank
+        for full, bank in self.banks.items():
+            # Draw for every module, targeted or not, so a task's init does not depend on
+            # its target list order.
+            a, b = lora.init_adapter(bank.in_features, bank.out_features, rank, g)
+            if lora.short_name(full) in spec["target_modules"]:
+                bank.set_slot(slot, a.to(self.device), b.to(self.device), scale)
+            else:
+                bank.set_slot(slot, None, None, 0.0)
+        self.opt.reset_slot(slot, spec["learning_rate"])
+        t = TaskState(name=name, spec=spec, dataset=dataset, slot=slot, steps=spec["steps"],
+                      pack=PackStats(chunk_size=self.chunk_size))
+        self.tasks[name] = t
+        return t
+
+    def cancel(self, name: str) -> TaskState:
+        """Stop a running task now; its slot is freed, the others are untouched. KeyError if unknown."""
+        t = self.tasks[name]
+        if t.status != "running":
+            return t
+        t.final_adapter = self.adapter(t)
+        self._end(t, "cancelled")
+        return t
+
+    def _end(self, t: TaskState, status: str) -> None:
+        t.status = status
+        t.ended_at = time.perf_counter()
+        for bank in self.banks.values():
+            bank.set_slot(t.slot, None, None, 0.0)
+        self.opt.reset_slot(t.slot, 0.0)
+        self._free.append(t.slot)
+        self._free.sort()
+
+    def _slots(self) -> int:
+        return next(iter(self.banks.values())).slots
+
+    def _grow(self, slots: int) -> None:
+        old = self._slots()
+        for b in self.banks.values():
+            b.resize(slots, b.rank)
+        self.opt.resize(slots)
+        self._free += list(range(old, slots))
+
+    # -- training -------------------------------------------------------------------
+    def _pick(self) -> list[TaskState]:
+        run = self.running()
+        if not run or self.mode == "spatial":
+            return run
+        t = run[self._rr % len(run)]
+        self._rr += 1
+        return [t]
+
+    def step(self) -> StepReport | None:
+        """One fused step (see module doc); None when no task is running."""
+        tasks = self._pick()
+        if not tasks:
+            return None
+        t0 = time.perf_counter()
+        batches = [(t.slot, t.dataset.batch(t.step, t.spec["batch_size"])) for t in tasks]
+        p = pack(batches, self.chunk_size)
+        dev = self.device
+        tokens, targets = p.tokens.to(dev), p.targets.to(dev)
+        losses_t, counts = self.task_losses(tokens, targets, p.positions.to(dev), p.mask.to(dev),
+                                            p.chunk_slot.to(dev), single=tasks[0].slot if len(tasks) == 1 else None)
+        active = torch.zeros(self._slots(), dtype=torch.bool, device=dev)
+        active[[t.slot for t in tasks]] = True
+        # Sum of per-task means: d(total)/d(adapter k) = d(loss_k)/d(adapter k).
+        total = torch.where(active, losses_t, torch.zeros_like(losses_t)).sum()
+        self.opt.zero_grad()
+        total.backward()
+        self.opt.step(active)
+        losses = losses_t.detach().cpu().tolist()
+        wall = time.perf_counter() - t0
+        self.steps_done += 1
+        self.pack_total.add(p.stats)
+        rep = StepReport(tasks=[t.name for t in tasks], losses={}, tokens={}, wall_s=wall, pack=p.stats, finished=[])
+        for t, (_, seqs) in zip(tasks, batches):
+            n = sum(int(s.numel()) for s in seqs)
+            t.tokens += n
+            t.step += 1
+            t.loss = losses[t.slot]
+            if t.step == 1:
+                t.first_loss = t.loss
+            t.pack.real_tokens += n
+            t.pack.pad_longest += len(seqs) * max(int(s.numel()) for s in seqs) - n
+            rep.losses[t.name], rep.tokens[t.name] = t.loss, n
+            if t.step >= t.steps:
+                t.final_adapter = self.adapter(t)
+                self._end(t, "succeeded")
+                rep.finished.append(t)
+        return rep
+
+    def task_losses(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
+                    mask: torch.Tensor, chunk_slot: torch.Tensor, single: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-slot mean next-token loss (S,) (0 where a slot has no token) and token counts (S,)."""
+        self.ctx.chunk_slot, self.ctx.single = chunk_slot, single
+        try:
+            logits = self.model(tokens, attn_mask=mask, positions=positions)
+        finally:
+            self.ctx.chunk_slot = self.ctx.single = None
+        flat_t = targets.reshape(-1)
+        valid = flat_t != -100
+        tok_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1])[valid], flat_t[valid], reduction="none")
+        slot_of = chunk_slot[:, None].expand_as(targets).reshape(-1)[valid]
+        s = self._slots()
+        sums = torch.zeros(s, device=tokens.device, dtype=tok_loss.dtype).index_add(0, slot_of, tok_loss)
+        counts = torch.bincount(slot_of, minlength=s)
+        return sums / counts.clamp(min=1).to(sums.dtype), counts
+
+    @torch.no_grad()
+    def forward_task(self, name_or_slot: str | int, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of plain causal ``tokens`` (B, T) through one slot's adapter (inference)."""
+        slot = self.tasks[name_or_slot].slot if isinstance(name_or_slot, str) else name_or_slot
+        self.ctx.single = slot
+        try:
+            return self.model(tokens.to(self.device))
+        finally:
+            self.ctx.single = None
+
+    # -- adapters and task checkpoints ------------------------------------------------
+    def adapter(self, t: TaskState) -> dict:
+        """The task's adapter only (targeted modules' rank-r factors, CPU tensors)."""
+        r = t.spec["rank"]
+        weights = {}
+        for full, bank in self.banks.items():
+            if lora.short_name(full) in t.spec["target_modules"]:
+                a, b = bank.get_slot(t.slot, r)
+                weights[full] = {"A": a.cpu(), "B": b.cpu()}
+        return {"format": ADAPTER_FORMAT, "name": t.name, "rank": r, "alpha": t.spec["alpha"],
+                "target_modules": list(t.spec["target_modules"]), "model_config": self.cfg.to_dict(),
+                "step": t.step, "weights": weights}
+
+    def task_state(self, t: TaskState) -> dict:
+        """Adapter + optimizer moments + step: enough to resume the task alone."""
+        st = self.opt.slot_state(t.slot)
+        r = t.spec["rank"]
+        keep = set(self.adapter(t)["weights"])
+        moments = {}
+        for n, m in st["moments"].items():
+            if n in keep:
+                moments[n] = {k: (v[:, :r] if k.startswith("A") else v[:r, :]).cpu() for k, v in m.items()}
+        return {"adapter": self.adapter(t), "optim": {"step": st["step"], "lr": st["lr"], "moments": moments},
+                "tokens": t.tokens, "first_loss": t.first_loss}
+
+    def restore(self, t: TaskState, state: dict) -> None:
+        """Load :meth:`task_state` output into a running task (same spec)."""
+        apply_adapter_to_slot(self, t.slot, state["adapter"])
+        opt = state["optim"]
+        full = {n: {k: v.to(self.device) for k, v in m.items()} for n, m in opt["moments"].items()}
+        for n in self.banks:
+            full.setdefault(n, {})
+        self.opt.steps[t.slot] = opt["step"]
+        self.opt.lr[t.slot] = opt["lr"]
+        for n, st in self.opt.state.items():
+            for k, tensor in st.items():
+                tensor[t.slot].zero_()
+                if k in full[n]:
+                    src = full[n][k]
+                    tensor[t.slot][tuple(slice(0, d) for d in src.shape)] = src
+        t.step = int(state["adapter"]["step"])
+        t.tokens = int(state.get("tokens", 0))
+        t.first_loss = float(state.get("first_loss", float("nan")))
+
+
+def apply_adapter_to_slot(engine: MuxEngine, slot: int, adapter: dict) -> None:
+    """Write a saved adapter into one slot of the engine's banks (others untouched)."""
+    scale = adapter["alpha"] / adapter["rank"]
+    for full, bank in engine.banks.items():
+        w = adapter["weights"].get(full)
+        if w is None:
+            bank.set_slot(slot, None, None, 0.0)
+        else:
+            bank.set_slot(slot, w["A"].to(bank.A.device), w["B"].to(bank.B.device), scale)
+
+
+@torch.no_grad()
+def merge_adapter(model: GPT, adapter: dict) -> GPT:
+    """Fold a saved adapter into a plain (un-injected) GPT in place: W += alpha/r * (A B)^T.
+    The merged model then computes what the task computed during training."""
+    scale = adapter["alpha"] / adapter["rank"]
+    if adapter["model_config"] != model.cfg.to_dict():
+        raise ValueError(f"adapter was trained on {adapter['model_config']}, model is {model.cfg.to_dict()}")
+    for full, w in adapter["weights"].items():
+        lin = model.get_submodule(full)
+        lin.weight += (scale * (w["A"] @ w["B"])).T.to(lin.weight.device, lin.weight.dtype)
+    return model

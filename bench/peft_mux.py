@@ -1,0 +1,329 @@
+"""Benchmark: K LoRA tasks on one backbone — HF PEFT instances vs Tessera fusion.
+
+``python -m bench.peft_mux [--json PATH] [--device cpu|cuda] [--quick]``
+
+Rows, all training the SAME K tasks (same backbone class, size and weights; same
+LoRA ranks/targets/learning rates; the same sequences, so the same effective tokens):
+
+* ``hf_peft_concurrent`` (a): the real ``peft`` library (LoraConfig + get_peft_model on
+  our GPT module) — one training process per task, all running at once, as separate
+  tenant instances would; each pads its batch to its longest sequence (as usual).
+  On CPU each process gets cores/K threads so that together they use the machine once.
+* ``hf_peft_sequential`` (b): the same processes one after another, each with all cores.
+* ``tessera_temporal`` (c) and ``tessera_spatial`` (d): one process, one backbone,
+  chunk-packed sequences (agent/runtime/peft).
+
+Timing covers the training loops only (every process first builds its model and runs
+one untimed warm-up forward/backward, then waits at a barrier); (a) is timed from the
+barrier to the last finish, (b) is the sum of its loops. Throughput is effective
+(non-padding) tokens per second. Peak memory: on CPU, the peak of the summed RSS of the
+live processes sampled every 10 ms (HF rows) and VmHWM (Tessera rows, which can only
+over-state them); on GPU, ``torch.cuda.max_memory_allocated`` summed over concurrent
+processes, max over sequential ones. ``speedup_vs_peft`` / ``memory_reduction_vs_peft``
+compare Tessera spatial with the better HF row for each figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Backbone: big enough that a process's memory is dominated by the weights (as in real
+# fine-tuning), small enough that four configurations finish in minutes on 2 cores.
+MODEL = {"vocab": 4096, "seq_len": 256, "layers": 6, "hidden": 768, "heads": 12}
+QUICK_MODEL = {"vocab": 512, "seq_len": 128, "layers": 2, "hidden": 128, "heads": 4}
+
+
+def make_tasks(k: int, max_seq: int, steps: int) -> list[dict]:
+    """K validated tasks of mixed ranks, targets, learning rates and length distributions."""
+    from tessera.spec.peft import validate_peft
+
+    targets = [["qkv", "proj"], ["qkv", "proj", "fc", "out"], ["fc", "out"], ["qkv"]]
+    tasks = []
+    for i in range(k):
+        max_len = max_seq >> (i % 3)  # mixed maxima: C, C/2, C/4
+        tasks.append({
+            "name": f"task{i}", "rank": (4, 8, 16)[i % 3], "target_modules": targets[i % 4],
+            "learning_rate": (1e-3, 2e-3)[i % 2], "batch_size": (8, 4)[i % 2], "steps": steps,
+            "dataset": {"kind": "synthetic", "seed": 100 + i, "min_len": 8, "max_len": max_len,
+                        "distribution": ("longtail", "uniform", "longtail", "longtail")[i % 4]},
+        })
+    return validate_peft({"mode": "spatial", "chunk_size": max_seq, "tasks": tasks})["tasks"]
+
+
+# ----------------------------------------------------------------------------- workers
+def _status_kb(pid: int | str, key: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            m = re.search(rf"^{key}:\s+(\d+)", f.read(), re.M)
+    except OSError:
+        return 0
+    return int(m.group(1)) if m else 0
+
+
+def _dataset(task: dict, vocab: int):
+    from agent.runtime.peft.data import make_dataset
+
+    ds = task["dataset"]
+    return make_dataset(ds, vocab, ds["max_len"], ds["seed"])
+
+
+def _mem_mb(device: str) -> float:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return _status_kb("self", "VmHWM") / 1024
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def worker_hf(args: dict) -> dict:
+    """One HF PEFT training process for one task (padding each batch to its longest)."""
+    import torch
+
+    torch.set_num_threads(args["threads"])
+    from peft import LoraConfig, get_peft_model
+
+    from agent.runtime.model import GPT, GPTConfig, lm_loss
+
+    dev, task = args["device"], args["task"]
+    cfg = GPTConfig(**args["model"])
+    torch.manual_seed(args["seed"])
+    model = GPT(cfg).to(dev)
+    pm = get_peft_model(model, LoraConfig(r=task["rank"], lora_alpha=task["alpha"],
+                                          target_modules=task["target_modules"], lora_dropout=0.0))
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=task["learning_rate"], weight_decay=0.0)
+    ds = _dataset(task, cfg.vocab)
+
+    def batch(step: int):
+        seqs = ds.batch(step, task["batch_size"])
+        longest = max(s.numel() for s in seqs)
+        x = torch.zeros(len(seqs), longest, dtype=torch.long)
+        y = torch.full((len(seqs), longest), -100, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            x[i, : s.numel()] = s
+            y[i, : s.numel() - 1] = s[1:]
+        return x.to(dev), y.to(dev), sum(s.numel() for s in seqs)
+
+    x, y, _ = batch(0)
+    lm_loss(pm(x), y).backward()  # warm-up, not timed, no update
+    opt.zero_grad(set_to_none=True)
+    _sync(dev)
+    print("READY", flush=True)
+    sys.stdin.readline()
+    t0 = time.time()
+    tokens = padded = 0
+    losses = []
+    for step in range(task["steps"]):
+        x, y, n = batch(step)
+        loss = lm_loss(pm(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        tokens += n
+        padded += x.numel()
+    _sync(dev)
+    t1 = time.time()
+    return {"t0": t0, "t1": t1, "tokens": tokens, "processed": padded, "first_loss": losses[0],
+            "last_loss": losses[-1], "mem_mb": _mem_mb(dev)}
+
+
+def worker_tessera(args: dict) -> dict:
+    """All tasks in one Tessera engine on one backbone."""
+    import torch
+
+    torch.set_num_threads(args["threads"])
+    from agent.runtime.model import GPT, GPTConfig
+    from agent.runtime.peft.engine import MuxEngine
+    from agent.runtime.peft.packing import pack
+
+    dev = args["device"]
+    cfg = GPTConfig(**args["model"])
+    torch.manual_seed(args["seed"])
+    model = GPT(cfg).to(dev)
+    eng = MuxEngine(model, args["chunk_size"], args["mode"], slots=len(args["tasks"]))
+    for t in args["tasks"]:
+        eng.add_task(t, _dataset(t, cfg.vocab))
+    # Warm-up forward/backward on step 0's data, without an optimizer update.
+    run = eng.running()
+    p = pack([(t.slot, t.dataset.batch(0, t.spec["batch_size"])) for t in run], eng.chunk_size)
+    losses, _ = eng.task_losses(p.tokens.to(dev), p.targets.to(dev), p.positions.to(dev), p.mask.to(dev),
+                                p.chunk_slot.to(dev))
+    losses.sum().backward()
+    eng.opt.zero_grad()
+    _sync(dev)
+    print("READY", flush=True)
+    sys.stdin.readline()
+    t0 = time.time()
+    while eng.step() is not None:
+        pass
+    _sync(dev)
+    t1 = time.time()
+    ts = list(eng.tasks.values())
+    return {"t0": t0, "t1": t1, "tokens": sum(t.tokens for t in ts),
+            "processed": eng.pack_total.chunks * eng.chunk_size,
+            "first_loss": sum(t.first_loss for t in ts) / len(ts), "last_loss": sum(t.loss for t in ts) / len(ts),
+            "mem_mb": _mem_mb(dev), "pack": eng.pack_total.to_dict(), "engine_steps": eng.steps_done}
+
+
+# ----------------------------------------------------------------------------- driver
+class _Sampler:
+    """Peak of the summed VmRSS of a set of pids, sampled every 10 ms."""
+
+    def __init__(self) -> None:
+        self.pids: list[int] = []
+        self.peak_kb = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+        self._t.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak_kb = max(self.peak_kb, sum(_status_kb(p, "VmRSS") for p in list(self.pids)))
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._t.join()
+        return self.peak_kb / 1024
+
+
+def _spawn(kind: str, args: dict) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS=str(args["threads"]), PYTHONPATH=ROOT)
+    return subprocess.Popen([sys.executable, "-m", "bench.peft_mux", "--worker", kind, json.dumps(args)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+
+
+def _run_group(jobs: list[tuple[str, dict]], concurrent: bool) -> tuple[list[dict], float]:
+    """Run workers (all at once behind one barrier, or one by one); results and sampled peak MB."""
+    sampler = _Sampler()
+    results: list[dict] = []
+
+    def finish(p: subprocess.Popen) -> dict:
+        out, _ = p.communicate()
+        if p.returncode != 0:
+            raise RuntimeError(f"worker failed with {p.returncode}")
+        return json.loads(out.strip().splitlines()[-1])
+
+    batches = [jobs] if concurrent else [[j] for j in jobs]
+    for group in batches:
+        procs = [_spawn(kind, a) for kind, a in group]
+        sampler.pids += [p.pid for p in procs]
+        for p in procs:
+            line = p.stdout.readline()
+            if line.strip() != "READY":
+                p.wait()
+                raise RuntimeError(f"worker did not get ready: {line!r}")
+        for p in procs:
+            p.stdin.write("GO\n")
+            p.stdin.flush()
+        results += [finish(p) for p in procs]
+        sampler.pids = [q for q in sampler.pids if q not in {p.pid for p in procs}]
+    return results, sampler.stop()
+
+
+def _row(name: str, procs: int, res: list[dict], concurrent: bool, sampled_mb: float, device: str) -> dict:
+    wall = (max(r["t1"] for r in res) - min(r["t0"] for r in res)) if concurrent else sum(r["t1"] - r["t0"] for r in res)
+    mems = [r["mem_mb"] for r in res]
+    if device == "cuda":
+        mem = sum(mems) if concurrent else max(mems)
+    else:
+        mem = sampled_mb if len(res) > 1 or name.startswith("hf") else max(max(mems), sampled_mb)
+    tokens = sum(r["tokens"] for r in res)
+    row = {"row": name, "processes": procs, "backbones": procs if concurrent else 1, "tokens": tokens,
+           "processed_tokens": sum(r["processed"] for r in res), "wall_s": round(wall, 3),
+           "tokens_per_s": round(tokens / wall, 1), "peak_mem_mb": round(mem, 1),
+           "sum_process_peak_mb": round(sum(mems), 1),
+           "first_loss": round(sum(r["first_loss"] for r in res) / len(res), 4),
+           "last_loss": round(sum(r["last_loss"] for r in res) / len(res), 4)}
+    if "pack" in res[0]:
+        row["pack"] = res[0]["pack"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.peft_mux", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--tasks", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4, help="steps per task")
+    ap.add_argument("--quick", action="store_true", help="tiny backbone (smoke test, not a measurement)")
+    ap.add_argument("--rows", default="a,b,c,d", help="which rows to run (a,b,c,d)")
+    ap.add_argument("--worker", nargs=2, metavar=("KIND", "ARGS"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        kind, wargs = a.worker[0], json.loads(a.worker[1])
+        res = (worker_hf if kind == "hf" else worker_tessera)(wargs)
+        print(json.dumps(res), flush=True)
+        return 0
+
+    model = QUICK_MODEL if a.quick else MODEL
+    cores = os.cpu_count() or 1
+    if a.device == "cuda" and a.steps == 4:
+        a.steps = 20  # a GPU step is short: train longer for a stable figure
+    tasks = make_tasks(a.tasks, model["seq_len"], a.steps)
+    common = {"model": model, "seed": 0, "device": a.device}
+    rows: list[dict] = []
+    want = set(a.rows.split(","))
+    per_proc = max(1, cores // len(tasks)) if a.device == "cpu" else cores
+    if "a" in want:
+        res, peak = _run_group([("hf", {**common, "task": t, "threads": per_proc}) for t in tasks], True)
+        rows.append(_row("hf_peft_concurrent", len(tasks), res, True, peak, a.device))
+    if "b" in want:
+        res, peak = _run_group([("hf", {**common, "task": t, "threads": cores}) for t in tasks], False)
+        rows.append(_row("hf_peft_sequential", len(tasks), res, False, peak, a.device))
+    for key, mode in (("c", "temporal"), ("d", "spatial")):
+        if key in want:
+            args = {**common, "tasks": tasks, "threads": cores, "mode": mode, "chunk_size": model["seq_len"]}
+            res, peak = _run_group([("tessera", args)], False)
+            rows.append(_row(f"tessera_{mode}", 1, res, False, peak, a.device))
+
+    out: dict = {"device": a.device, "cores": cores, "model": model, "tasks": len(tasks), "steps_per_task": a.steps,
+                 "rows": rows, **{r["row"]: r for r in rows}}
+    hf = [r for r in rows if r["row"].startswith("hf")]
+    tess = {r["row"]: r for r in rows if r["row"].startswith("tessera")}
+    if hf and tess:
+        best_tp = max(r["tokens_per_s"] for r in hf)
+        best_mem = min(r["peak_mem_mb"] for r in hf)
+        conc = [r for r in hf if r["row"] == "hf_peft_concurrent"]
+        for name, r in tess.items():
+            sfx = "" if name == "tessera_spatial" or "tessera_spatial" not in tess else "_" + name.split("_")[1]
+            out["speedup_vs_peft" + sfx] = round(r["tokens_per_s"] / best_tp, 2)
+            out["memory_reduction_vs_peft" + sfx] = round(best_mem / r["peak_mem_mb"], 2)
+            if conc:
+                out["memory_reduction_vs_concurrent_peft" + sfx] = round(conc[0]["peak_mem_mb"] / r["peak_mem_mb"], 2)
+    _print(rows, out)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+def _print(rows: list[dict], out: dict) -> None:
+    hdr = f"{'row':22} {'procs':>5} {'tokens':>8} {'processed':>9} {'wall_s':>8} {'eff tok/s':>10} {'peak MB':>9} {'loss first->last':>18}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(f"{r['row']:22} {r['processes']:>5} {r['tokens']:>8} {r['processed_tokens']:>9} {r['wall_s']:>8.2f} "
+              f"{r['tokens_per_s']:>10.1f} {r['peak_mem_mb']:>9.1f} {r['first_loss']:>8.3f} -> {r['last_loss']:<7.3f}")
+    for k, v in out.items():
+        if k.startswith(("speedup", "memory_reduction")):
+            print(f"{k}: {v}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

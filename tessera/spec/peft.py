@@ -1,0 +1,193 @@
+"""Validation of a job manifest's ``workload.peft`` section (multi-task LoRA).
+
+Contract: ``validate_peft(section, path, defaults=None) -> dict`` is pure (no I/O, no
+torch): it returns a new dict with every default filled in, or raises ``SpecError``
+whose ``field`` is the exact dotted path at fault (``workload.peft.tasks[2].rank``).
+Unknown fields are errors, so a typo never silently becomes a default. The function is
+idempotent: its output validates to itself.
+
+Section (defaults in brackets)::
+
+    mode: spatial | temporal                 [spatial]
+    chunk_size: int >= 2 | null              [null = model.seq_len]  tokens per packed chunk
+    tasks: non-empty list, unique names, each:
+      name: str (lower-case, digits, '-', '_'), required
+      rank: int >= 1                         [8]
+      alpha: number > 0                      [2 * rank]
+      target_modules: non-empty list of qkv|proj|fc|out, no repeats   [[qkv, proj]]
+      learning_rate: number > 0 | null       [null = workload.learning_rate]
+      batch_size: int >= 1 | null            [null = workload.batch_size]  sequences per step
+      steps: int >= 1 | null                 [null = workload.steps]
+      dataset: {kind: synthetic | jsonl | text [synthetic],
+                seed: int >= 0 | null [null = workload.seed + task index],
+                min_len: int >= 2 [8], max_len: int >= 2 | null [null = chunk_size],
+                distribution: uniform | longtail [uniform],
+                path: absolute path (jsonl/text only), field: str [text] (jsonl only)}
+
+``defaults`` (optional: ``{"learning_rate", "batch_size", "steps", "seed"}``, the
+workload-level values) resolves the inheritable ``null`` fields; without it they stay
+``null`` for the executor to resolve.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from tessera.errors import SpecError
+
+MODES = ("spatial", "temporal")
+TARGETS = ("qkv", "proj", "fc", "out")
+KINDS = ("synthetic", "jsonl", "text")
+DISTRIBUTIONS = ("uniform", "longtail")
+NAME_RE = re.compile(r"^[a-z0-9]([-_a-z0-9]*[a-z0-9])?$")
+
+_TOP = ("mode", "chunk_size", "tasks")
+_TASK = ("name", "rank", "alpha", "target_modules", "learning_rate", "batch_size", "steps", "dataset")
+_DATASET = ("kind", "seed", "min_len", "max_len", "distribution", "path", "field")
+
+
+def _unknown(d: dict, known: tuple[str, ...], path: str) -> None:
+    for key in d:
+        if not isinstance(key, str) or key not in known:
+            raise SpecError(f"{path}.{key}", f"unknown field (known: {', '.join(sorted(known))})")
+
+
+def _mapping(v: Any, path: str) -> dict:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise SpecError(path, f"must be a mapping, got {type(v).__name__}")
+    return v
+
+
+def _int(v: Any, path: str, minimum: int, nullable: bool = False) -> int | None:
+    if v is None and nullable:
+        return None
+    # bool is an int subclass in Python: reject it so `rank: true` is not rank 1.
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise SpecError(path, f"must be an integer, got {type(v).__name__}")
+    if v < minimum:
+        raise SpecError(path, f"must be >= {minimum}, got {v}")
+    return v
+
+
+def _pos_float(v: Any, path: str, nullable: bool = False) -> float | None:
+    if v is None and nullable:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise SpecError(path, f"must be a number, got {type(v).__name__}")
+    if not v > 0 or v != v or v == float("inf"):
+        raise SpecError(path, f"must be a positive finite number, got {v}")
+    return float(v)
+
+
+def _choice(v: Any, path: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(v, str) or v not in choices:
+        raise SpecError(path, f"must be one of {', '.join(choices)}, got {v!r}")
+    return v
+
+
+def _dataset(d: dict, path: str, seed: int | None) -> dict:
+    _unknown(d, _DATASET, path)
+    kind = _choice(d.get("kind", "synthetic"), f"{path}.kind", KINDS)
+    out: dict[str, Any] = {
+        "kind": kind,
+        "seed": _int(d["seed"] if d.get("seed") is not None else seed, f"{path}.seed", 0, nullable=True),
+        "min_len": _int(d.get("min_len", 8), f"{path}.min_len", 2),
+        "max_len": _int(d.get("max_len"), f"{path}.max_len", 2, nullable=True),
+        "distribution": _choice(d.get("distribution", "uniform"), f"{path}.distribution", DISTRIBUTIONS),
+    }
+    if out["max_len"] is not None and out["max_len"] < out["min_len"]:
+        raise SpecError(f"{path}.max_len", f"must be >= min_len ({out['min_len']}), got {out['max_len']}")
+    if kind == "synthetic":
+        for f in ("path", "field"):
+            if d.get(f) is not None:
+                raise SpecError(f"{path}.{f}", "only allowed when kind is jsonl or text")
+        out["path"] = None
+        out["field"] = None
+    else:
+        p = d.get("path")
+        if p is None:
+            raise SpecError(f"{path}.path", f"is required when kind is {kind}")
+        if not isinstance(p, str) or not p.startswith("/"):
+            raise SpecError(f"{path}.path", f"must be an absolute path, got {p!r}")
+        out["path"] = p
+        if kind == "jsonl":
+            field = d.get("field", "text")
+            if not isinstance(field, str) or not field:
+                raise SpecError(f"{path}.field", f"must be a non-empty string, got {field!r}")
+            out["field"] = field
+        else:
+            if d.get("field") is not None:
+                raise SpecError(f"{path}.field", "only allowed when kind is jsonl")
+            out["field"] = None
+    return out
+
+
+def validate_task(t: Any, path: str, index: int = 0, defaults: dict | None = None) -> dict:
+    """One task of the section (also used for tasks added at run time); see module doc."""
+    t = _mapping(t, path)
+    _unknown(t, _TASK, path)
+    dflt = defaults or {}
+    if "name" not in t:
+        raise SpecError(f"{path}.name", "is required")
+    name = t["name"]
+    if not isinstance(name, str) or not NAME_RE.match(name) or len(name) > 63:
+        raise SpecError(f"{path}.name", f"must be 1-63 of a-z, 0-9, '-', '_' (alphanumeric at both ends), got {name!r}")
+    rank = _int(t.get("rank", 8), f"{path}.rank", 1)
+    alpha = _pos_float(t.get("alpha", 2.0 * rank), f"{path}.alpha")
+    tm = t.get("target_modules", ["qkv", "proj"])
+    if not isinstance(tm, list) or not tm:
+        raise SpecError(f"{path}.target_modules", f"must be a non-empty list, got {tm!r}")
+    for i, m in enumerate(tm):
+        _choice(m, f"{path}.target_modules[{i}]", TARGETS)
+        if m in tm[:i]:
+            raise SpecError(f"{path}.target_modules[{i}]", f"repeats {m!r}")
+    seed = dflt.get("seed")
+
+    def inherit(key: str) -> Any:
+        # null means "the workload's value": an already-validated section (nulls kept)
+        # re-validates with the defaults filled in.
+        return t[key] if t.get(key) is not None else dflt.get(key)
+
+    return {
+        "name": name,
+        "rank": rank,
+        "alpha": alpha,
+        "target_modules": list(tm),
+        "learning_rate": _pos_float(inherit("learning_rate"), f"{path}.learning_rate", nullable=True),
+        "batch_size": _int(inherit("batch_size"), f"{path}.batch_size", 1, nullable=True),
+        "steps": _int(inherit("steps"), f"{path}.steps", 1, nullable=True),
+        "dataset": _dataset(_mapping(t.get("dataset"), f"{path}.dataset"), f"{path}.dataset",
+                            None if seed is None else seed + index),
+    }
+
+
+def validate_peft(section: Any, path: str = "workload.peft", defaults: dict | None = None) -> dict:
+    """Validated copy of ``section`` with defaults filled; ``SpecError`` names the bad field."""
+    s = _mapping(section, path)
+    _unknown(s, _TOP, path)
+    out: dict[str, Any] = {
+        "mode": _choice(s.get("mode", "spatial"), f"{path}.mode", MODES),
+        "chunk_size": _int(s.get("chunk_size"), f"{path}.chunk_size", 2, nullable=True),
+    }
+    tasks = s.get("tasks")
+    if tasks is None:
+        raise SpecError(f"{path}.tasks", "is required (a non-empty list)")
+    if not isinstance(tasks, list) or not tasks:
+        raise SpecError(f"{path}.tasks", f"must be a non-empty list, got {tasks!r}")
+    seen: set[str] = set()
+    out["tasks"] = []
+    for i, t in enumerate(tasks):
+        vt = validate_task(t, f"{path}.tasks[{i}]", i, defaults)
+        if vt["name"] in seen:
+            raise SpecError(f"{path}.tasks[{i}].name", f"duplicate task name {vt['name']!r}")
+        seen.add(vt["name"])
+        cs = out["chunk_size"]
+        if cs is not None and vt["dataset"]["min_len"] > cs:
+            raise SpecError(f"{path}.tasks[{i}].dataset.min_len", f"must be <= chunk_size ({cs}), got {vt['dataset']['min_len']}")
+        if cs is not None and vt["dataset"]["max_len"] is not None and vt["dataset"]["max_len"] > cs:
+            raise SpecError(f"{path}.tasks[{i}].dataset.max_len", f"must be <= chunk_size ({cs}), got {vt['dataset']['max_len']}")
+        out["tasks"].append(vt)
+    return out
