@@ -25,6 +25,8 @@ import statistics
 import tempfile
 import time
 
+import torch  # noqa: F401  - imported once here so that forked ranks start in milliseconds
+
 from agent.runtime.parallel.launch import free_port
 
 CORES = sorted(os.sched_getaffinity(0))
@@ -46,13 +48,13 @@ class _StampedStream:
         self._f.flush()
 
 
-def _rank_main(spec: dict, cores: list[int], events_path: str, start_at: float) -> None:
+def _rank_main(specs: list[dict], cores: list[int], events_path: str, start_at: float) -> None:
+    """One forked rank: pin to ``cores``, then run ``specs`` one after the other (a
+    profiling job runs several points of a module in one process)."""
     code = 1
     try:
         os.sched_setaffinity(0, cores)
-        import torch
-
-        torch.set_num_threads(int(spec.get("threads") or len(cores)))
+        torch.set_num_threads(int(specs[0].get("threads") or len(cores)))
         from agent.runtime.__main__ import resolve
         from agent.runtime.report import Reporter
 
@@ -60,25 +62,33 @@ def _rank_main(spec: dict, cores: list[int], events_path: str, start_at: float) 
         while time.monotonic() < start_at:
             time.sleep(0.001)
         with open(events_path, "w", encoding="utf-8") as f:
-            rank = spec["dist"]["rank"]
-            rep = Reporter(stream=_StampedStream(f), enabled=rank == 0)
-            code = int(resolve(spec["workload"]["type"])(spec, rep))
+            for i, spec in enumerate(specs):
+                rank = spec["dist"]["rank"]
+                f.write(f"{time.monotonic():.6f} SPEC {i}\n")
+                rep = Reporter(stream=_StampedStream(f), enabled=rank == 0)
+                code = int(resolve(spec["workload"]["type"])(spec, rep))
+                if code:
+                    break
     finally:
         os._exit(code)
 
 
-def _read_events(path: str) -> list[tuple[float, dict]]:
+def _read_events(path: str) -> list[list[tuple[float, dict]]]:
+    """Timestamped events of each spec the rank ran, in order."""
     from agent.runtime.report import parse_line
 
-    out = []
+    out: list[list[tuple[float, dict]]] = []
     if not os.path.exists(path):
         return out
     with open(path, encoding="utf-8") as f:
         for line in f:
             ts, _, rest = line.partition(" ")
+            if rest.startswith("SPEC "):
+                out.append([])
+                continue
             ev = parse_line(rest)
-            if ev is not None:
-                out.append((float(ts), ev))
+            if ev is not None and out:
+                out[-1].append((float(ts), ev))
     return out
 
 
@@ -111,7 +121,7 @@ def run_jobs(jobs: list[dict], warmup: int, timeout_s: float = 300.0) -> list[di
                 spec["dist"] = {"rank": r, "world_size": world, "master_addr": "127.0.0.1",
                                 "master_port": port, "backend": "gloo", "timeout_s": 120}
                 path = os.path.join(tmp, f"job{j}.rank{r}")
-                p = ctx.Process(target=_rank_main, args=(spec, job["cores"][r], path, start_at), daemon=True)
+                p = ctx.Process(target=_rank_main, args=([spec], job["cores"][r], path, start_at), daemon=True)
                 p.start()
                 procs.append(p)
             paths.append(os.path.join(tmp, f"job{j}.rank0"))
@@ -124,7 +134,7 @@ def run_jobs(jobs: list[dict], warmup: int, timeout_s: float = 300.0) -> list[di
         wall = time.monotonic() - t0
         if any(p.exitcode != 0 for p in procs):
             raise RuntimeError(f"bench job failed: exit codes {[p.exitcode for p in procs]} for {jobs}")
-        evs = [[(ts, e) for ts, e in _read_events(path) if e["event"] == "progress"] for path in paths]
+        evs = [[(ts, e) for ts, e in _read_events(path)[0] if e["event"] == "progress"] for path in paths]
     # Overlap window: after every job's warm-up, before the first job finishes.
     lo = max(ev[warmup - 1][0] if warmup > 0 else ev[0][0] for ev in evs)
     hi = min(ev[-1][0] for ev in evs)
@@ -138,6 +148,35 @@ def run_jobs(jobs: list[dict], warmup: int, timeout_s: float = 300.0) -> list[di
         out.append({"step_s": statistics.median(kept), "steps": kept, "device_s": wall * len(cores) / len(jobs)
                     if len(jobs) > 1 else wall * len(cores)})
     return out
+
+
+def profile_points(workloads: list[dict], cores: list[int], threads: int, warmup: int,
+                   timeout_s: float = 300.0) -> tuple[list[float], float]:
+    """A cheap profiling job: one process on ``cores`` runs each single-rank workload
+    in turn (``steps`` = warmup + measured). Returns (median step s per workload,
+    device-seconds of the whole job)."""
+    ctx = mp.get_context("fork")
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="tessera-prof-") as tmp:
+        path = os.path.join(tmp, "prof")
+        specs = []
+        for w in workloads:
+            spec = make_spec(w, threads)
+            spec["dist"] = {"rank": 0, "world_size": 1}
+            specs.append(spec)
+        p = ctx.Process(target=_rank_main, args=(specs, cores, path, 0.0), daemon=True)
+        p.start()
+        p.join(timeout_s)
+        if p.is_alive():
+            p.kill()
+            p.join()
+        if p.exitcode != 0:
+            raise RuntimeError(f"profiling job failed: exit code {p.exitcode}")
+        runs = _read_events(path)
+    wall = time.monotonic() - t0
+    meds = [statistics.median([e["step_time_s"] for _, e in run if e["event"] == "progress"][warmup:])
+            for run in runs]
+    return meds, wall * len(cores)
 
 
 # --------------------------------------------------------------------------- comm

@@ -1,0 +1,262 @@
+"""Accuracy of the performance model against real training steps of the runtime.
+
+    python -m bench.estimator_accuracy [--json PATH] [--device cpu|cuda] [--quick]
+
+1. Cheap profiles (the only thing the model is fitted from): two GPT modules at a
+   few (batch, seq, quota, micro-batch) points in one profiling process per module,
+   one colocation pair per mode (split cores / shared core), and the gloo loopback
+   communication micro-benchmark (2 processes).
+2. A held-out grid of real configurations (no grid point is a profile point): other
+   batches and sequence lengths, unseen model sizes and vocabularies, 2-thread
+   quotas, gradient accumulation, colocation pairs, dp=2 / pp=2 / tp=2 over 2 gloo
+   ranks — each run with ``agent.runtime`` (real steps; median after warm-up).
+3. MAPE per category, single-device (one device, colocation included) and
+   multi-rank, and the profiling cost: device-seconds of the profiles versus of
+   measuring the whole grid.
+
+The grid is shuffled (fixed seed) so that the machine's background load spreads
+over the categories instead of hitting one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+from tessera.perfmodel import Candidate, ComputeSample, PerfModel, fit_comm, fit_compute, fit_interference
+
+DEVICE = "cpu"
+LINK = "loopback-gloo"
+
+# Models: name -> (layers, hidden, heads, vocab, seq_len). A and B are profiled.
+MODELS = {
+    "A": (2, 64, 4, 256, 64),
+    "B": (4, 128, 4, 256, 64),
+    "C": (3, 96, 4, 256, 64),      # unseen: between A and B
+    "D": (6, 64, 4, 512, 128),     # unseen: deeper, larger vocab, longer context
+    "E": (2, 192, 4, 256, 64),     # unseen: wider than anything profiled
+}
+PROFILED = ("A", "B")
+
+# (model, batch, seq, quota, micro_batches): profile points per module.
+PROFILE_POINTS = [
+    ("A", 4, 32, 1, 1), ("A", 16, 64, 1, 1), ("A", 32, 32, 1, 1), ("A", 8, 64, 1, 2), ("A", 8, 64, 2, 1),
+    ("A", 8, 64, 1, 1),
+    ("B", 2, 32, 1, 1), ("B", 4, 64, 1, 1), ("B", 8, 32, 1, 1), ("B", 8, 64, 1, 2), ("B", 4, 64, 2, 1),
+]
+COLO_PROFILE = ("A", 8, 64)  # alone time is the profile point ("A", 8, 64, 1, 1)
+
+PROFILE_WARMUP, PROFILE_MEASURED = 2, 5
+GRID_WARMUP, GRID_MEASURED = 3, 8
+
+
+def model_dict(name: str) -> dict:
+    layers, hidden, heads, vocab, seq_len = MODELS[name]
+    return {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "seq_len": seq_len}
+
+
+def grid(quick: bool) -> list[dict]:
+    """Held-out configurations; each: category, jobs (model, batch, seq, plan, cores)."""
+    g: list[dict] = []
+
+    def single(cat, model, batch, seq, q=1, m=1):
+        g.append({"category": cat, "jobs": [{"model": model, "batch": batch, "seq": seq, "q": q, "m": m,
+                                             "plan": {}, "cores": [list(range(q))]}]})
+
+    for b, s in [(8, 48), (24, 64), (12, 16), (2, 64), (48, 32)]:
+        single("single_batch_seq", "A", b, s)
+    for b, s in [(12, 64), (16, 48), (2, 64), (6, 16), (24, 32)]:
+        single("single_batch_seq", "B", b, s)
+    for name, pts in {"C": [(8, 64), (4, 32), (16, 48)], "D": [(4, 128), (8, 64), (2, 96)],
+                      "E": [(8, 64), (4, 32), (16, 32)]}.items():
+        for b, s in pts:
+            single("single_model_size", name, b, s)
+    for name, b, s in [("A", 16, 64), ("B", 8, 64), ("C", 8, 64), ("E", 8, 48), ("B", 16, 32)]:
+        single("single_quota2", name, b, s, q=2)
+    for name, b, s, m in [("A", 16, 64, 4), ("B", 16, 64, 4), ("C", 8, 64, 2), ("D", 8, 64, 2), ("E", 8, 32, 4)]:
+        single("single_microbatch", name, b, s, m=m)
+    for mode, cores in (("colocate_shared", [[0], [0]]), ("colocate_split", [[0], [1]])):
+        for (m1, b1, s1), (m2, b2, s2) in [(("A", 16, 64), ("B", 4, 64)), (("C", 8, 64), ("C", 8, 64)),
+                                           (("B", 8, 32), ("E", 4, 64))]:
+            g.append({"category": mode, "jobs": [
+                {"model": m1, "batch": b1, "seq": s1, "q": 1, "m": 1, "plan": {}, "cores": [cores[0]]},
+                {"model": m2, "batch": b2, "seq": s2, "q": 1, "m": 1, "plan": {}, "cores": [cores[1]]}]})
+
+    def multi(cat, model, batch, seq, dp=1, tp=1, pp=1, m=1):
+        g.append({"category": cat, "jobs": [{"model": model, "batch": batch, "seq": seq, "q": 1, "m": m,
+                                             "plan": {"dp": dp, "tp": tp, "pp": pp, "micro_batches": m},
+                                             "cores": [[0], [1]]}]})
+
+    for name, b, s in [("A", 16, 64), ("B", 8, 64), ("C", 16, 32), ("D", 8, 64), ("E", 8, 64)]:
+        multi("multi_dp2", name, b, s, dp=2)
+    for name, b, s, m in [("A", 16, 64, 1), ("A", 16, 64, 4), ("B", 8, 64, 2), ("C", 16, 64, 4), ("D", 8, 96, 4),
+                          ("E", 8, 64, 2)]:
+        multi("multi_pp2", name, b, s, pp=2, m=m)
+    for name, b, s in [("A", 16, 64), ("B", 8, 64), ("E", 8, 32)]:
+        multi("multi_tp2", name, b, s, tp=2)
+    if quick:
+        # Two points per category keep every category in the table.
+        kept: dict[str, list[dict]] = {}
+        for x in g:
+            kept.setdefault(x["category"], []).append(x)
+        g = [x for xs in kept.values() for x in xs[:2]]
+    random.Random(7).shuffle(g)
+    return g
+
+
+def candidate(job: dict, colocated: int = 1, oversub: float = 1.0) -> Candidate:
+    layers, hidden, heads, vocab, seq_len = MODELS[job["model"]]
+    p = job["plan"]
+    return Candidate(device_type=DEVICE, layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq_len=seq_len,
+                     batch=job["batch"], seq=job["seq"], dp=p.get("dp", 1), tp=p.get("tp", 1), pp=p.get("pp", 1),
+                     micro_batches=job["m"], quota=job["q"], link=LINK, module=job["model"],
+                     colocated=colocated, oversubscription=oversub)
+
+
+def workload(model: str, batch: int, seq: int, m: int, steps: int, plan: dict | None = None) -> dict:
+    md = model_dict(model)
+    # The runtime trains on seq_len tokens: a shorter sequence is a model with a
+    # shorter context (same weights shape apart from the position table).
+    md["seq_len"] = seq
+    return {"model": md, "batch_size": batch, "steps": steps,
+            "plan": {"dp": 1, "tp": 1, "pp": 1, "micro_batches": m, **(plan or {})}}
+
+
+def profile(quick: bool) -> tuple[PerfModel, dict]:
+    from bench._measure import comm_table, profile_points, run_jobs
+
+    cost = {"compute": 0.0, "colocation": 0.0, "comm": 0.0}
+    steps = PROFILE_WARMUP + PROFILE_MEASURED
+    samples = []
+    alone = {}
+    for name in PROFILED:
+        for q in (1, 2):
+            pts = [p for p in PROFILE_POINTS if p[0] == name and p[3] == q]
+            meds, dev_s = profile_points([workload(n, b, s, m, steps) for n, b, s, _, m in pts],
+                                         list(range(q)), q, PROFILE_WARMUP)
+            cost["compute"] += dev_s
+            for (n, b, s, qq, m), t in zip(pts, meds):
+                layers, hidden, heads, vocab, _ = MODELS[n]
+                samples.append(ComputeSample(module=n, rows=b, seq=s, layers=layers, hidden=hidden, heads=heads,
+                                             vocab=vocab, q=qq, seconds=t, micro_batches=m, seq_len=s))
+                alone[(n, b, s, qq, m)] = t
+    pairs = []
+    n, b, s = COLO_PROFILE
+    for mode, cores, over in (("shared", [[0], [0]], 2.0), ("split", [[0], [1]], 1.0)):
+        res = run_jobs([{"workload": workload(n, b, s, 1, steps), "cores": [c]} for c in cores], PROFILE_WARMUP)
+        cost["colocation"] += sum(r["device_s"] for r in res)
+        for r in res:
+            pairs.append({"mode": mode, "colocated": 2, "oversubscription": over, "alone_s": alone[(n, b, s, 1, 1)],
+                          "together_s": r["step_s"]})
+    rows, dev_s = comm_table(sizes=[4 << 10, 256 << 10, 2 << 20], reps=5)
+    cost["comm"] += dev_s
+    model = PerfModel(version=1, compute={DEVICE: fit_compute(DEVICE, samples)}, comm={LINK: fit_comm(LINK, rows)},
+                      interference={DEVICE: fit_interference(pairs)})
+    return model, {"cost": cost, "samples": len(samples), "comm_rows": rows, "pairs": pairs}
+
+
+def measure_grid(points: list[dict]) -> tuple[list[dict], float]:
+    from bench._measure import run_jobs
+
+    steps = GRID_WARMUP + GRID_MEASURED
+    out, cost = [], 0.0
+    for pt in points:
+        jobs = [{"workload": workload(j["model"], j["batch"], j["seq"], j["m"], steps, j["plan"]),
+                 "cores": j["cores"]} for j in pt["jobs"]]
+        res = run_jobs(jobs, GRID_WARMUP)
+        cost += sum(r["device_s"] for r in res)
+        out.append({**pt, "measured": [r["step_s"] for r in res]})
+    return out, cost
+
+
+def evaluate(model: PerfModel, measured: list[dict]) -> dict:
+    cands, truth, cats = [], [], []
+    for pt in measured:
+        jobs = pt["jobs"]
+        if len(jobs) > 1:
+            shared = jobs[0]["cores"] == jobs[1]["cores"]
+            for j, t in zip(jobs, pt["measured"]):
+                cands.append(candidate({**j, "seq": j["seq"]}, colocated=2, oversub=2.0 if shared else 1.0))
+                truth.append(t)
+                cats.append(pt["category"])
+        else:
+            cands.append(candidate(jobs[0]))
+            truth.append(pt["measured"][0])
+            cats.append(pt["category"])
+    # Seq shorter than the model's context: the runtime trains a model of context seq.
+    cands = [Candidate(**{**c.__dict__, "seq_len": c.seq}) for c in cands]
+    t0 = time.perf_counter()
+    ests = model.estimate_batch(cands)
+    eval_s = time.perf_counter() - t0
+    rows = []
+    for c, e, t, cat in zip(cands, ests, truth, cats):
+        rows.append({"category": cat, "module": c.module, "batch": c.batch, "seq": c.seq, "quota": c.quota,
+                     "dp": c.dp, "tp": c.tp, "pp": c.pp, "micro_batches": c.micro_batches,
+                     "measured_s": t, "estimated_s": e.seconds if e.ok else None, "status": e.status,
+                     "confidence": e.confidence, "rel_std": e.rel_std,
+                     "ape": abs(e.seconds - t) / t * 100 if e.ok else None})
+    return {"rows": rows, "eval_s": eval_s}
+
+
+def mape(rows: list[dict]) -> float | None:
+    v = [r["ape"] for r in rows if r["ape"] is not None]
+    return statistics.fmean(v) if v else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--quick", action="store_true", help="two grid points per category (< 2 minutes)")
+    args = ap.parse_args(argv)
+    if args.device == "cuda":
+        print("the cuda variant (MPS quotas) is not implemented yet; see docs/estimator.md", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    model, prof = profile(args.quick)
+    fit = model.compute[DEVICE]
+    print(f"profiles: {prof['samples']} compute points, 2 colocation pairs, {len(prof['comm_rows'])} comm rows; "
+          f"fit {fit.status} rel_sigma={fit.rel_sigma:.3f} p={fit.p:.2f} {fit.reason}", file=sys.stderr)
+    points = grid(args.quick)
+    measured, grid_cost = measure_grid(points)
+    res = evaluate(model, measured)
+    rows = res["rows"]
+    cats = sorted({r["category"] for r in rows})
+    single = [r for r in rows if not r["category"].startswith("multi_")]
+    multi = [r for r in rows if r["category"].startswith("multi_")]
+    prof_cost = sum(prof["cost"].values())
+    out = {
+        "device": args.device, "quick": args.quick,
+        "mape_single": mape(single), "mape_multi": mape(multi),
+        "profiling_cost_ratio": grid_cost / prof_cost if prof_cost else None,
+        "profile_device_s": prof_cost, "grid_device_s": grid_cost, "profile_cost": prof["cost"],
+        "categories": {c: {"mape": mape([r for r in rows if r["category"] == c]),
+                           "n": sum(r["category"] == c for r in rows),
+                           "max_ape": max((r["ape"] or 0) for r in rows if r["category"] == c),
+                           "mean_confidence": statistics.fmean(r["confidence"] for r in rows if r["category"] == c)}
+                       for c in cats},
+        "estimate_batch_s": res["eval_s"], "grid_points": len(rows),
+        "model": model.to_dict(), "rows": rows, "wall_s": time.monotonic() - t0,
+    }
+    for c in cats:
+        out[c] = out["categories"][c]["mape"]
+    print(f"{'category':<20} {'n':>3} {'MAPE %':>7} {'max %':>7} {'conf':>5}")
+    for c in cats:
+        v = out["categories"][c]
+        print(f"{c:<20} {v['n']:>3} {v['mape']:>7.2f} {v['max_ape']:>7.2f} {v['mean_confidence']:>5.2f}")
+    print(f"{'single-device':<20} {len(single):>3} {out['mape_single']:>7.2f}")
+    print(f"{'multi-rank':<20} {len(multi):>3} {out['mape_multi']:>7.2f}")
+    print(f"profiling cost: {prof_cost:.1f} device-s (profiles) vs {grid_cost:.1f} device-s (grid): "
+          f"{out['profiling_cost_ratio']:.1f}x less; wall {out['wall_s']:.0f} s")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Composition, confidence, snapshots and batch evaluation of the performance model."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+
+import pytest
+
+from tessera.perfmodel import Candidate, PerfModel, fit_comm, fit_compute, fit_interference
+from tessera.perfmodel.comm import steps_and_volume
+from tests.unit.test_perfmodel_fit import samples
+
+LINK = "lo"
+
+
+def comm_rows(alpha=50e-6, beta=1 / 2e9):
+    rows = []
+    for op in ("all_reduce", "send_recv"):
+        for nbytes in (4 << 10, 256 << 10, 4 << 20):
+            st, vol = steps_and_volume(op, 2, nbytes)
+            rows.append({"op": op, "bytes": nbytes, "world": 2, "seconds": float(alpha * st + beta * vol)})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def model() -> PerfModel:
+    pairs = [{"mode": "split", "colocated": 2, "oversubscription": 1.0, "alone_s": 1.0, "together_s": 1.1},
+             {"mode": "shared", "colocated": 2, "oversubscription": 2.0, "alone_s": 1.0, "together_s": 2.3}]
+    return PerfModel(version=3, compute={"cpu": fit_compute("cpu", samples(noise=0.01))},
+                     comm={LINK: fit_comm(LINK, comm_rows())}, interference={"cpu": fit_interference(pairs)})
+
+
+def cand(**kw) -> Candidate:
+    base = dict(device_type="cpu", layers=4, hidden=128, heads=4, vocab=256, seq_len=64, batch=16, link=LINK,
+                module="m4x128")
+    base.update(kw)
+    return Candidate(**base)
+
+
+def test_single_device_matches_fitted_curve(model):
+    e = model.estimate(cand())
+    assert e.ok and e.seconds > 0 and e.memory_bytes > 0
+    assert 0 < e.confidence <= 1 and e.rel_std > 0
+
+
+def test_bubble_fraction_shrinks_with_micro_batches(model):
+    fracs = []
+    for m in (1, 2, 4, 8):
+        e = model.estimate(cand(pp=2, micro_batches=m))
+        assert e.ok, e.reason
+        fracs.append(e.breakdown["bubble"] / e.breakdown["pipeline"])
+    assert fracs == sorted(fracs, reverse=True) and fracs[0] > fracs[-1]
+    # Balanced stages: bubble = (pp-1)/(m+pp-1) of the pipeline, up to stage imbalance.
+    e = model.estimate(cand(layers=8, pp=2, micro_batches=4))
+    assert e.breakdown["bubble"] / e.breakdown["pipeline"] == pytest.approx(1 / 5, rel=0.35)
+
+
+def test_more_dp_cuts_compute_but_adds_allreduce(model):
+    one = model.estimate(cand(batch=32))
+    two = model.estimate(cand(batch=32, dp=2))
+    assert two.breakdown["pipeline"] < one.breakdown["pipeline"]
+    assert two.breakdown["per_step"] > one.breakdown["per_step"]  # the gradient all-reduce
+    slow = PerfModel(compute=model.compute, comm={LINK: fit_comm(LINK, comm_rows(beta=1 / 1e6))},
+                     interference=model.interference)
+    assert slow.estimate(cand(batch=32, dp=2)).seconds > two.seconds
+
+
+def test_tp_adds_per_layer_allreduces(model):
+    e1 = model.estimate(cand(tp=2))
+    slow = PerfModel(compute=model.compute, comm={LINK: fit_comm(LINK, comm_rows(alpha=1e-2))})
+    e2 = slow.estimate(cand(tp=2))
+    # 4 layers x 4 all-reduces x 2 ring steps at n=2, + the loss all-reduce's 2 steps.
+    assert e2.seconds - e1.seconds == pytest.approx((4 * 4 * 2 + 2) * (1e-2 - 50e-6), rel=0.02)
+
+
+def test_colocation_shared_stretches_split_interferes(model):
+    alone = model.estimate(cand()).seconds
+    split = model.estimate(cand(colocated=2, oversubscription=1.0)).seconds
+    shared = model.estimate(cand(colocated=2, oversubscription=2.0)).seconds
+    assert split == pytest.approx(alone * 1.1)
+    assert shared == pytest.approx(alone * 2 * 1.15)
+
+
+def test_memory_grows_with_batch_and_shrinks_with_pp(model):
+    m1 = model.estimate(cand(batch=8)).memory_bytes
+    m2 = model.estimate(cand(batch=32)).memory_bytes
+    m3 = model.estimate(cand(batch=32, pp=2, micro_batches=4)).memory_bytes
+    assert m1 < m2 and m3 < m2
+
+
+def test_insufficient_data_says_so(model):
+    for c, words in [(cand(device_type="cuda:H100"), "no compute profile"),
+                     (cand(dp=2, link="ib"), "no communication table"),
+                     (cand(batch=15, dp=2), "divide"),
+                     (cand(layers=1, pp=2), "invalid plan")]:
+        e = model.estimate(c)
+        assert e.status == "insufficient_data" and words in e.reason and e.seconds != e.seconds  # NaN
+    bare = PerfModel(compute={"cpu": fit_compute("cpu", samples()[:4])})
+    e = bare.estimate(cand())
+    assert not e.ok and "at least" in e.reason
+    nocolo = PerfModel(compute=model.compute)
+    assert "colocation" in nocolo.estimate(cand(colocated=2)).reason
+
+
+def test_confidence_falls_with_extrapolation_and_unseen_module(model):
+    near = model.estimate(cand())
+    far = model.estimate(cand(layers=48, hidden=1024, batch=512, seq_len=2048))
+    unseen = model.estimate(cand(module="never-profiled"))
+    assert far.confidence < near.confidence and far.breakdown["extrapolation"] > 0
+    assert unseen.confidence < near.confidence
+
+
+def test_snapshot_round_trip_gives_identical_estimates(model):
+    snap = json.loads(json.dumps(model.to_dict()))
+    again = PerfModel.from_dict(snap)
+    assert again.version == 3
+    cs = [cand(), cand(dp=2, batch=32), cand(pp=2, micro_batches=4), cand(colocated=2, oversubscription=2.0),
+          cand(device_type="nope")]
+    assert model.estimate_batch(cs) == again.estimate_batch(cs)
+    with pytest.raises(ValueError):
+        PerfModel.from_dict({**snap, "format": "other/9"})
+
+
+def test_batch_evaluation_matches_single_and_is_fast(model):
+    cs = []
+    for layers in (2, 4, 8):
+        for dp in (1, 2, 4):
+            for pp in (1, 2):
+                for m in (1, 2, 4):
+                    for q in (0.5, 1, 2):
+                        cs.append(cand(layers=layers, dp=dp, pp=pp, micro_batches=m, quota=q, batch=64))
+    cs.append(cand(device_type="gpu?"))
+    batch = model.estimate_batch(cs)
+    for c, e in zip(cs, batch):
+        assert model.estimate(c) == e
+    many = [replace(c, batch=64 * (1 + i % 4)) for i, c in enumerate(cs * 30)]
+    t0 = time.perf_counter()
+    out = model.estimate_batch(many)
+    assert len(out) == len(many) >= 4000
+    assert time.perf_counter() - t0 < 2.0

@@ -1,0 +1,112 @@
+"""Fitting of the pure performance model on synthetic data with known coefficients."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from tessera.perfmodel import ComputeSample, fit_comm, fit_compute
+from tessera.perfmodel.comm import steps_and_volume
+from tessera.perfmodel.compute import COEFS, INF, design, nnls
+
+TRUE = {"c_flops": 2e-11, "c_elems": 3e-10, "c_ops": 4e-4, "c_mb": 1e-3, "c_params": 5e-9,
+        "c_tensors": 2e-5, "c_seq": 1e-5, "c_one": 2e-3}
+TRUE_P = 0.8
+
+
+def synth_time(s: ComputeSample, coef=TRUE, p=TRUE_P, q_sat=INF) -> float:
+    mbf, stf = s.features()
+    x = design({k: np.array([v]) for k, v in mbf.items()}, {k: np.array([v]) for k, v in stf.items()},
+               np.array([s.micro_batches]), np.array([s.q]), p, q_sat)
+    return float(x[0] @ np.array([coef[k] for k in COEFS]))
+
+
+def samples(noise: float = 0.0, seed: int = 0) -> list[ComputeSample]:
+    rng = np.random.default_rng(seed)
+    out = []
+    shapes = [(2, 64, 256), (4, 128, 256), (3, 96, 512), (6, 32, 128)]
+    for (layers, hidden, vocab), (rows, seq), q, m in itertools.product(shapes, [(4, 32), (16, 64), (8, 128)],
+                                                                           [1, 2, 4], [1, 2]):
+        s = ComputeSample(module=f"m{layers}x{hidden}", rows=rows * m, seq=seq, layers=layers, hidden=hidden,
+                          heads=4, vocab=vocab, q=q, seconds=1.0, micro_batches=m)
+        t = synth_time(s) * (1.0 + noise * rng.standard_normal())
+        out.append(ComputeSample(**{**s.__dict__, "seconds": t}))
+    return out
+
+
+def test_fit_recovers_known_coefficients_without_noise():
+    fit = fit_compute("cpu", samples())
+    assert fit.status == "ok"
+    assert fit.p == pytest.approx(TRUE_P, abs=1e-9)
+    for k in COEFS:
+        assert fit.coef[k] == pytest.approx(TRUE[k], rel=1e-4), k
+    assert fit.rel_sigma < 1e-6
+
+
+def test_fit_with_noise_predicts_within_noise():
+    data = samples(noise=0.02, seed=1)
+    fit = fit_compute("cpu", data)
+    assert fit.status == "ok"
+    assert abs(fit.p - TRUE_P) <= 0.1
+    assert 0.01 < fit.rel_sigma < 0.04
+    for s in samples():  # noiseless truth
+        mbf, stf = s.features()
+        pred = float(fit.mb_time(mbf, s.q) * s.micro_batches + fit.step_time(stf))
+        assert pred == pytest.approx(s.seconds, rel=0.05)
+
+
+def test_quota_saturation_is_found():
+    data = samples()
+    data = [ComputeSample(**{**s.__dict__, "seconds": synth_time(s, q_sat=2.0)}) for s in data]
+    fit = fit_compute("cpu", data)
+    assert fit.q_sat == 2.0 and fit.p == pytest.approx(TRUE_P)
+
+
+def test_too_few_profiles_is_insufficient_data():
+    fit = fit_compute("cpu", samples()[:5])
+    assert fit.status == "insufficient_data" and "at least" in fit.reason
+    same_model = [s for s in samples() if s.layers == 2]
+    fit = fit_compute("cpu", same_model)
+    assert fit.status == "insufficient_data" and "model size" in fit.reason
+
+
+def test_nnls_matches_unconstrained_when_positive_and_clips_otherwise():
+    rng = np.random.default_rng(0)
+    a = rng.random((30, 4))
+    x = np.array([1.0, 2.0, 0.5, 3.0])
+    assert np.allclose(nnls(a, a @ x), x)
+    b = a @ np.array([1.0, -2.0, 0.5, 3.0])
+    got = nnls(a, b)
+    assert (got >= 0).all()
+    # KKT: gradient non-positive on the zero set.
+    g = a.T @ (b - a @ got)
+    assert (g[got == 0] <= 1e-9).all()
+
+
+def test_comm_fit_recovers_latency_and_bandwidth():
+    alpha, beta = 50e-6, 1 / 2e9
+    rows = []
+    for op in ("all_reduce", "all_gather", "broadcast", "send_recv"):
+        for nbytes in (4 << 10, 256 << 10, 4 << 20):
+            st, vol = steps_and_volume(op, 2, nbytes)
+            rows.append({"op": op, "bytes": nbytes, "world": 2, "seconds": float(alpha * st + beta * vol)})
+    fit = fit_comm("lo", rows)
+    for op in ("all_reduce", "all_gather", "broadcast", "send_recv"):
+        assert fit.ops[op]["alpha"] == pytest.approx(alpha, rel=1e-6)
+        assert fit.ops[op]["beta"] == pytest.approx(beta, rel=1e-6)
+    # Ring all-reduce generalises to more ranks: 2(n-1) steps, 2(n-1)/n of the bytes.
+    assert fit.time("all_reduce", 4, 1 << 20) == pytest.approx(6 * alpha + 1.5 * (1 << 20) * beta)
+    assert fit.time("all_reduce", 1, 1 << 20) == 0.0
+
+
+def test_comm_op_with_one_size_is_left_out():
+    fit = fit_comm("lo", [{"op": "send_recv", "bytes": 10, "world": 2, "seconds": 1e-4}])
+    assert not fit.has("send_recv")
+
+
+def test_nan_free_on_extreme_quota():
+    fit = fit_compute("cpu", samples())
+    assert math.isfinite(float(fit.mb_time(samples()[0].features()[0], 0.05)))
