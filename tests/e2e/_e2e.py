@@ -70,9 +70,13 @@ class Bed:
         return cli(*args, cwd=self.root, timeout=timeout)
 
     def job(self, job_id: str) -> dict:
-        r = self.run("get", job_id, "-o", "json")
-        assert r.returncode == 0, r.stderr
-        return json.loads(r.stdout)
+        """The job as `tessera get -o json` prints it, read in-process (polling the CLI
+        would cost an interpreter start per poll)."""
+        from tessera.cli import to_dict
+        from tessera.client import Client
+
+        with Client(self.info["controller"]) as c:
+            return to_dict(c.get(job_id))
 
     def wait_for(self, job_id: str, pred, timeout: float = 60, what: str = "") -> dict:
         """Poll ``get`` until ``pred(job_dict)``; fail with the last state after ``timeout``."""

@@ -1,0 +1,173 @@
+"""tessera.client without servers: address resolution, error mapping, local validation,
+pagination and watch resumption (fake stubs)."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from tessera import client as tc
+from tessera.api.v1 import controller_pb2, types_pb2
+from tessera.errors import SpecError
+
+DOC = {"apiVersion": "tessera/v1", "kind": "Job", "name": "c-job", "workload": {"type": "gpt", "steps": 5},
+       "resources": {"devices": 1}}
+
+
+class RpcErr(grpc.RpcError):
+    def __init__(self, code, details=""):
+        self._c, self._d = code, details
+
+    def code(self):
+        return self._c
+
+    def details(self):
+        return self._d
+
+
+class Stream:
+    """A fake server stream: yields events, then optionally raises."""
+
+    def __init__(self, events, error=None):
+        self.events, self.error, self.cancelled = events, error, False
+
+    def __iter__(self):
+        yield from self.events
+        if self.error:
+            raise self.error
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def ev(jid, rev, phase=types_pb2.RUNNING):
+    return controller_pb2.JobEvent(type=controller_pb2.JobEvent.UPDATED, revision=rev,
+                                   job=types_pb2.Job(id=jid, status=types_pb2.JobStatus(phase=phase)))
+
+
+class FakeJobs:
+    def __init__(self):
+        self.requests: list = []
+        self.submit_errors: list = []
+        self.streams: list[Stream] = []
+        self.pages = {"": (["a", "b"], "t1"), "t1": (["c"], "")}
+
+    def SubmitJob(self, req, timeout=None):
+        self.requests.append(("submit", req))
+        if self.submit_errors:
+            raise self.submit_errors.pop(0)
+        return controller_pb2.SubmitJobResponse(job=types_pb2.Job(id="j-1", spec=req.spec), created=True)
+
+    def ListJobs(self, req, timeout=None):
+        self.requests.append(("list", req))
+        ids, nxt = self.pages[req.page_token]
+        return controller_pb2.ListJobsResponse(jobs=[types_pb2.Job(id=i) for i in ids], next_page_token=nxt, revision=42)
+
+    def GetJob(self, req, timeout=None):
+        raise RpcErr(grpc.StatusCode.NOT_FOUND, f"job {req.job_id} not found")
+
+    def WatchJobs(self, req, timeout=None):
+        self.requests.append(("watch", req))
+        return self.streams.pop(0)
+
+
+@pytest.fixture
+def c(monkeypatch):
+    monkeypatch.setattr(tc.time, "sleep", lambda s: None)  # no real backoff in unit tests
+    cl = tc.Client("127.0.0.1:1")
+    cl.jobs = FakeJobs()
+    yield cl
+    cl.close()
+
+
+def test_resolve_address_precedence(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TESSERA_CONTROLLER", raising=False)
+    with pytest.raises(tc.TesseraError) as ei:
+        tc.resolve_address()
+    assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION and "tessera up" in ei.value.message
+    (tmp_path / ".tessera").mkdir()
+    (tmp_path / ".tessera" / "testbed.json").write_text(json.dumps({"controller": "file:1"}))
+    assert tc.resolve_address() == "file:1"
+    monkeypatch.setenv("TESSERA_CONTROLLER", "env:2")
+    assert tc.resolve_address() == "env:2"
+    assert tc.resolve_address("arg:3") == "arg:3"
+
+
+def test_submit_validates_locally_and_sends_nothing_when_invalid(c):
+    bad = dict(DOC, workload={"type": "gpt", "steps": 0})
+    with pytest.raises(SpecError) as ei:
+        c.submit(bad)
+    assert ei.value.field == "workload.steps"
+    assert c.jobs.requests == []
+
+
+def test_submit_auto_key_and_retry_keeps_key(c):
+    c.jobs.submit_errors = [RpcErr(grpc.StatusCode.UNAVAILABLE, "not leader")]
+    job = c.submit(DOC)
+    assert job.id == "j-1"
+    (_, r1), (_, r2) = c.jobs.requests
+    assert r1.idempotency_key and r1.idempotency_key == r2.idempotency_key
+    assert r1.spec.workload.batch_size == 8  # defaults filled before sending
+    c.submit(DOC, idempotency_key="k")
+    assert c.jobs.requests[-1][1].idempotency_key == "k"
+
+
+def test_errors_carry_status_code(c):
+    c.jobs.submit_errors = [RpcErr(grpc.StatusCode.ALREADY_EXISTS, "key reused")]
+    with pytest.raises(tc.TesseraError) as ei:
+        c.submit(DOC, idempotency_key="k")
+    assert ei.value.code == grpc.StatusCode.ALREADY_EXISTS and ei.value.message == "key reused"
+    with pytest.raises(tc.TesseraError) as ei:
+        c.get("j-x")
+    assert ei.value.code == grpc.StatusCode.NOT_FOUND and "ALREADY" not in str(ei.value)
+
+
+def test_list_follows_pages(c):
+    jobs = c.list(tenant="t", phases=["running"])
+    assert [j.id for j in jobs] == ["a", "b", "c"]
+    reqs = [r for k, r in c.jobs.requests if k == "list"]
+    assert [r.page_token for r in reqs] == ["", "t1"]
+    assert list(reqs[0].phases) == [types_pb2.RUNNING] and reqs[0].tenant == "t"
+
+
+def test_watch_resumes_after_unavailable_from_last_revision(c):
+    c.jobs.streams = [Stream([ev("j", 5), ev("j", 7)], RpcErr(grpc.StatusCode.UNAVAILABLE)),
+                      Stream([ev("j", 9, types_pb2.SUCCEEDED)])]
+    got = [e.revision for e in c.watch(job_id="j")]
+    assert got == [5, 7, 9]
+    starts = [r.start_revision for k, r in c.jobs.requests if k == "watch"]
+    assert starts == [0, 7]
+
+
+def test_watch_relists_when_compacted(c):
+    c.jobs.pages = {"": (["j", "other"], "")}
+    c.jobs.streams = [Stream([], RpcErr(grpc.StatusCode.OUT_OF_RANGE, "compacted")), Stream([ev("j", 50)])]
+    got = list(c.watch(job_id="j", start_revision=3))
+    assert [(e.type, e.job.id) for e in got] == [(controller_pb2.JobEvent.SNAPSHOT, "j"), (controller_pb2.JobEvent.UPDATED, "j")]
+    starts = [r.start_revision for k, r in c.jobs.requests if k == "watch"]
+    assert starts == [3, 42]
+
+
+def test_watch_other_errors_raise(c):
+    c.jobs.streams = [Stream([], RpcErr(grpc.StatusCode.PERMISSION_DENIED, "tenant"))]
+    with pytest.raises(tc.TesseraError) as ei:
+        list(c.watch())
+    assert ei.value.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_wait_returns_terminal_job(c):
+    c.jobs.streams = [Stream([ev("other", 1), ev("j", 2), ev("j", 3, types_pb2.CANCELLED), ev("j", 4)])]
+    seen = []
+    job = c.wait("j", on_event=lambda j: seen.append(j.status.phase))
+    assert job.status.phase == types_pb2.CANCELLED
+    assert seen == [types_pb2.RUNNING, types_pb2.CANCELLED]
+
+
+def test_phase_helpers():
+    assert tc.phase_name(types_pb2.SUCCEEDED) == "SUCCEEDED"
+    assert tc.parse_phase("pending") == types_pb2.PENDING
+    with pytest.raises(ValueError, match="one of"):
+        tc.parse_phase("nope")
