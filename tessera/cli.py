@@ -10,7 +10,7 @@ Local testbed::
 
     tessera up [--agents N] [--cpu-devices K] [--detach] [--dir .tessera]
     tessera down [--dir .tessera]
-    tessera demo [--examples DIR] [--timeout S] [--keep]
+    tessera demo [FILE.yaml ...] [--examples DIR] [--timeout S] [--keep]
 
 Exit codes: 0 success; 1 the server refused or failed (message with the gRPC status code),
 a job did not succeed (``--wait``, ``demo``), or the testbed failed; 2 usage errors and
@@ -379,13 +379,18 @@ def cmd_down(a, client_for, out: Console, err: Console) -> int:
 def cmd_demo(a, client_for, out: Console, err: Console) -> int:
     from .testbed import Testbed, TestbedError
 
-    files = sorted(Path(a.examples).glob("*.yaml")) + sorted(Path(a.examples).glob("*.yml"))
-    if not files:
-        raise UsageError(f"--examples: no *.yaml manifests in {a.examples}")
+    if a.manifests:
+        files = [Path(m) for m in a.manifests]
+    else:
+        files = sorted(Path(a.examples).glob("*.yaml")) + sorted(Path(a.examples).glob("*.yml"))
+        if not files:
+            raise UsageError(f"--examples: no *.yaml manifests in {a.examples}")
     docs = []
     for f in files:
         try:
             docs.append((f, manifest.load_file(f)))
+        except OSError as e:
+            raise UsageError(f"cannot read {f}: {e.strerror}") from None
         except SpecError as e:
             err.print(f"[red]error:[/] invalid manifest {f}: [bold]{e.field}[/]: {e.message}", highlight=False)
             return 2
@@ -491,6 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", parents=[common], help="testbed + every example manifest + summary")
     p.add_argument("--dir", default=".tessera/demo", help="testbed state directory (default .tessera/demo)")
+    p.add_argument("manifests", nargs="*", metavar="FILE.yaml", help="manifests to run (default: every *.yaml in --examples)")
     p.add_argument("--examples", default="examples", metavar="DIR")
     p.add_argument("--timeout", type=float, default=900.0, metavar="S", help="for all jobs together")
     p.add_argument("--keep", action="store_true", help="leave the testbed running")
