@@ -4,10 +4,11 @@ Objective: minimise average JCT, with a bound on waiting (hence on p99 JCT). Eac
 
 1. every job's grid (cached per model) gives its allowed cells: any device type, between
    half and all of the requested count (shrink at most 2x);
-2. jobs are ordered by estimated remaining time on their best cell (SRPT, divided by the
-   tenant weight); a running job counts at ``preempt_ratio`` of its remaining time, so
-   only a job at least twice as short preempts it; a job pending longer than
-   ``wait_bound_s`` goes first (bounded waiting);
+2. jobs are ordered by estimated remaining work on their preferred cell (remaining
+   iterations x iteration time x devices, divided by the tenant weight: shortest
+   remaining work first); a running job counts at ``preempt_ratio`` of its remaining
+   work, so only a job with less than half of it preempts it; a job waiting longer than
+   ``wait_bound_s`` goes first, in arrival order (bounded waiting);
 3. in that order each job keeps its devices, or takes the best free cell (ranked by
    iteration time x devices**beta: faster, but not at any cost in devices), or takes
    the devices of lower-priority running jobs (preempt; the victims move or wait);
