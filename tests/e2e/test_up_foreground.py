@@ -1,0 +1,56 @@
+"""e2e: `tessera up` in the foreground stops the whole cluster on Ctrl-C (SIGINT), and a
+`tessera down` from another shell stops a foreground testbed through its owner."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from _e2e import REPO, cli
+
+from tessera.etcdproc import EtcdNotFound, find_etcd
+from tessera.testbed import find_marked
+
+pytestmark = pytest.mark.slow
+
+
+def _start_foreground(root):
+    try:
+        find_etcd()
+    except EtcdNotFound as e:
+        pytest.skip(str(e))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("TESSERA_CONTROLLER", None)
+    proc = subprocess.Popen([sys.executable, "-m", "tessera.cli", "up", "--agents", "1", "--cpu-devices", "1"],
+                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stderr:  # progress lines until the cluster is ready
+        lines.append(line)
+        if "press Ctrl-C" in line:
+            break
+    else:
+        pytest.fail("tessera up ended before it was ready:\n" + "".join(lines))
+    info = json.loads((root / ".tessera" / "testbed.json").read_text())
+    assert find_marked(info["marker"])
+    return proc, info
+
+
+@pytest.mark.parametrize("how", ["sigint", "down"])
+def test_foreground_up_stops_everything(tmp_path, how):
+    proc, info = _start_foreground(tmp_path)
+    try:
+        if how == "sigint":
+            proc.send_signal(signal.SIGINT)
+        else:
+            r = cli("down", cwd=tmp_path, timeout=120)
+            assert r.returncode == 0, r.stderr
+        assert proc.wait(90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert find_marked(info["marker"]) == []
+    assert not (tmp_path / ".tessera" / "testbed.json").exists()
