@@ -263,3 +263,9 @@ def test_gavel_picks_fastest_type_for_requested_count():
 def test_policy_without_estimator_uses_requested_resources():
     r = TesseraPolicy().schedule(ScheduleRequest(nodes(), (job("x", 2, kind="a"),)))
     assert r.placements[0].num_devices == 2 and r.placements[0].gpu_type == "a"
+
+
+def test_firstfit_and_controller_imports_unchanged():
+    from controller.policy import FirstFit, JobView as JV, NodeView as NV, Placement as P, RunningJob as RJ, Shard as S  # noqa: F401
+    r = FirstFit().schedule(ScheduleRequest(nodes(a=1, b=0), (JV("x", num_devices=2),)))
+    assert r.placements[0].num_devices == 2 and r.resizes == () and r.preemptions == ()
