@@ -285,6 +285,10 @@ class MuxEngine:
 def apply_adapter_to_slot(engine: MuxEngine, slot: int, adapter: dict) -> None:
     """Write a saved adapter into one slot of the engine's banks (others untouched)."""
     scale = adapter["alpha"] / adapter["rank"]
+    if adapter["rank"] > next(iter(engine.banks.values())).rank:
+        for bank in engine.banks.values():
+            bank.resize(bank.slots, adapter["rank"])
+        engine.opt.resize(engine._slots())
     for full, bank in engine.banks.items():
         w = adapter["weights"].get(full)
         if w is None:

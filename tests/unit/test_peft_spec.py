@@ -1,0 +1,87 @@
+"""validate_peft: defaults, idempotence, and errors that name the exact field."""
+
+from __future__ import annotations
+
+import pytest
+
+from tessera.errors import SpecError
+from tessera.spec.peft import validate_peft
+
+DEFAULTS = {"learning_rate": 0.003, "batch_size": 8, "steps": 100, "seed": 5}
+
+
+def test_defaults_filled_and_inherited():
+    out = validate_peft({"tasks": [{"name": "a"}, {"name": "b", "rank": 4, "steps": 7}]}, defaults=DEFAULTS)
+    a, b = out["tasks"]
+    assert out["mode"] == "spatial" and out["chunk_size"] is None
+    assert a["rank"] == 8 and a["alpha"] == 16.0 and a["target_modules"] == ["qkv", "proj"]
+    assert (a["learning_rate"], a["batch_size"], a["steps"]) == (0.003, 8, 100)
+    assert b["steps"] == 7 and b["alpha"] == 8.0
+    assert a["dataset"]["seed"] == 5 and b["dataset"]["seed"] == 6  # workload seed + index
+    assert a["dataset"] == {"kind": "synthetic", "seed": 5, "min_len": 8, "max_len": None,
+                            "distribution": "uniform", "path": None, "field": None}
+
+
+def test_without_defaults_inheritable_fields_stay_null_and_revalidate():
+    once = validate_peft({"mode": "temporal", "chunk_size": 32, "tasks": [{"name": "a"}]})
+    assert once["tasks"][0]["learning_rate"] is None and once["tasks"][0]["steps"] is None
+    assert validate_peft(once) == once
+    filled = validate_peft(once, defaults=DEFAULTS)
+    assert filled["tasks"][0]["steps"] == 100 and filled["tasks"][0]["dataset"]["seed"] == 5
+    assert validate_peft(filled, defaults=DEFAULTS) == filled
+
+
+def test_file_dataset():
+    out = validate_peft({"tasks": [{"name": "f", "dataset": {"kind": "jsonl", "path": "/d/x.jsonl"}}]})
+    assert out["tasks"][0]["dataset"]["field"] == "text"
+
+
+T = "workload.peft.tasks"
+
+
+@pytest.mark.parametrize("section,field", [
+    ({"tasks": [{"name": "a"}], "bogus": 1}, "workload.peft.bogus"),
+    ({"mode": "diagonal", "tasks": [{"name": "a"}]}, "workload.peft.mode"),
+    ({"chunk_size": 1, "tasks": [{"name": "a"}]}, "workload.peft.chunk_size"),
+    ({"chunk_size": "64", "tasks": [{"name": "a"}]}, "workload.peft.chunk_size"),
+    ({}, "workload.peft.tasks"),
+    ({"tasks": []}, "workload.peft.tasks"),
+    ({"tasks": "a"}, "workload.peft.tasks"),
+    ({"tasks": [{"rank": 4}]}, f"{T}[0].name"),
+    ({"tasks": [{"name": "Bad Name"}]}, f"{T}[0].name"),
+    ({"tasks": [{"name": "a"}, {"name": "b"}, {"name": "c", "rank": 0}]}, f"{T}[2].rank"),
+    ({"tasks": [{"name": "a", "rank": True}]}, f"{T}[0].rank"),
+    ({"tasks": [{"name": "a", "rank": 2.5}]}, f"{T}[0].rank"),
+    ({"tasks": [{"name": "a", "alpha": -1}]}, f"{T}[0].alpha"),
+    ({"tasks": [{"name": "a", "learning_rate": 0}]}, f"{T}[0].learning_rate"),
+    ({"tasks": [{"name": "a", "batch_size": -3}]}, f"{T}[0].batch_size"),
+    ({"tasks": [{"name": "a", "steps": 0}]}, f"{T}[0].steps"),
+    ({"tasks": [{"name": "a", "target_modules": []}]}, f"{T}[0].target_modules"),
+    ({"tasks": [{"name": "a", "target_modules": ["qkv", "lm_head"]}]}, f"{T}[0].target_modules[1]"),
+    ({"tasks": [{"name": "a", "target_modules": ["fc", "fc"]}]}, f"{T}[0].target_modules[1]"),
+    ({"tasks": [{"name": "a", "lr": 0.1}]}, f"{T}[0].lr"),
+    ({"tasks": [{"name": "a"}, {"name": "a"}]}, f"{T}[1].name"),
+    ({"tasks": [{"name": "a", "dataset": {"kind": "csv"}}]}, f"{T}[0].dataset.kind"),
+    ({"tasks": [{"name": "a", "dataset": {"min_len": 1}}]}, f"{T}[0].dataset.min_len"),
+    ({"tasks": [{"name": "a", "dataset": {"min_len": 9, "max_len": 8}}]}, f"{T}[0].dataset.max_len"),
+    ({"chunk_size": 16, "tasks": [{"name": "a", "dataset": {"max_len": 32}}]}, f"{T}[0].dataset.max_len"),
+    ({"tasks": [{"name": "a", "dataset": {"distribution": "zipf"}}]}, f"{T}[0].dataset.distribution"),
+    ({"tasks": [{"name": "a", "dataset": {"kind": "jsonl"}}]}, f"{T}[0].dataset.path"),
+    ({"tasks": [{"name": "a", "dataset": {"kind": "text", "path": "rel.txt"}}]}, f"{T}[0].dataset.path"),
+    ({"tasks": [{"name": "a", "dataset": {"path": "/x"}}]}, f"{T}[0].dataset.path"),
+    ({"tasks": [{"name": "a", "dataset": {"kind": "text", "path": "/x", "field": "t"}}]}, f"{T}[0].dataset.field"),
+    ({"tasks": [{"name": "a", "dataset": {"seed": -1}}]}, f"{T}[0].dataset.seed"),
+    ({"tasks": [{"name": "a", "dataset": {"size": 3}}]}, f"{T}[0].dataset.size"),
+])
+def test_errors_name_the_field(section, field):
+    with pytest.raises(SpecError) as ei:
+        validate_peft(section, "workload.peft")
+    assert ei.value.field == field
+
+
+def test_manifest_uses_validator():
+    from tessera.manifest import load_file
+
+    doc = load_file("examples/lora-8tasks.yaml")
+    peft = doc["workload"]["peft"]
+    assert len(peft["tasks"]) == 8 and peft["chunk_size"] == 64

@@ -1,0 +1,165 @@
+"""The peft runner: events, adapter-only checkpoints, control file, resume, bad specs."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import pytest
+import torch
+
+from agent.runtime.model import GPT, GPTConfig
+from agent.runtime.peft.engine import merge_adapter
+from agent.runtime.peft.workload import PeftRunner, load_adapter, parse, run
+from agent.runtime.report import Reporter, parse_line
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny matmuls: intra-op threads only add contention (badly so on a busy machine).
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+MODEL = {"vocab": 64, "seq_len": 32, "layers": 1, "hidden": 32, "heads": 4}
+
+
+def workload(tasks, mode="spatial", **kw):
+    return {"type": "peft", "model": MODEL, "steps": 4, "batch_size": 3, "learning_rate": 0.01, "seed": 0,
+            "peft": {"mode": mode, "chunk_size": 32, "tasks": tasks}, **kw}
+
+
+def events(buf):
+    return [e for e in (parse_line(l) for l in buf.getvalue().splitlines()) if e]
+
+
+def runner(tmp_path, tasks, mode="spatial", **kw):
+    cfg, sec, p = parse(workload(tasks, mode, **kw))
+    buf = io.StringIO()
+    r = PeftRunner(cfg, sec, p, Reporter(buf), str(tmp_path))
+    for t in sec["tasks"]:
+        r.add_task(t)
+    return r, buf
+
+
+@pytest.mark.parametrize("mode", ["spatial", "temporal"])
+def test_run_reports_tasks_and_writes_adapters(tmp_path, mode):
+    buf = io.StringIO()
+    spec = {"job_id": "j", "workload": workload([{"name": "a", "steps": 3}, {"name": "b", "rank": 2,
+                                                  "target_modules": ["fc"]}], mode, report_every=1),
+            "dist": {}, "checkpoint_dir": str(tmp_path), "threads": 1}
+    assert run(spec, Reporter(buf)) == 0
+    ev = events(buf)
+    assert ev[0]["event"] == "start" and ev[-1]["event"] == "done"
+    task_ev = [e for e in ev if e["event"] == "task"]
+    for name, steps in (("a", 3), ("b", 4)):
+        mine = [e for e in task_ev if e["task"] == name]
+        assert mine[0]["phase"] == "running" and mine[0]["step"] == 0
+        assert mine[-1]["phase"] == "succeeded" and mine[-1]["step"] == steps
+        assert all(e["tokens_per_s"] > 0 for e in mine[1:]) and all(e["loss"] > 0 for e in mine[1:])
+        ad = load_adapter(os.path.join(tmp_path, "peft", name, "adapter.pt"))
+        assert ad["name"] == name and ad["step"] == steps
+        assert all(k.startswith("blocks.") for k in ad["weights"])  # adapter only, no backbone
+    assert set(load_adapter(os.path.join(tmp_path, "peft", "b", "adapter.pt"))["weights"]) == {"blocks.0.mlp.fc"}
+    prog = [e for e in ev if e["event"] == "progress"]
+    assert len(prog) == (4 if mode == "spatial" else 7) and prog[-1]["step"] == prog[-1]["total"]
+    pk = ev[-1]["pack"]
+    assert ev[-1]["tasks"]["a"]["phase"] == "succeeded" and pk["pad_removed"] == pk["pad_longest"] - pk["pad_chunked"]
+    assert pk["real_tokens"] == sum(t["tokens"] for t in ev[-1]["tasks"].values())
+    assert not [e for e in ev if e["event"] == "error"]
+
+
+def test_control_file_adds_and_cancels_mid_run(tmp_path):
+    r, buf = runner(tmp_path, [{"name": "a", "steps": 6}, {"name": "b", "steps": 6}])
+    assert r.step() and r.step()
+    with open(r.control_file, "a") as f:
+        f.write(json.dumps({"op": "add", "task": {"name": "c", "steps": 2, "rank": 16}}) + "\n")
+        f.write(json.dumps({"op": "cancel", "task": "b"}) + "\n")
+        f.write(json.dumps({"op": "cancel", "task": "zzz"}) + "\n")
+        f.write(json.dumps({"op": "add", "task": {"name": "d", "rank": 0}}) + "\n")
+        f.write('{"op": "add", "task": {"name": "e"')  # incomplete line: applied later
+    assert r.step()
+    e = r.engine.tasks
+    assert e["b"].status == "cancelled" and e["b"].step == 2
+    assert e["c"].step == 1 and e["a"].step == 3 and "e" not in e and "d" not in e
+    errs = [x for x in events(buf) if x["event"] == "error"]
+    assert [x["field"] for x in errs] == ["control[2].task", "control[3].task.rank"]
+    assert os.path.exists(os.path.join(tmp_path, "peft", "b", "adapter.pt"))  # cancelled: adapter so far
+    with open(r.control_file, "a") as f:
+        f.write(', "steps": 1}}\n')
+    while r.step():
+        pass
+    assert e["e"].status == "succeeded" and e["c"].status == "succeeded" and e["a"].step == 6
+    phases = [(x["task"], x["phase"]) for x in events(buf) if x["event"] == "task" and x["phase"] != "running"]
+    assert ("b", "cancelled") in phases and ("c", "succeeded") in phases
+
+
+def test_adapter_file_loads_back_to_training_outputs(tmp_path):
+    r, _ = runner(tmp_path, [{"name": "a", "steps": 10, "target_modules": ["qkv", "proj", "fc", "out"]},
+                             {"name": "b", "steps": 10}])
+    for _ in range(3):
+        r.step()
+    x = torch.randint(0, 64, (2, 20))
+    during = r.engine.forward_task("a", x)
+    r.cancel_task("a")
+    ad = load_adapter(os.path.join(tmp_path, "peft", "a", "adapter.pt"))
+    torch.manual_seed(0)  # workload.seed: the same frozen backbone
+    merged = merge_adapter(GPT(GPTConfig(**MODEL)), ad)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x), during, rtol=1e-4, atol=1e-5)
+
+
+def test_resume_from_task_state_continues_the_same_trajectory(tmp_path):
+    tasks = [{"name": "a", "steps": 5}, {"name": "b", "steps": 5, "learning_rate": 0.02}]
+    ref, _ = runner(tmp_path / "ref", tasks)
+    ref_losses = []
+    while ref.step():
+        ref_losses.append(ref.engine.tasks["a"].loss)
+    first, buf = runner(tmp_path / "run", tasks, checkpoint_every=1)
+    for _ in range(3):
+        first.step()
+    first.checkpoint_running()
+    again, _ = runner(tmp_path / "run", tasks)
+    assert again.engine.tasks["a"].step == 3
+    got = []
+    while again.step():
+        got.append(again.engine.tasks["a"].loss)
+    assert got == pytest.approx(ref_losses[3:], rel=1e-4)
+    # A task whose adapter exists finished in an earlier run: not restarted.
+    third, buf3 = runner(tmp_path / "run", tasks)
+    assert third.engine.running() == []
+    assert [e["phase"] for e in events(buf3) if e["event"] == "task"] == ["succeeded", "succeeded"]
+
+
+def test_file_datasets(tmp_path):
+    jl = tmp_path / "d.jsonl"
+    jl.write_text("\n".join(json.dumps({"text": "hello world number %d, " % i * (i % 3 + 1)}) for i in range(20)) + "\n")
+    tx = tmp_path / "d.txt"
+    tx.write_text("\n".join("line %d of some text" % i for i in range(20)) + "\n")
+    buf = io.StringIO()
+    spec = {"job_id": "j", "workload": workload([
+        {"name": "j", "dataset": {"kind": "jsonl", "path": str(jl)}},
+        {"name": "t", "dataset": {"kind": "text", "path": str(tx), "min_len": 4}}]),
+        "dist": {}, "checkpoint_dir": str(tmp_path / "ck"), "threads": 1}
+    assert run(spec, Reporter(buf)) == 0
+    assert events(buf)[-1]["tasks"]["j"]["tokens"] > 0
+
+
+@pytest.mark.parametrize("wl,field", [
+    (workload([{"name": "a", "rank": -1}]), "workload.peft.tasks[0].rank"),
+    (workload([{"name": "a"}], chunk_size=None) | {"peft": {"chunk_size": 64, "tasks": [{"name": "a"}]}},
+     "workload.peft.chunk_size"),
+    (workload([{"name": "a", "dataset": {"kind": "text", "path": "/nonexistent/x.txt"}}]), None),
+])
+def test_bad_spec_is_an_error_event(tmp_path, wl, field):
+    wl.pop("chunk_size", None)
+    buf = io.StringIO()
+    rc = run({"job_id": "j", "workload": wl, "dist": {}, "checkpoint_dir": str(tmp_path)}, Reporter(buf))
+    err = [e for e in events(buf) if e["event"] == "error"]
+    assert len(err) == 1
+    if field:
+        assert rc == 2 and err[0]["field"] == field
+    else:
+        assert rc == 1
