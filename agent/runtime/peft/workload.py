@@ -40,6 +40,7 @@ from agent.runtime.model import GPT, GPTConfig
 from agent.runtime.peft.data import make_dataset
 from agent.runtime.peft.engine import MuxEngine, TaskState
 from agent.runtime.report import Reporter
+from tessera import log
 from tessera.errors import SpecError
 from tessera.spec.peft import validate_peft, validate_task
 
@@ -123,7 +124,9 @@ class PeftRunner:
     the control file); neither restarts or perturbs the other tasks."""
 
     def __init__(self, cfg: GPTConfig, section: dict, params: dict, reporter: Reporter,
-                 checkpoint_dir: str | None = None, control_file: str | None = None, device: str = "cpu") -> None:
+                 checkpoint_dir: str | None = None, control_file: str | None = None, device: str = "cpu",
+                 job_id: str | None = None) -> None:
+        self.log = log.get(job_id=job_id, workload="peft")
         self.cfg, self.section, self.params, self.rep = cfg, section, params, reporter
         self.ckpt_dir = checkpoint_dir
         self.control_file = control_file or (os.path.join(checkpoint_dir, "peft-control.jsonl") if checkpoint_dir else None)
@@ -158,6 +161,8 @@ class PeftRunner:
         st = self.engine.add_task(t, ds)
         if tdir and os.path.exists(os.path.join(tdir, "state.pt")):
             self.engine.restore(st, torch.load(os.path.join(tdir, "state.pt"), map_location="cpu", weights_only=True))
+        self.log.info("task_added", task=st.name, slot=st.slot, rank=t["rank"], targets=t["target_modules"],
+                      resumed_step=st.step, running=len(self.engine.running()))
         self._task_event(st)
         return st
 
@@ -246,6 +251,8 @@ class PeftRunner:
             path = os.path.join(self.task_dir(t.name), "adapter.pt")
             atomic_torch_save(t.final_adapter, path)
             self.rep.event("checkpoint", task=t.name, path=path, step=t.step, adapter_only=True)
+        self.log.info("task_ended", task=t.name, phase=t.status, step=t.step, loss=t.loss,
+                      tokens_per_s=round(t.tokens_per_s(), 1), running=len(self.engine.running()))
         self._task_event(t)
 
     def summary(self) -> dict:
@@ -275,7 +282,8 @@ def _run(spec: dict, reporter: Reporter) -> int:
     cfg, sec, params = parse(wl)
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
-    runner = PeftRunner(cfg, sec, params, reporter, spec.get("checkpoint_dir"), spec.get("control_file"))
+    runner = PeftRunner(cfg, sec, params, reporter, spec.get("checkpoint_dir"), spec.get("control_file"),
+                        job_id=spec.get("job_id"))
     reporter.event("start", job_id=spec.get("job_id"), workload="peft", mode=sec["mode"],
                    chunk_size=sec["chunk_size"], tasks=[t["name"] for t in sec["tasks"]],
                    backbone_params=sum(p.numel() for p in runner.model.parameters() if not p.requires_grad))
@@ -284,6 +292,7 @@ def _run(spec: dict, reporter: Reporter) -> int:
     while True:
         if STOP.is_set():
             runner.checkpoint_running()
+            runner.log.info("stopped", running=[t.name for t in runner.engine.running()])
             return EXIT_TERM
         if not runner.step():
             break
