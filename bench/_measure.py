@@ -11,8 +11,12 @@ Contract:
   and send/recv, plus the device-seconds it cost.
 
 Why a launcher of its own rather than ``parallel.launch.run_local``: the benchmark
-needs per-rank CPU affinity (the "quota") and a timestamp on every progress event, to
-keep only the steps during which colocated jobs really overlapped.
+needs per-rank CPU affinity (the "quota"), per-step stamps on every rank (to keep only
+the steps during which colocated jobs really overlapped), and each thread's run-queue
+wait (``/proc/self/task/*/schedstat``). This host is shared with other people's test
+runs (load averages of 10 on 2 cores were seen); the wait they cause is subtracted
+from the step time, which the performance model predicts for a *dedicated* quota.
+Both the raw and the corrected times are reported.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import statistics
 import tempfile
 import time
 
+import numpy as np
 import torch  # noqa: F401  - imported once here so that forked ranks start in milliseconds
 
 from agent.runtime.parallel.launch import free_port
@@ -32,64 +37,95 @@ from agent.runtime.parallel.launch import free_port
 CORES = sorted(os.sched_getaffinity(0))
 
 
-class _StampedStream:
-    """File-like object that prefixes every written line with CLOCK_MONOTONIC seconds
-    (system-wide on Linux, so timestamps compare across processes)."""
-
-    def __init__(self, f) -> None:
-        self._f = f
-
-    def write(self, s: str) -> None:
-        for line in s.splitlines():
-            if line:
-                self._f.write(f"{time.monotonic():.6f} {line}\n")
-
-    def flush(self) -> None:
-        self._f.flush()
+def _delays() -> dict[str, float]:
+    """Cumulative run-queue wait (seconds) of each thread of this process: time it was
+    runnable but another task held the core (field 2 of /proc/<tid>/schedstat)."""
+    out = {}
+    base = "/proc/self/task"
+    for tid in os.listdir(base):
+        try:
+            with open(f"{base}/{tid}/schedstat", encoding="ascii") as f:
+                out[tid] = int(f.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
 
 
-def _rank_main(specs: list[dict], cores: list[int], events_path: str, start_at: float) -> None:
+def _stamp() -> list:
+    return [time.monotonic(), time.process_time(), _delays()]
+
+
+def _rank_main(specs: list[dict], cores: list[int], path: str, start_at: float) -> None:
     """One forked rank: pin to ``cores``, then run ``specs`` one after the other (a
-    profiling job runs several points of a module in one process)."""
+    profiling job runs several points of a module in one process). Writes, per spec,
+    a stamp (wall, CPU, run-queue waits) at the start of every step and at the end —
+    hooked on ``comm.TIMER.reset``, which the training loop calls once per step."""
     code = 1
     try:
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(int(specs[0].get("threads") or len(cores)))
         from agent.runtime.__main__ import resolve
+        from agent.runtime.parallel import comm
         from agent.runtime.report import Reporter
 
+        stamps: list = []
+        orig = comm.TIMER.reset
+
+        def reset() -> float:
+            stamps.append(_stamp())
+            return orig()
+
+        comm.TIMER.reset = reset  # instance attribute: shadows the method for this process only
         # Colocated jobs start their step loop at the same moment.
         while time.monotonic() < start_at:
             time.sleep(0.001)
-        with open(events_path, "w", encoding="utf-8") as f:
-            for i, spec in enumerate(specs):
-                rank = spec["dist"]["rank"]
-                f.write(f"{time.monotonic():.6f} SPEC {i}\n")
-                rep = Reporter(stream=_StampedStream(f), enabled=rank == 0)
-                code = int(resolve(spec["workload"]["type"])(spec, rep))
-                if code:
-                    break
+        runs = []
+        for spec in specs:
+            stamps.clear()
+            code = int(resolve(spec["workload"]["type"])(spec, Reporter(stream=open(os.devnull, "w"), enabled=False)))
+            stamps.append(_stamp())
+            runs.append(list(stamps))
+            if code:
+                break
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(runs, f)
     finally:
         os._exit(code)
 
 
-def _read_events(path: str) -> list[list[tuple[float, dict]]]:
-    """Timestamped events of each spec the rank ran, in order."""
-    from agent.runtime.report import parse_line
+def _series(stamps: list) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    t = np.array([s[0] for s in stamps])
+    cpu = np.array([s[1] for s in stamps])
+    tids = {tid for s in stamps for tid in s[2]}
+    return t, cpu, {tid: np.array([s[2].get(tid, 0.0) for s in stamps]) for tid in tids}
 
-    out: list[list[tuple[float, dict]]] = []
-    if not os.path.exists(path):
-        return out
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            ts, _, rest = line.partition(" ")
-            if rest.startswith("SPEC "):
-                out.append([])
-                continue
-            ev = parse_line(rest)
-            if ev is not None and out:
-                out[-1].append((float(ts), ev))
-    return out
+
+def _steps(job_stamps: list[list], lo: float, hi: float, warmup: int, partner: list | None) -> dict:
+    """Per measured step of one job (rank 0's boundaries inside [lo, hi]): raw wall time
+    and wall time less the run-queue wait that other tenants caused.
+
+    The wait of a step is the largest over every rank's threads (a synchronous step
+    waits for its slowest rank). On a core shared with a colocated ``partner`` job the
+    partner's CPU time is added back: that wait is the configuration, not noise.
+    """
+    t0, cpu0, _ = _series(job_stamps[0])
+    ranks = [_series(st) for st in job_stamps]
+    pt = _series(partner) if partner else None
+    raw, corr, util = [], [], []
+    for k in range(warmup, len(t0) - 1):
+        a, b = t0[k], t0[k + 1]
+        if a < lo - 1e-9 or b > hi + 1e-9:
+            continue
+        wait = 0.0
+        for t, _, d in ranks:
+            for series in d.values():
+                wait = max(wait, float(np.interp(b, t, series) - np.interp(a, t, series)))
+        extra = float(np.interp(b, pt[0], pt[1]) - np.interp(a, pt[0], pt[1])) if pt is not None else 0.0
+        w = b - a
+        raw.append(w)
+        corr.append(max(0.2 * w, min(w, w - wait + extra)))
+        util.append((cpu0[k + 1] - cpu0[k]) / w)
+    return {"raw": raw, "corrected": corr, "util": util}
 
 
 def make_spec(workload: dict, threads: int) -> dict:
@@ -99,64 +135,80 @@ def make_spec(workload: dict, threads: int) -> dict:
     return {"job_id": "bench", "workload": w, "threads": threads}
 
 
-def run_jobs(jobs: list[dict], warmup: int, timeout_s: float = 300.0) -> list[dict]:
-    """Run ``jobs`` concurrently; each is ``{"workload": {...}, "cores": [[rank0 cores], ...]}``.
+def _start(ctx, specs: list[dict], cores: list[int], path: str, start_at: float):
+    p = ctx.Process(target=_rank_main, args=(specs, cores, path, start_at), daemon=True)
+    p.start()
+    return p
 
-    ``workload.steps`` must be ``warmup + measured``. Returns per job
-    ``{"step_s": median seconds, "steps": [...], "device_s": wall * devices}`` where
-    devices is the number of distinct cores the job held. With several jobs only steps
-    that ended while every job was still in its measured phase are kept.
+
+def _join(procs: list, timeout_s: float, what) -> None:
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"bench run failed: exit codes {[p.exitcode for p in procs]} for {what}")
+
+
+def run_jobs(jobs: list[dict], warmup: int, timeout_s: float = 300.0) -> list[dict]:
+    """Run ``jobs`` concurrently; each is ``{"workload": {...}, "cores": [[rank0 cores], ...]}``
+    (one core list per rank; ``workload.steps`` = warmup + measured).
+
+    Returns per job ``{"step_s", "wall_s", "cpu_util", "steps", "device_s"}``:
+    ``step_s`` the median step time less other tenants' run-queue wait, ``wall_s`` the
+    raw median, ``device_s`` the run's wall time times the cores the job held. With
+    several jobs only steps inside the window where all of them were measuring count.
     """
     ctx = mp.get_context("fork")
     start_at = time.monotonic() + 0.3
-    t0 = time.monotonic()
-    procs, paths = [], []
+    t_begin = time.monotonic()
+    procs = []
     with tempfile.TemporaryDirectory(prefix="tessera-bench-") as tmp:
+        paths = []
         for j, job in enumerate(jobs):
             world = len(job["cores"])
             port = free_port()
             threads = job.get("threads") or len(job["cores"][0])
+            paths.append([])
             for r in range(world):
                 spec = make_spec(job["workload"], threads)
                 spec["dist"] = {"rank": r, "world_size": world, "master_addr": "127.0.0.1",
                                 "master_port": port, "backend": "gloo", "timeout_s": 120}
-                path = os.path.join(tmp, f"job{j}.rank{r}")
-                p = ctx.Process(target=_rank_main, args=([spec], job["cores"][r], path, start_at), daemon=True)
-                p.start()
-                procs.append(p)
-            paths.append(os.path.join(tmp, f"job{j}.rank0"))
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join()
-        wall = time.monotonic() - t0
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"bench job failed: exit codes {[p.exitcode for p in procs]} for {jobs}")
-        evs = [[(ts, e) for ts, e in _read_events(path)[0] if e["event"] == "progress"] for path in paths]
-    # Overlap window: after every job's warm-up, before the first job finishes.
-    lo = max(ev[warmup - 1][0] if warmup > 0 else ev[0][0] for ev in evs)
-    hi = min(ev[-1][0] for ev in evs)
+                paths[-1].append(os.path.join(tmp, f"job{j}.rank{r}"))
+                procs.append(_start(ctx, [spec], job["cores"][r], paths[-1][-1], start_at))
+        _join(procs, timeout_s, jobs)
+        wall = time.monotonic() - t_begin
+        stamps = []
+        for ps in paths:
+            stamps.append([json.load(open(p, encoding="utf-8"))[0] for p in ps])
+    lo = max(st[0][warmup][0] for st in stamps)
+    hi = min(st[0][-1][0] for st in stamps)
     out = []
-    for job, ev in zip(jobs, evs):
-        kept = [e["step_time_s"] for ts, e in ev[warmup:] if lo < ts <= hi + 1e-9] if len(jobs) > 1 else \
-            [e["step_time_s"] for _, e in ev[warmup:]]
-        if len(kept) < 2:  # too little overlap: fall back to every measured step
-            kept = [e["step_time_s"] for _, e in ev[warmup:]]
+    for j, job in enumerate(jobs):
+        partner = None
+        if len(jobs) == 2:
+            other = jobs[1 - j]
+            if set(other["cores"][0]) & set(job["cores"][0]):
+                partner = stamps[1 - j][0]
+        st = _steps(stamps[j], lo, hi, warmup, partner)
+        if len(st["raw"]) < 2:  # too little overlap: every measured step
+            st = _steps(stamps[j], -1e18, 1e18, warmup, partner)
         cores = {c for rc in job["cores"] for c in rc}
-        out.append({"step_s": statistics.median(kept), "steps": kept, "device_s": wall * len(cores) / len(jobs)
-                    if len(jobs) > 1 else wall * len(cores)})
+        out.append({"step_s": statistics.median(st["corrected"]), "wall_s": statistics.median(st["raw"]),
+                    "cpu_util": statistics.median(st["util"]), "steps": st["corrected"],
+                    "device_s": wall * len(cores) / len(jobs)})
     return out
 
 
 def profile_points(workloads: list[dict], cores: list[int], threads: int, warmup: int,
-                   timeout_s: float = 300.0) -> tuple[list[float], float]:
+                   timeout_s: float = 300.0) -> tuple[list[dict], float]:
     """A cheap profiling job: one process on ``cores`` runs each single-rank workload
-    in turn (``steps`` = warmup + measured). Returns (median step s per workload,
-    device-seconds of the whole job)."""
+    in turn (``steps`` = warmup + measured). Returns (per workload ``{"step_s",
+    "wall_s"}`` as in :func:`run_jobs`, device-seconds of the whole job)."""
     ctx = mp.get_context("fork")
-    t0 = time.monotonic()
+    t_begin = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tessera-prof-") as tmp:
         path = os.path.join(tmp, "prof")
         specs = []
@@ -164,19 +216,14 @@ def profile_points(workloads: list[dict], cores: list[int], threads: int, warmup
             spec = make_spec(w, threads)
             spec["dist"] = {"rank": 0, "world_size": 1}
             specs.append(spec)
-        p = ctx.Process(target=_rank_main, args=(specs, cores, path, 0.0), daemon=True)
-        p.start()
-        p.join(timeout_s)
-        if p.is_alive():
-            p.kill()
-            p.join()
-        if p.exitcode != 0:
-            raise RuntimeError(f"profiling job failed: exit code {p.exitcode}")
-        runs = _read_events(path)
-    wall = time.monotonic() - t0
-    meds = [statistics.median([e["step_time_s"] for _, e in run if e["event"] == "progress"][warmup:])
-            for run in runs]
-    return meds, wall * len(cores)
+        _join([_start(ctx, specs, cores, path, 0.0)], timeout_s, workloads)
+        runs = json.load(open(path, encoding="utf-8"))
+    wall = time.monotonic() - t_begin
+    out = []
+    for run in runs:
+        st = _steps([run], -1e18, 1e18, warmup, None)
+        out.append({"step_s": statistics.median(st["corrected"]), "wall_s": statistics.median(st["raw"])})
+    return out, wall * len(cores)
 
 
 # --------------------------------------------------------------------------- comm

@@ -142,6 +142,33 @@ class ComputeFit:
         return c["c_params"] * stf["params"] + c["c_tensors"] * stf["tensors"] + c["c_seq"] * stf["seq"] + c["c_one"] * stf["one"]
 
 
+HUBER_K = 1.345  # Huber's constant: 95% efficiency on clean normal residuals
+
+
+def _robust_fit(x: np.ndarray, y: np.ndarray, iters: int = 6) -> tuple[np.ndarray, np.ndarray, float]:
+    """NNLS on relative residuals, iteratively reweighted with Huber weights so that a
+    few profiles disturbed by other tenants on a shared host cannot drag the whole
+    curve (on clean data it is plain least squares). Returns (coef, rel residuals,
+    Huber loss in units of the robust scale)."""
+    n = len(y)
+    a0 = x / y[:, None]
+    scale = np.maximum(np.abs(a0).max(axis=0), 1e-300)  # features span ~12 decades
+    w = np.ones(n)
+    for _ in range(iters):
+        c = nnls(a0 * w[:, None] / scale, w) / scale
+        r = (x @ c - y) / y
+        s = max(1.4826 * float(np.median(np.abs(r))), 1e-9)
+        u = np.abs(r) / (HUBER_K * s)
+        w_new = np.sqrt(np.where(u <= 1, 1.0, 1.0 / np.maximum(u, 1e-12)))
+        if np.allclose(w_new, w, atol=1e-6):
+            break
+        w = w_new
+    u = np.abs(r) / max(1.4826 * float(np.median(np.abs(r))), 1e-6)
+    loss = float(np.sum(np.where(u <= HUBER_K, 0.5 * u * u, HUBER_K * u - 0.5 * HUBER_K ** 2)))
+    # Scale-free Huber loss ties on exact data; break ties on the plain squared error.
+    return c, r, loss + float(r @ r)
+
+
 # Keys of the extrapolation box: log-space distance from the profiled ranges.
 RANGE_KEYS = ("tokens", "seq", "layers", "hidden", "vocab", "q")
 MIN_SAMPLES = len(COEFS) + 2  # coefficients + p + one degree of freedom for the residual
@@ -174,20 +201,16 @@ def fit_compute(device_type: str, samples: list[ComputeSample], *, q_sat_grid: t
     for p in p_grid:
         for qsat in sat_grid:
             x = design(mbf, stf, m, q, p, qsat)
-            a = x / y[:, None]
-            # Column scaling: features span ~12 orders of magnitude.
-            scale = np.maximum(np.abs(a).max(axis=0), 1e-300)
-            c = nnls(a / scale, np.ones(n)) / scale
-            r = (x @ c - y) / y
-            sse = float(r @ r)
-            if best is None or sse < best[0] - 1e-15:
-                best = (sse, p, qsat, c, r)
-    sse, p, qsat, c, r = best
+            c, r, loss = _robust_fit(x, y)
+            if best is None or loss < best[0] - 1e-15:
+                best = (loss, p, qsat, c, r)
+    _, p, qsat, c, r = best
     k = int((c > 0).sum()) + (1 if len(qs) > 1 else 0)
     dof = max(1, n - k)
     out.coef = dict(zip(COEFS, map(float, c)))
     out.p, out.q_sat = float(p), float(qsat)
-    out.rel_sigma = math.sqrt(sse / dof)
+    # Robust scale (MAD) of the relative residuals, inflated for the fitted parameters.
+    out.rel_sigma = 1.4826 * float(np.median(np.abs(r))) * math.sqrt(n / dof)
     out.status = "ok"
     tok = [s.rows * s.seq for s in samples]
     vals = {"tokens": tok, "seq": [s.seq for s in samples], "layers": [s.layers for s in samples],

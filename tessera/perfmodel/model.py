@@ -193,15 +193,17 @@ class PerfModel:
             "mid_big": (base + 1, 0.0, 0.0, np.clip(extra - 1, 0, np.maximum(pp - 2, 0))),
             "mid_small": (base, 0.0, 0.0, np.maximum(pp - 2, 0) - np.clip(extra - 1, 0, np.maximum(pp - 2, 0))),
         }
+        # The profiled module's own correction of the compute terms (1 if never profiled).
+        mod = np.array([fit.modules.get(c.module, 1.0) for c in cs])
         t_mb, t_step, params, mem = {}, {}, {}, {}
         for k, (ls, e, hd, count) in kinds.items():
             mbf = F.mb_features(rows, T, ls, h, a, V, e, hd, tp)
             stf = F.step_features(T, ls, h, V, sl, e, hd, tp)
             sends = (pp > 1) * ((k != "last") * 1.0 + (k != "first") * 1.0)
-            t = fit.mb_time(mbf, q) + 4.0 * ls * ar(tp, act) + sends * p2p(act)
+            t = mod * fit.mb_time(mbf, q) + 4.0 * ls * ar(tp, act) + sends * p2p(act)
             t_mb[k] = np.where(count > 0, t, 0.0)
             params[k] = np.where(count > 0, stf["params"], 0.0)
-            t_step[k] = np.where(count > 0, fit.step_time(stf) + ar(dp, params[k] * F.BYTES_PER_ELEM), 0.0)
+            t_step[k] = np.where(count > 0, mod * fit.step_time(stf) + ar(dp, params[k] * F.BYTES_PER_ELEM), 0.0)
             inflight = m if cs[0].schedule == "gpipe" else np.minimum(m, pp if k == "first" else 1.0)
             mem[k] = np.where(count > 0, 16.0 * params[k] + inflight * F.activation_bytes(rows, T, ls, h, a, V, hd, tp), 0.0)
         counts = {k: v[3] * np.ones_like(L) for k, v in kinds.items()}
@@ -220,9 +222,7 @@ class PerfModel:
         # Uncertainty: fit residuals, extrapolation, unseen module, comm share, colocation.
         point = {"tokens": rows * m * T, "seq": T, "layers": L / pp, "hidden": h / tp, "vocab": V, "q": q}
         d = extrapolation(fit, point)
-        # The profiled module's own correction (1 for a module never profiled).
         unseen = np.array([0.0 if c.module in fit.modules else UNSEEN_MODULE for c in cs])
-        total = total * np.array([fit.modules.get(c.module, 1.0) for c in cs])
         comm_part = np.zeros_like(total) + ar(dp, params["first"] * F.BYTES_PER_ELEM) + loss_ar
         csig = 0.0
         if comm is not None:
