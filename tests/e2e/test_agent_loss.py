@@ -20,7 +20,7 @@ GRACE_S = 3.0
 
 @pytest.fixture(scope="module")
 def bed3(tmp_path_factory):
-    b = start_bed(tmp_path_factory.mktemp("bed-loss"), agents=2, cpu_devices=1, grace_s=GRACE_S)
+    b = start_bed(tmp_path_factory.mktemp("bed-loss"), agents=2, cpu_devices=2, grace_s=GRACE_S)
     try:
         yield b
     finally:
@@ -40,7 +40,9 @@ def test_killed_agent_job_requeued_and_finishes_elsewhere(bed3, tmp_path):
 
     # The node dies: its agent and the job's executors vanish at once.
     os.kill(agent["pid"], signal.SIGKILL)
-    for pid in find_marked(jid, key="TESSERA_JOB_ID"):
+    execs = find_marked(jid, key="TESSERA_JOB_ID")
+    assert execs, "the job's executor should be running on the victim node"
+    for pid in execs:
         os.kill(pid, signal.SIGKILL)
 
     final = bed3.wait_for(jid, lambda j: j["status"]["phase"] in ("SUCCEEDED", "FAILED", "CANCELLED"), 180, "a terminal phase")
