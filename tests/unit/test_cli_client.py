@@ -171,3 +171,78 @@ def test_phase_helpers():
     assert tc.parse_phase("pending") == types_pb2.PENDING
     with pytest.raises(ValueError, match="one of"):
         tc.parse_phase("nope")
+
+
+# --- AsyncClient ---------------------------------------------------------------------------
+
+class AioRpcErr(grpc.aio.AioRpcError):
+    def __init__(self, code, details=""):
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class AStream:
+    def __init__(self, events, error=None):
+        self.events, self.error = events, error
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        for e in self.events:
+            yield e
+        if self.error:
+            raise self.error
+
+    def cancel(self):
+        pass
+
+
+class AFakeJobs:
+    def __init__(self):
+        self.requests: list = []
+        self.streams: list = []
+        self.submit_errors: list = []
+
+    async def SubmitJob(self, req, timeout=None):
+        self.requests.append(("submit", req))
+        if self.submit_errors:
+            raise self.submit_errors.pop(0)
+        return controller_pb2.SubmitJobResponse(job=types_pb2.Job(id="j-a"))
+
+    async def GetJob(self, req, timeout=None):
+        raise AioRpcErr(grpc.StatusCode.NOT_FOUND, "nope")
+
+    def WatchJobs(self, req, timeout=None):
+        self.requests.append(("watch", req))
+        return self.streams.pop(0)
+
+
+@pytest.fixture
+async def ac(monkeypatch):
+    async def no_sleep(s):
+        return None
+
+    monkeypatch.setattr(tc.asyncio, "sleep", no_sleep)
+    cl = tc.AsyncClient("127.0.0.1:1")
+    cl.jobs = AFakeJobs()
+    yield cl
+    await cl.close()
+
+
+async def test_async_submit_retry_same_key_and_errors(ac):
+    ac.jobs.submit_errors = [AioRpcErr(grpc.StatusCode.UNAVAILABLE, "x")]
+    job = await ac.submit(DOC)
+    assert job.id == "j-a"
+    (_, r1), (_, r2) = ac.jobs.requests
+    assert r1.idempotency_key == r2.idempotency_key != ""
+    with pytest.raises(tc.TesseraError) as ei:
+        await ac.get("j-x")
+    assert ei.value.code == grpc.StatusCode.NOT_FOUND
+
+
+async def test_async_watch_resumes_and_wait(ac):
+    ac.jobs.streams = [AStream([ev("j", 4)], AioRpcErr(grpc.StatusCode.UNAVAILABLE)),
+                       AStream([ev("j", 6, types_pb2.SUCCEEDED)])]
+    job = await ac.wait("j")
+    assert job.status.phase == types_pb2.SUCCEEDED
+    assert [r.start_revision for k, r in ac.jobs.requests if k == "watch"] == [0, 4]
