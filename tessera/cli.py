@@ -382,7 +382,11 @@ def cmd_demo(a, client_for, out: Console, err: Console) -> int:
     if a.manifests:
         files = [Path(m) for m in a.manifests]
     else:
-        files = sorted(Path(a.examples).glob("*.yaml")) + sorted(Path(a.examples).glob("*.yml"))
+        ex = Path(a.examples)
+        if a.examples == "examples" and not ex.is_dir():
+            # Run from another directory: use the examples next to the package (editable install).
+            ex = Path(__file__).resolve().parents[1] / "examples"
+        files = sorted(ex.glob("*.yaml")) + sorted(ex.glob("*.yml"))
         if not files:
             raise UsageError(f"--examples: no *.yaml manifests in {a.examples}")
     docs = []

@@ -226,3 +226,12 @@ def test_wall_time_from_history():
     j = make_job(phase=types_pb2.SUCCEEDED)
     assert cli.wall_time(j) == pytest.approx(5.0)
     assert cli.wall_time(make_job()) == 0.0
+
+
+def test_follow_live_display_on_a_terminal():
+    buf = io.StringIO()
+    c = FakeClient(events=[make_job(phase=types_pb2.RUNNING, step=5, loss=2.0),
+                           make_job(phase=types_pb2.SUCCEEDED, step=10, loss=1.0)])
+    last = cli.follow(c, ["j-000000000001"], Console(file=buf, force_terminal=True, width=120), None)
+    assert last["j-000000000001"].status.phase == types_pb2.SUCCEEDED
+    assert "SUCCEEDED" in buf.getvalue() and "step 10/10" in buf.getvalue()
