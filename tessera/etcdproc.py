@@ -8,6 +8,7 @@ waits until ``/health`` answers, and stops it (SIGTERM, then SIGKILL after a dea
     with EtcdProcess(tmp / "etcd") as etcd:
         connect_to(etcd.endpoint)        # "127.0.0.1:PORT"
 
+``start(data_dir)`` is shorthand for ``EtcdProcess(data_dir).start()``.
 ``free_port()`` is the helper every test and the testbed use to pick loopback ports.
 """
 
@@ -25,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import IO
 
-__all__ = ["EtcdNotFound", "EtcdProcess", "find_etcd", "free_port", "free_ports"]
+__all__ = ["EtcdNotFound", "EtcdProcess", "find_etcd", "free_port", "free_ports", "start"]
 
 
 class EtcdNotFound(RuntimeError):
@@ -206,3 +207,9 @@ class EtcdProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def start(data_dir: str | Path, timeout: float = 30.0, **kwargs) -> EtcdProcess:
+    """Start a healthy etcd with its data in ``data_dir`` (see ``EtcdProcess`` for
+    ``kwargs``); the caller stops it with ``.stop()``."""
+    return EtcdProcess(data_dir, **kwargs).start(timeout=timeout)

@@ -293,7 +293,7 @@ class Testbed:
                 self._record(Proc("etcd", self._etcd.proc.pid, str(self._etcd.log_path), self._etcd.command(),
                                   self._etcd.endpoint, "etcd", self._etcd.proc))
         self.info["addresses"]["etcd"] = self._etcd.endpoint
-        self.progress(f"✓ etcd        {self._etcd.endpoint}  ({time.monotonic() - t:.1f}s)")
+        self.progress(f"✓ {'etcd':<17} {self._etcd.endpoint}  ({time.monotonic() - t:.1f}s)")
 
     def _spawn(self, name: str, role: str, args: list[str], address: str) -> Proc:
         script, module = DAEMONS[role]
@@ -329,7 +329,7 @@ class Testbed:
                         ok = False
                     if ok:
                         pending.remove(p)
-                        self.progress(f"✓ {p.name:<11} {p.address}  ({time.monotonic() - t0:.1f}s)")
+                        self.progress(f"✓ {p.name:<17} {p.address}  ({time.monotonic() - t0:.1f}s)")
                 if pending:
                     if time.monotonic() > deadline:
                         p = pending[0]
