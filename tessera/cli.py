@@ -352,9 +352,10 @@ def cmd_up(a, client_for, out: Console, err: Console) -> int:
         err.print(f"detached; the CLI finds the controller through {tb.file}. Stop with: tessera down"
                   + (f" --dir {a.dir}" if a.dir != ".tessera" else ""), highlight=False)
         return 0
-    err.print("running; press Ctrl-C to stop", highlight=False)
     try:
-        tb.wait_until_signalled()
+        tb.wait_until_signalled(on_ready=lambda: err.print("running; press Ctrl-C to stop", highlight=False))
+    except KeyboardInterrupt:
+        pass  # a Ctrl-C before the handlers were installed: stop all the same
     finally:
         err.print("stopping…")
         tb.down()
@@ -450,6 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--controller", metavar="HOST:PORT",
                         help="controller address (default: env TESSERA_CONTROLLER, else .tessera/testbed.json)")
     common.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
+    output_only = argparse.ArgumentParser(add_help=False)
+    output_only.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
 
     ap = argparse.ArgumentParser(prog="tessera", description="Tessera: multiplexed deep-learning training control plane.")
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
@@ -486,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     tb = argparse.ArgumentParser(add_help=False)
     tb.add_argument("--dir", default=".tessera", help="testbed state directory (default .tessera)")
 
-    p = sub.add_parser("up", parents=[common, tb], help="start a local testbed")
+    p = sub.add_parser("up", parents=[output_only, tb], help="start a local testbed")
     p.add_argument("--agents", type=int, default=2, metavar="N")
     p.add_argument("--cpu-devices", type=int, default=2, metavar="K", help="CPU devices per agent")
     p.add_argument("--grace-s", type=float, default=10.0, help="node grace period of the controller")
@@ -495,10 +498,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=60.0, metavar="S", help="per-process readiness deadline")
     p.set_defaults(fn=cmd_up)
 
-    p = sub.add_parser("down", parents=[common, tb], help="stop the local testbed")
+    p = sub.add_parser("down", parents=[output_only, tb], help="stop the local testbed")
     p.set_defaults(fn=cmd_down)
 
-    p = sub.add_parser("demo", parents=[common], help="testbed + every example manifest + summary")
+    p = sub.add_parser("demo", parents=[output_only], help="testbed + every example manifest + summary")
     p.add_argument("--dir", default=".tessera/demo", help="testbed state directory (default .tessera/demo)")
     p.add_argument("manifests", nargs="*", metavar="FILE.yaml", help="manifests to run (default: every *.yaml in --examples)")
     p.add_argument("--examples", default="examples", metavar="DIR")

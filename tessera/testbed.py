@@ -340,15 +340,19 @@ class Testbed:
                 ch.close()
 
     # -- run in the foreground ----------------------------------------------------------
-    def wait_until_signalled(self) -> None:
+    def wait_until_signalled(self, on_ready: Callable[[], None] | None = None) -> None:
         """Block until SIGINT/SIGTERM/SIGHUP (then return) or until every process is gone.
-        Reports processes that exit on their own."""
+        ``on_ready`` runs once the handlers are installed (announce "press Ctrl-C" there,
+        so that a Ctrl-C right after the announcement is handled here). Reports processes
+        that exit on their own."""
         import threading
 
         stop = threading.Event()
         old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         reported: set[str] = set()
         try:
+            if on_ready is not None:
+                on_ready()
             while not stop.wait(0.5):
                 live = 0
                 for p in self.procs:
