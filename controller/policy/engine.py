@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from . import multiplex as mx
-from .grid import Cell, ClusterShape, GridCache, cluster_shape
+from .grid import Cell, ClusterShape, GridCache
 from .pool import Pool
 from .types import (
     Infeasible, JobView, Placement, Plan, Preempt, Resize, RunningJob, ScheduleReply, ScheduleRequest, Shard,
