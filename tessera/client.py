@@ -7,7 +7,7 @@ The CLI is built on this module; programs that submit jobs without the CLI use i
     with Client() as c:                      # address: arg > $TESSERA_CONTROLLER > .tessera/testbed.json
         job = c.submit("examples/gpt-small.yaml")   # path, manifest dict or JobSpec
         job = c.wait(job.id, timeout=300)          # follows WatchJobs until a terminal phase
-        print(c.phase_name(job), job.status.loss)
+        print(c.phase_name(job.status.phase), job.status.loss)
 
 Contracts:
 
