@@ -216,12 +216,18 @@ def fit_compute(device_type: str, samples: list[ComputeSample], *, q_sat_grid: t
     vals = {"tokens": tok, "seq": [s.seq for s in samples], "layers": [s.layers for s in samples],
             "hidden": [s.hidden for s in samples], "vocab": [s.vocab for s in samples], "q": q.tolist()}
     out.ranges = {kk: (float(min(v)), float(max(v))) for kk, v in vals.items()}
-    # Per-module correction: geometric mean of measured/predicted, shrunk toward 1 by
-    # one pseudo-observation so that a single profile cannot swing it far.
+    # Per-module correction: median of log(measured/predicted) over the module's
+    # profiles that the robust fit kept (|r| within 3 robust sigmas), shrunk toward 1 by
+    # one pseudo-observation so that a single profile cannot swing it far. A median
+    # because the outliers the fit down-weighted must not come back through here.
     by: dict[str, list[float]] = {}
+    cut = 3.0 * max(out.rel_sigma, 1e-6)
     for s, ri in zip(samples, r):
-        by.setdefault(s.module, []).append(math.log(1.0 / (1.0 + ri)) if ri > -1 else 0.0)
-    out.modules = {mod: math.exp(sum(v) / (len(v) + 1)) for mod, v in by.items()}
+        if abs(ri) <= cut and ri > -1:
+            by.setdefault(s.module, []).append(-math.log1p(ri))
+    for s in samples:
+        by.setdefault(s.module, [])
+    out.modules = {mod: math.exp(float(np.median(v)) * len(v) / (len(v) + 1)) if v else 1.0 for mod, v in by.items()}
     return out
 
 
