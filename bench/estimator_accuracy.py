@@ -161,7 +161,7 @@ def profile(rounds: int) -> tuple[PerfModel, dict]:
             best = t if best is None else min(best, t)
         pairs.append({"mode": mode, "colocated": 2, "oversubscription": over, "alone_s": alone[(n, b, s, 1, 1)],
                       "together_s": best})
-    rows, dev_s = comm_table(sizes=[4 << 10, 64 << 10, 512 << 10, 2 << 20], reps=9)
+    rows, dev_s = comm_table(sizes=[4 << 10, 64 << 10, 512 << 10, 2 << 20], reps=15)
     cost["comm"] += dev_s
     model = PerfModel(version=1, compute={DEVICE: fit_compute(DEVICE, samples)}, comm={LINK: fit_comm(LINK, rows)},
                       interference={DEVICE: fit_interference(pairs)})
