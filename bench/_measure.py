@@ -6,9 +6,10 @@ Contract:
   set, and returns per job the median step time of rank 0 over the measured steps
   and the device-seconds the run cost. Steps are real training steps of
   ``agent.runtime.train`` (forward, backward, communication, optimizer).
-- :func:`comm_table` runs the gloo loopback micro-benchmark (2 processes) and returns
-  rows ``{"op", "bytes", "world", "seconds"}`` for all_reduce, all_gather, broadcast
-  and send/recv, plus the device-seconds it cost.
+- :func:`comm_table` runs the gloo loopback micro-benchmark (2 processes, one core
+  each) and returns rows ``{"op", "bytes", "world", "seconds"}`` for all_reduce,
+  all_gather, broadcast and send/recv (each timed after a short compute phase, as
+  training issues them), plus the device-seconds it cost.
 
 Why a launcher of its own rather than ``parallel.launch.run_local``: the benchmark
 needs per-rank CPU affinity (the "quota"), per-step stamps on every rank (to keep only
