@@ -53,7 +53,7 @@ def _delays() -> dict[str, float]:
 
 
 def _stamp() -> list:
-    return [time.monotonic(), time.process_time(), _delays()]
+    return [time.monotonic(), time.process_time(), _delays(), str(os.getpid())]
 
 
 def _rank_main(specs: list[dict], cores: list[int], path: str, start_at: float) -> None:
@@ -105,9 +105,12 @@ def _steps(job_stamps: list[list], lo: float, hi: float, warmup: int, partner: l
     """Per measured step of one job (rank 0's boundaries inside [lo, hi]): raw wall time
     and wall time less the run-queue wait that other tenants caused.
 
-    The wait of a step is the largest over every rank's threads (a synchronous step
-    waits for its slowest rank). On a core shared with a colocated ``partner`` job the
-    partner's CPU time is added back: that wait is the configuration, not noise.
+    The wait of a step is the largest over the ranks (a synchronous step waits for its
+    slowest rank). A single-rank job counts every thread (its intra-op workers); a
+    multi-rank job only each rank's main thread, because gloo's threads, pinned to the
+    same core, wait behind that main thread — a wait of our own, not another
+    tenant's. On a core shared with a colocated ``partner`` job the partner's CPU time
+    is added back: that wait is the configuration, not noise.
     """
     t0, cpu0, _ = _series(job_stamps[0])
     ranks = [_series(st) for st in job_stamps]
@@ -118,8 +121,9 @@ def _steps(job_stamps: list[list], lo: float, hi: float, warmup: int, partner: l
         if a < lo - 1e-9 or b > hi + 1e-9:
             continue
         wait = 0.0
-        for t, _, d in ranks:
-            for series in d.values():
+        for (t, _, d), st in zip(ranks, job_stamps):
+            threads = d.values() if len(ranks) == 1 else [d.get(st[0][3], np.zeros_like(t))]
+            for series in threads:
                 wait = max(wait, float(np.interp(b, t, series) - np.interp(a, t, series)))
         extra = float(np.interp(b, pt[0], pt[1]) - np.interp(a, pt[0], pt[1])) if pt is not None else 0.0
         w = b - a
