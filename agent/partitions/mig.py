@@ -234,6 +234,10 @@ class MigManager:
         with self._session():
             h = nv.nvmlDeviceGetHandleByIndex(gpu_index)
             try:
+                if nv.nvmlDeviceGetMigMode(h)[0] != 1:
+                    # Say it plainly rather than "unknown profile": NVML lists no profile then.
+                    raise MigError(f"GPU {gpu_index}: MIG mode is off; Tessera never enables it",
+                                   nv.NVML_ERROR_NOT_SUPPORTED) from nv.NVMLError(nv.NVML_ERROR_NOT_SUPPORTED)
                 prof = self.resolve_profile(self._profiles(h), profile)
                 if placement_start is None:
                     gi = nv.nvmlDeviceCreateGpuInstance(h, prof.id)
