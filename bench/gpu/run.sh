@@ -97,7 +97,8 @@ mps_quit() {
   [ -n "$MPS_ROOT" ] && rm -rf "$MPS_ROOT"
   MPS_ROOT=""
 }
-trap mps_quit EXIT INT TERM
+trap mps_quit EXIT
+trap 'mps_quit; exit 130' INT TERM
 if [ "$MIG0" = "1" ]; then
   echo '{"step":"mps_quota","skipped":"MIG is enabled on GPU 0; MPS quotas apply per MIG instance and MIG is left as is"}' >> "$STEPS"
 elif ! command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
