@@ -20,7 +20,6 @@ Per step (once, whatever the micro-batches):
 
 from __future__ import annotations
 
-import numpy as np
 
 # Parameter tensors of one block (ln1, qkv, proj, ln2, fc, out: weight + bias each).
 TENSORS_PER_BLOCK = 12
