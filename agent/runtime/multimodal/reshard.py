@@ -86,35 +86,76 @@ def coupled_plan(batch: list[Item], world: int, micro_batches: int) -> StepPlan:
     return StepPlan(Layout(tuple(range(world)), tuple(range(world))), micro)
 
 
-def assign(items: list[Item], layout: Layout) -> tuple[dict[int, int], dict[int, int]]:
-    """Balance one micro-batch over the layout: LLM work over llm_ranks, encoder work over
-    enc_ranks, jointly (a rank holding both roles carries the sum). Longest job first onto
-    the least-loaded eligible rank; ties go to the rank that also holds the sample's other
-    half (saves a transfer), then to the lowest rank."""
-    load: dict[int, float] = {r: 0.0 for r in set(layout.enc_ranks) | set(layout.llm_ranks)}
-    jobs = [(it.llm, "llm", it.id) for it in items] + [(it.enc, "enc", it.id) for it in items if it.has_media]
-    jobs.sort(key=lambda j: (-j[0], j[1], j[2]))
+def assign(items: list[Item], layout: Layout, min_gain: float = 0.05) -> tuple[dict[int, int], dict[int, int]]:
+    """Balance one micro-batch over the layout (a rank holding both roles carries the sum).
+
+    Disjoint or partly overlapping roles: longest job first onto the least-loaded eligible
+    rank (LLM jobs over llm_ranks, encoder jobs over enc_ranks); ties go to the rank that
+    holds the sample's other half, then the lowest rank. Identical role sets: whole
+    samples first (no transfer at all), then encoder jobs move off the most-loaded rank
+    while a move cuts its load by more than ``min_gain`` of it — each move is one
+    resharded embedding, worth it only when it buys real balance."""
+    ranks_all = sorted(set(layout.enc_ranks) | set(layout.llm_ranks))
+    load: dict[int, float] = {r: 0.0 for r in ranks_all}
     enc_owner: dict[int, int] = {}
     llm_owner: dict[int, int] = {}
-    for cost, role, sid in jobs:
+    if set(layout.enc_ranks) == set(layout.llm_ranks):
+        for it in sorted(items, key=lambda it: (-(it.enc + it.llm), it.id)):
+            r = min(ranks_all, key=lambda q: (round(load[q], 12), q))
+            llm_owner[it.id] = r
+            if it.has_media:
+                enc_owner[it.id] = r
+            load[r] += it.enc + it.llm
+        cost = {it.id: it.enc for it in items}
+        while len(ranks_all) > 1:
+            hi = max(ranks_all, key=lambda q: (load[q], -q))
+            lo = min(ranks_all, key=lambda q: (load[q], q))
+            gap = load[hi] - load[lo]
+            # Best single move: brings the pair closest to even, never past it.
+            movable = [s for s, r in enc_owner.items() if r == hi and 0 < cost[s] < gap]
+            if not movable:
+                break
+            s = min(movable, key=lambda s: (abs(gap - 2 * cost[s]), s))
+            if min(cost[s], gap - cost[s]) <= min_gain * load[hi]:
+                break
+            enc_owner[s] = lo
+            load[hi] -= cost[s]
+            load[lo] += cost[s]
+        return enc_owner, llm_owner
+    jobs = [(it.llm, "llm", it.id) for it in items] + [(it.enc, "enc", it.id) for it in items if it.has_media]
+    jobs.sort(key=lambda j: (-j[0], j[1], j[2]))
+    for cost_, role, sid in jobs:
         ranks = layout.llm_ranks if role == "llm" else layout.enc_ranks
         other = enc_owner if role == "llm" else llm_owner
-        r = min(ranks, key=lambda q: (round(load[q] + cost, 12), other.get(sid) != q, q))
+        r = min(ranks, key=lambda q: (round(load[q] + cost_, 12), other.get(sid) != q, q))
         (llm_owner if role == "llm" else enc_owner)[sid] = r
-        load[r] += cost
+        load[r] += cost_
     return enc_owner, llm_owner
 
 
 def decoupled_plan(batch: list[Item], layout: Layout, micro_batches: int) -> StepPlan:
-    """Split the batch into equal-count micro-batches of balanced load, then balance each
-    over the layout's encoder and LLM ranks (resharding encoder outputs as needed)."""
-    bins = balanced_bins([i.enc for i in batch], [i.llm for i in batch], chunk_sizes(len(batch), micro_batches))
-    micro = []
-    for b in bins:
-        items = [batch[i] for i in b]
-        enc_owner, llm_owner = assign(items, layout)
-        micro.append(MicroPlan(sorted(it.id for it in items), enc_owner, llm_owner))
-    return StepPlan(layout, micro)
+    """Balance the whole batch over the layout's encoder and LLM ranks (``assign``), then
+    cut each LLM rank's samples into ``micro_batches`` chunks of balanced load; a
+    sample's media are encoded in the micro-batch its LLM work is in. Balancing the
+    step, not each micro-batch, matters: ranks only wait for each other at transfers
+    and at the step's all-reduce, and a small micro-batch cannot be split evenly."""
+    enc_owner, llm_owner = assign(batch, layout)
+    micro = [MicroPlan(ids=[]) for _ in range(micro_batches)]
+    for r in layout.llm_ranks:
+        mine = [it for it in batch if llm_owner.get(it.id) == r]
+        if not mine:
+            continue
+        sizes = chunk_sizes(len(mine), min(micro_batches, len(mine)))
+        for j, b in enumerate(balanced_bins([it.enc for it in mine], [it.llm for it in mine], sizes)):
+            for i in b:
+                sid = mine[i].id
+                micro[j].ids.append(sid)
+                micro[j].llm_owner[sid] = r
+                if sid in enc_owner:
+                    micro[j].enc_owner[sid] = enc_owner[sid]
+    for mp in micro:
+        mp.ids.sort()
+    return StepPlan(layout, [mp for mp in micro if mp.ids] or [MicroPlan(ids=[])])
 
 
 def candidate_layouts(world: int, allow_shared: bool) -> list[Layout]:
