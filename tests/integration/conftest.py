@@ -39,31 +39,3 @@ async def controller(etcd_server, tmp_path):
 def with_port(cfg, **kw):
     return replace(cfg, **kw)
 
-
-@pytest.fixture
-def etcd_server(tmp_path):
-    """TEMPORARY until tests/conftest.py provides it: a real etcd on free ports."""
-    import shutil
-    import subprocess
-    import time
-    import urllib.request
-
-    binary = shutil.which("etcd")
-    cport, pport = _free_port(), _free_port()
-    proc = subprocess.Popen([binary, "--data-dir", str(tmp_path / "etcd"), "--listen-client-urls", f"http://127.0.0.1:{cport}",
-                             "--advertise-client-urls", f"http://127.0.0.1:{cport}", "--listen-peer-urls", f"http://127.0.0.1:{pport}",
-                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}", "--initial-cluster", f"default=http://127.0.0.1:{pport}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{cport}/health", timeout=1).read()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise
-            time.sleep(0.05)
-    yield f"127.0.0.1:{cport}"
-    proc.terminate()
-    proc.wait(10)
