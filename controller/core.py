@@ -156,15 +156,8 @@ class Controller:
         self._require_leader()
         norm = manifest.to_proto(doc)
         for _ in range(RETRIES):
-            if idem:
-                existing = await self.store.get_idem(norm.tenant, idem)
-                if existing is not None:
-                    v = await self.store.get_job(existing)
-                    if v is None:
-                        raise Conflict("idempotency key points at a missing job")
-                    if canonical_spec(v.value.spec) != canonical_spec(norm):
-                        raise AlreadyExists(f"idempotency_key {idem!r} was used for another spec (job {existing})")
-                    return v.value, False
+            # Optimistic: one transaction creates the job and claims the key; only when
+            # that fails (the key, or rarely the id, exists) is the key read back.
             now = self.clock()
             job = types_pb2.Job(id=new_job_id(), spec=norm, created=now, idempotency_key=idem)
             job.status.total_steps = doc["workload"]["steps"]
@@ -172,6 +165,16 @@ class Controller:
             try:
                 job.revision = await self.store.create_job(job, idem)
             except Conflict:
+                if idem:
+                    existing = await self.store.get_idem(norm.tenant, idem)
+                    if existing is not None:
+                        v = await self.store.get_job(existing)
+                        if v is None:
+                            raise Conflict("idempotency key points at a missing job") from None
+                        if canonical_spec(v.value.spec) != canonical_spec(norm):
+                            raise AlreadyExists(
+                                f"idempotency_key {idem!r} was used for another spec (job {existing})") from None
+                        return v.value, False
                 continue
             except Fenced as e:
                 raise NotLeader(str(e)) from None
