@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tessera.api.v1 import profiler_pb2 as tessera_dot_api_dot_v1_dot_profiler__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etessera/api/v1/estimator.proto\x12\x0etessera.api.v1\x1a\x1dtessera/api/v1/profiler.proto\"E\n\x10MeasurementBatch\x12\x31\n\x0cmeasurements\x18\x01 \x03(\x0b\x32\x1b.tessera.api.v1.Measurement\"\xa0\x01\n\tReportAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x04\x12\x12\n\nduplicates\x18\x02 \x01(\x04\x12;\n\twatermark\x18\x03 \x03(\x0b\x32(.tessera.api.v1.ReportAck.WatermarkEntry\x1a\x30\n\x0eWatermarkEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"%\n\x13GetWatermarkRequest\x12\x0e\n\x06source\x18\x01 \x01(\t\"(\n\tWatermark\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\"6\n\x11GetProfileRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmodel_key\x18\x02 \x01(\t\"\x8d\x02\n\x07Profile\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmodel_key\x18\x02 \x01(\t\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x18\n\x10mean_step_time_s\x18\x04 \x01(\x01\x12\x17\n\x0fp50_step_time_s\x18\x05 \x01(\x01\x12\x17\n\x0fp90_step_time_s\x18\x06 \x01(\x01\x12<\n\x0bmean_phases\x18\x07 \x03(\x0b\x32\'.tessera.api.v1.Profile.MeanPhasesEntry\x12\x11\n\tlast_time\x18\x08 \x01(\x01\x1a\x31\n\x0fMeanPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\x81\x02\n\x10\x45stimatorService\x12S\n\x12ReportMeasurements\x12 .tessera.api.v1.MeasurementBatch\x1a\x19.tessera.api.v1.ReportAck(\x01\x12N\n\x0cGetWatermark\x12#.tessera.api.v1.GetWatermarkRequest\x1a\x19.tessera.api.v1.Watermark\x12H\n\nGetProfile\x12!.tessera.api.v1.GetProfileRequest\x1a\x17.tessera.api.v1.Profileb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etessera/api/v1/estimator.proto\x12\x0etessera.api.v1\x1a\x1dtessera/api/v1/profiler.proto\"E\n\x10MeasurementBatch\x12\x31\n\x0cmeasurements\x18\x01 \x03(\x0b\x32\x1b.tessera.api.v1.Measurement\"\xa0\x01\n\tReportAck\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x04\x12\x12\n\nduplicates\x18\x02 \x01(\x04\x12;\n\twatermark\x18\x03 \x03(\x0b\x32(.tessera.api.v1.ReportAck.WatermarkEntry\x1a\x30\n\x0eWatermarkEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"%\n\x13GetWatermarkRequest\x12\x0e\n\x06source\x18\x01 \x01(\t\"(\n\tWatermark\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\"6\n\x11GetProfileRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmodel_key\x18\x02 \x01(\t\"\x8d\x02\n\x07Profile\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tmodel_key\x18\x02 \x01(\t\x12\x0f\n\x07samples\x18\x03 \x01(\x04\x12\x18\n\x10mean_step_time_s\x18\x04 \x01(\x01\x12\x17\n\x0fp50_step_time_s\x18\x05 \x01(\x01\x12\x17\n\x0fp90_step_time_s\x18\x06 \x01(\x01\x12<\n\x0bmean_phases\x18\x07 \x03(\x0b\x32\'.tessera.api.v1.Profile.MeanPhasesEntry\x12\x11\n\tlast_time\x18\x08 \x01(\x01\x1a\x31\n\x0fMeanPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb2\x02\n\tCandidate\x12\x13\n\x0b\x64\x65vice_type\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x01(\x05\x12\x0e\n\x06hidden\x18\x03 \x01(\x05\x12\r\n\x05heads\x18\x04 \x01(\x05\x12\r\n\x05vocab\x18\x05 \x01(\x05\x12\x0f\n\x07seq_len\x18\x06 \x01(\x05\x12\r\n\x05\x62\x61tch\x18\x07 \x01(\x05\x12\x0b\n\x03seq\x18\x08 \x01(\x05\x12\n\n\x02\x64p\x18\t \x01(\x05\x12\n\n\x02tp\x18\n \x01(\x05\x12\n\n\x02pp\x18\x0b \x01(\x05\x12\x15\n\rmicro_batches\x18\x0c \x01(\x05\x12\r\n\x05quota\x18\r \x01(\x01\x12\x0c\n\x04link\x18\x0e \x01(\t\x12\x0e\n\x06module\x18\x0f \x01(\t\x12\x11\n\tcolocated\x18\x10 \x01(\x05\x12\x18\n\x10oversubscription\x18\x11 \x01(\x01\x12\x10\n\x08schedule\x18\x12 \x01(\t\"?\n\x0f\x45stimateRequest\x12,\n\tcandidate\x18\x01 \x01(\x0b\x32\x19.tessera.api.v1.Candidate\"\x85\x02\n\rEstimateReply\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x01\x12\x0f\n\x07rel_std\x18\x04 \x01(\x01\x12\x12\n\nconfidence\x18\x05 \x01(\x01\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12?\n\tbreakdown\x18\x07 \x03(\x0b\x32,.tessera.api.v1.EstimateReply.BreakdownEntry\x12\x15\n\rmodel_version\x18\x08 \x01(\x04\x1a\x30\n\x0e\x42reakdownEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"E\n\x14\x45stimateBatchRequest\x12-\n\ncandidates\x18\x01 \x03(\x0b\x32\x19.tessera.api.v1.Candidate\"]\n\x12\x45stimateBatchReply\x12\x30\n\testimates\x18\x01 \x03(\x0b\x32\x1d.tessera.api.v1.EstimateReply\x12\x15\n\rmodel_version\x18\x02 \x01(\x04\"0\n\x17GetModelSnapshotRequest\x12\x15\n\rif_newer_than\x18\x01 \x01(\x04\"z\n\rModelSnapshot\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x11\n\tunchanged\x18\x02 \x01(\x08\x12\x0e\n\x06\x66ormat\x18\x03 \x01(\t\x12\x0c\n\x04json\x18\x04 \x01(\t\x12\x11\n\tfitted_at\x18\x05 \x01(\x01\x12\x14\n\x0cmeasurements\x18\x06 \x01(\x04\":\n\x13ListProfilesRequest\x12\x0e\n\x06module\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x02 \x01(\t\"\xd2\x01\n\x0cProfileEntry\x12\x0e\n\x06module\x18\x01 \x01(\t\x12\x11\n\tmodel_key\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x03 \x01(\t\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12\x0c\n\x04rows\x18\x05 \x01(\x05\x12\x0b\n\x03seq\x18\x06 \x01(\x05\x12\x15\n\rmicro_batches\x18\x07 \x01(\x05\x12\r\n\x05quota\x18\x08 \x01(\x01\x12\r\n\x05steps\x18\t \x01(\x04\x12\x1a\n\x12median_step_time_s\x18\n \x01(\x01\x12\x0e\n\x06spread\x18\x0b \x01(\x01\"]\n\x14ListProfilesResponse\x12.\n\x08profiles\x18\x01 \x03(\x0b\x32\x1c.tessera.api.v1.ProfileEntry\x12\x15\n\rmodel_version\x18\x02 \x01(\x04\x32\xdf\x04\n\x10\x45stimatorService\x12S\n\x12ReportMeasurements\x12 .tessera.api.v1.MeasurementBatch\x1a\x19.tessera.api.v1.ReportAck(\x01\x12N\n\x0cGetWatermark\x12#.tessera.api.v1.GetWatermarkRequest\x1a\x19.tessera.api.v1.Watermark\x12H\n\nGetProfile\x12!.tessera.api.v1.GetProfileRequest\x1a\x17.tessera.api.v1.Profile\x12J\n\x08\x45stimate\x12\x1f.tessera.api.v1.EstimateRequest\x1a\x1d.tessera.api.v1.EstimateReply\x12Y\n\rEstimateBatch\x12$.tessera.api.v1.EstimateBatchRequest\x1a\".tessera.api.v1.EstimateBatchReply\x12Z\n\x10GetModelSnapshot\x12\'.tessera.api.v1.GetModelSnapshotRequest\x1a\x1d.tessera.api.v1.ModelSnapshot\x12Y\n\x0cListProfiles\x12#.tessera.api.v1.ListProfilesRequest\x1a$.tessera.api.v1.ListProfilesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,6 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPORTACK_WATERMARKENTRY']._serialized_options = b'8\001'
   _globals['_PROFILE_MEANPHASESENTRY']._loaded_options = None
   _globals['_PROFILE_MEANPHASESENTRY']._serialized_options = b'8\001'
+  _globals['_ESTIMATEREPLY_BREAKDOWNENTRY']._loaded_options = None
+  _globals['_ESTIMATEREPLY_BREAKDOWNENTRY']._serialized_options = b'8\001'
   _globals['_MEASUREMENTBATCH']._serialized_start=81
   _globals['_MEASUREMENTBATCH']._serialized_end=150
   _globals['_REPORTACK']._serialized_start=153
@@ -52,6 +54,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROFILE']._serialized_end=722
   _globals['_PROFILE_MEANPHASESENTRY']._serialized_start=673
   _globals['_PROFILE_MEANPHASESENTRY']._serialized_end=722
-  _globals['_ESTIMATORSERVICE']._serialized_start=725
-  _globals['_ESTIMATORSERVICE']._serialized_end=982
+  _globals['_CANDIDATE']._serialized_start=725
+  _globals['_CANDIDATE']._serialized_end=1031
+  _globals['_ESTIMATEREQUEST']._serialized_start=1033
+  _globals['_ESTIMATEREQUEST']._serialized_end=1096
+  _globals['_ESTIMATEREPLY']._serialized_start=1099
+  _globals['_ESTIMATEREPLY']._serialized_end=1360
+  _globals['_ESTIMATEREPLY_BREAKDOWNENTRY']._serialized_start=1312
+  _globals['_ESTIMATEREPLY_BREAKDOWNENTRY']._serialized_end=1360
+  _globals['_ESTIMATEBATCHREQUEST']._serialized_start=1362
+  _globals['_ESTIMATEBATCHREQUEST']._serialized_end=1431
+  _globals['_ESTIMATEBATCHREPLY']._serialized_start=1433
+  _globals['_ESTIMATEBATCHREPLY']._serialized_end=1526
+  _globals['_GETMODELSNAPSHOTREQUEST']._serialized_start=1528
+  _globals['_GETMODELSNAPSHOTREQUEST']._serialized_end=1576
+  _globals['_MODELSNAPSHOT']._serialized_start=1578
+  _globals['_MODELSNAPSHOT']._serialized_end=1700
+  _globals['_LISTPROFILESREQUEST']._serialized_start=1702
+  _globals['_LISTPROFILESREQUEST']._serialized_end=1760
+  _globals['_PROFILEENTRY']._serialized_start=1763
+  _globals['_PROFILEENTRY']._serialized_end=1973
+  _globals['_LISTPROFILESRESPONSE']._serialized_start=1975
+  _globals['_LISTPROFILESRESPONSE']._serialized_end=2068
+  _globals['_ESTIMATORSERVICE']._serialized_start=2071
+  _globals['_ESTIMATORSERVICE']._serialized_end=2678
 # @@protoc_insertion_point(module_scope)

@@ -49,6 +49,26 @@ class EstimatorServiceStub:
                 request_serializer=tessera_dot_api_dot_v1_dot_estimator__pb2.GetProfileRequest.SerializeToString,
                 response_deserializer=tessera_dot_api_dot_v1_dot_estimator__pb2.Profile.FromString,
                 _registered_method=True)
+        self.Estimate = channel.unary_unary(
+                '/tessera.api.v1.EstimatorService/Estimate',
+                request_serializer=tessera_dot_api_dot_v1_dot_estimator__pb2.EstimateRequest.SerializeToString,
+                response_deserializer=tessera_dot_api_dot_v1_dot_estimator__pb2.EstimateReply.FromString,
+                _registered_method=True)
+        self.EstimateBatch = channel.unary_unary(
+                '/tessera.api.v1.EstimatorService/EstimateBatch',
+                request_serializer=tessera_dot_api_dot_v1_dot_estimator__pb2.EstimateBatchRequest.SerializeToString,
+                response_deserializer=tessera_dot_api_dot_v1_dot_estimator__pb2.EstimateBatchReply.FromString,
+                _registered_method=True)
+        self.GetModelSnapshot = channel.unary_unary(
+                '/tessera.api.v1.EstimatorService/GetModelSnapshot',
+                request_serializer=tessera_dot_api_dot_v1_dot_estimator__pb2.GetModelSnapshotRequest.SerializeToString,
+                response_deserializer=tessera_dot_api_dot_v1_dot_estimator__pb2.ModelSnapshot.FromString,
+                _registered_method=True)
+        self.ListProfiles = channel.unary_unary(
+                '/tessera.api.v1.EstimatorService/ListProfiles',
+                request_serializer=tessera_dot_api_dot_v1_dot_estimator__pb2.ListProfilesRequest.SerializeToString,
+                response_deserializer=tessera_dot_api_dot_v1_dot_estimator__pb2.ListProfilesResponse.FromString,
+                _registered_method=True)
 
 
 class EstimatorServiceServicer:
@@ -78,6 +98,42 @@ class EstimatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Estimate(self, request, context):
+        """Step time, memory and confidence of one configuration, from the current model
+        (refitted first when measurements arrived since the last fit). A configuration the
+        model cannot speak for comes back with status "insufficient_data" and the reason,
+        never an error. INVALID_ARGUMENT (naming the field) for a malformed candidate
+        (missing device_type, non-positive sizes, hidden % heads != 0).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EstimateBatch(self, request, context):
+        """Estimate for many candidates at once (thousands per call), order preserved; every
+        reply carries the same model_version. INVALID_ARGUMENT names candidates[i].<field>.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetModelSnapshot(self, request, context):
+        """The versioned coefficients (JSON, format "tessera.perfmodel/1") for
+        tessera.perfmodel.PerfModel.from_dict. With if_newer_than = the version the caller
+        holds, an unchanged model answers unchanged = true and no JSON (cheap polling).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListProfiles(self, request, context):
+        """The single-device profiles the model is fitted from: one entry per profiled
+        configuration (a job's run on one device), filtered by module and device type.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EstimatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +151,26 @@ def add_EstimatorServiceServicer_to_server(servicer, server):
                     servicer.GetProfile,
                     request_deserializer=tessera_dot_api_dot_v1_dot_estimator__pb2.GetProfileRequest.FromString,
                     response_serializer=tessera_dot_api_dot_v1_dot_estimator__pb2.Profile.SerializeToString,
+            ),
+            'Estimate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Estimate,
+                    request_deserializer=tessera_dot_api_dot_v1_dot_estimator__pb2.EstimateRequest.FromString,
+                    response_serializer=tessera_dot_api_dot_v1_dot_estimator__pb2.EstimateReply.SerializeToString,
+            ),
+            'EstimateBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.EstimateBatch,
+                    request_deserializer=tessera_dot_api_dot_v1_dot_estimator__pb2.EstimateBatchRequest.FromString,
+                    response_serializer=tessera_dot_api_dot_v1_dot_estimator__pb2.EstimateBatchReply.SerializeToString,
+            ),
+            'GetModelSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelSnapshot,
+                    request_deserializer=tessera_dot_api_dot_v1_dot_estimator__pb2.GetModelSnapshotRequest.FromString,
+                    response_serializer=tessera_dot_api_dot_v1_dot_estimator__pb2.ModelSnapshot.SerializeToString,
+            ),
+            'ListProfiles': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListProfiles,
+                    request_deserializer=tessera_dot_api_dot_v1_dot_estimator__pb2.ListProfilesRequest.FromString,
+                    response_serializer=tessera_dot_api_dot_v1_dot_estimator__pb2.ListProfilesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +254,114 @@ class EstimatorService:
             '/tessera.api.v1.EstimatorService/GetProfile',
             tessera_dot_api_dot_v1_dot_estimator__pb2.GetProfileRequest.SerializeToString,
             tessera_dot_api_dot_v1_dot_estimator__pb2.Profile.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Estimate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.api.v1.EstimatorService/Estimate',
+            tessera_dot_api_dot_v1_dot_estimator__pb2.EstimateRequest.SerializeToString,
+            tessera_dot_api_dot_v1_dot_estimator__pb2.EstimateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EstimateBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.api.v1.EstimatorService/EstimateBatch',
+            tessera_dot_api_dot_v1_dot_estimator__pb2.EstimateBatchRequest.SerializeToString,
+            tessera_dot_api_dot_v1_dot_estimator__pb2.EstimateBatchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.api.v1.EstimatorService/GetModelSnapshot',
+            tessera_dot_api_dot_v1_dot_estimator__pb2.GetModelSnapshotRequest.SerializeToString,
+            tessera_dot_api_dot_v1_dot_estimator__pb2.ModelSnapshot.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListProfiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.api.v1.EstimatorService/ListProfiles',
+            tessera_dot_api_dot_v1_dot_estimator__pb2.ListProfilesRequest.SerializeToString,
+            tessera_dot_api_dot_v1_dot_estimator__pb2.ListProfilesResponse.FromString,
             options,
             channel_credentials,
             insecure,

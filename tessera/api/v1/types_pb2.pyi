@@ -155,7 +155,7 @@ class PhaseTransition(_message.Message):
     def __init__(self, phase: _Optional[_Union[JobPhase, str]] = ..., time: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("phase", "reason", "history", "placement", "allocation_id", "step", "total_steps", "loss", "first_loss", "step_time_s", "attempts", "decision", "exit_code")
+    __slots__ = ("phase", "reason", "history", "placement", "allocation_id", "step", "total_steps", "loss", "first_loss", "step_time_s", "attempts", "decision", "exit_code", "estimate")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,7 @@ class JobStatus(_message.Message):
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATE_FIELD_NUMBER: _ClassVar[int]
     phase: JobPhase
     reason: str
     history: _containers.RepeatedCompositeFieldContainer[PhaseTransition]
@@ -182,7 +183,30 @@ class JobStatus(_message.Message):
     attempts: int
     decision: str
     exit_code: int
-    def __init__(self, phase: _Optional[_Union[JobPhase, str]] = ..., reason: _Optional[str] = ..., history: _Optional[_Iterable[_Union[PhaseTransition, _Mapping]]] = ..., placement: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., allocation_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., first_loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., attempts: _Optional[int] = ..., decision: _Optional[str] = ..., exit_code: _Optional[int] = ...) -> None: ...
+    estimate: JobEstimate
+    def __init__(self, phase: _Optional[_Union[JobPhase, str]] = ..., reason: _Optional[str] = ..., history: _Optional[_Iterable[_Union[PhaseTransition, _Mapping]]] = ..., placement: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., allocation_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., first_loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., attempts: _Optional[int] = ..., decision: _Optional[str] = ..., exit_code: _Optional[int] = ..., estimate: _Optional[_Union[JobEstimate, _Mapping]] = ...) -> None: ...
+
+class JobEstimate(_message.Message):
+    __slots__ = ("status", "step_time_s", "rel_std", "confidence", "memory_bytes", "reason", "model_version", "profile_job_id", "time")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    REL_STD_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    step_time_s: float
+    rel_std: float
+    confidence: float
+    memory_bytes: float
+    reason: str
+    model_version: int
+    profile_job_id: str
+    time: float
+    def __init__(self, status: _Optional[str] = ..., step_time_s: _Optional[float] = ..., rel_std: _Optional[float] = ..., confidence: _Optional[float] = ..., memory_bytes: _Optional[float] = ..., reason: _Optional[str] = ..., model_version: _Optional[int] = ..., profile_job_id: _Optional[str] = ..., time: _Optional[float] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("id", "spec", "status", "created", "idempotency_key", "revision")
