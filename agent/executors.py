@@ -22,7 +22,7 @@ from pathlib import Path
 
 from agent.runtime.report import parse_line
 from tessera import log
-from tessera.modelkey import model_key
+from tessera.modelkey import model_key, profile_labels
 
 from .devices import LocalDevice
 
@@ -50,6 +50,7 @@ class Executor:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     pump: asyncio.Task | None = None
     model_key: str = ""
+    labels: dict = field(default_factory=dict)  # tessera.modelkey.profile_labels of the run
 
     @property
     def running(self) -> bool:
@@ -127,7 +128,7 @@ class ExecutorManager:
 
         env["TESSERA_CPU_CORES"] = ",".join(map(str, cores))
         ex = Executor(allocation_id, job_id, rank, list(device_ids), self.log_path(job_id),
-                      model_key=model_key(spec.get("workload", {})))
+                      model_key=model_key(spec.get("workload", {})), labels=profile_labels(spec, devs[0].kind))
         ex.proc = ex_proc = await asyncio.create_subprocess_exec(
             self.python, "-m", "agent.runtime", "--spec", str(spec_path),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,

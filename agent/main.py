@@ -87,6 +87,7 @@ class Agent:
         )
         for k, v in (ev.get("phases") or {}).items():
             m.phases[k] = float(v)
+        m.labels.update(ex.labels)  # the run's configuration: the estimator profiles from it
         m.labels["rank"] = str(ex.rank)
         try:
             await self.prof.ReportStep(m, timeout=1)
