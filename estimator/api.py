@@ -1,14 +1,25 @@
-"""EstimatorService: thin gRPC servicer over ``MeasurementStore`` and ``profiles``."""
+"""EstimatorService: thin gRPC servicer over ``MeasurementStore``, ``profiles`` and
+``models.ModelKeeper`` (estimates are ``tessera.perfmodel`` evaluated on the current
+snapshot: the same code and numbers the controller gets from GetModelSnapshot)."""
 
 from __future__ import annotations
+
+import json
+import math
 
 import grpc
 
 from tessera import log
 from tessera.api.v1 import estimator_pb2, estimator_pb2_grpc, profiler_pb2
+from tessera.modelkey import model_key
+from tessera.perfmodel import FORMAT, Candidate, Estimate
 
+from . import models
+from .models import ModelKeeper
 from .profiles import summarize
 from .store import MeasurementStore
+
+MAX_BATCH = 100_000
 
 
 def validate(m: profiler_pb2.Measurement, i: int) -> str | None:
@@ -22,9 +33,45 @@ def validate(m: profiler_pb2.Measurement, i: int) -> str | None:
     return None
 
 
+def candidate(c: estimator_pb2.Candidate, where: str = "candidate") -> tuple[Candidate | None, str]:
+    """(the perfmodel Candidate, "") or (None, "<where>.<field>: why") for a malformed one.
+    Zero plan fields take their defaults (1, seq = seq_len, schedule "1f1b")."""
+    if not c.device_type:
+        return None, f"{where}.device_type: required"
+    for f in ("layers", "hidden", "heads", "vocab", "seq_len", "batch"):
+        if getattr(c, f) <= 0:
+            return None, f"{where}.{f}: must be > 0, got {getattr(c, f)}"
+    for f in ("seq", "dp", "tp", "pp", "micro_batches", "colocated"):
+        if getattr(c, f) < 0:
+            return None, f"{where}.{f}: must be >= 0, got {getattr(c, f)}"
+    for f in ("quota", "oversubscription"):
+        v = getattr(c, f)
+        if v < 0 or not math.isfinite(v):
+            return None, f"{where}.{f}: must be a finite number >= 0, got {v}"
+    if c.hidden % c.heads:
+        return None, f"{where}.hidden: must be divisible by heads ({c.heads}), got {c.hidden}"
+    if c.schedule not in ("", "1f1b", "gpipe"):
+        return None, f"{where}.schedule: must be '1f1b' or 'gpipe', got {c.schedule!r}"
+    return Candidate(device_type=c.device_type, layers=c.layers, hidden=c.hidden, heads=c.heads, vocab=c.vocab,
+                     seq_len=c.seq_len, batch=c.batch, seq=c.seq, dp=c.dp or 1, tp=c.tp or 1, pp=c.pp or 1,
+                     micro_batches=c.micro_batches or 1, quota=c.quota or 1.0, link=c.link, module=c.module,
+                     colocated=c.colocated or 1, oversubscription=c.oversubscription or 1.0,
+                     schedule=c.schedule or "1f1b"), ""
+
+
+def reply(e: Estimate, version: int) -> estimator_pb2.EstimateReply:
+    """The wire form of an estimate (numbers 0 unless ok)."""
+    if not e.ok:
+        return estimator_pb2.EstimateReply(status=e.status, reason=e.reason, model_version=version)
+    return estimator_pb2.EstimateReply(status=e.status, seconds=e.seconds, memory_bytes=e.memory_bytes,
+                                       rel_std=e.rel_std, confidence=e.confidence, reason=e.reason,
+                                       breakdown={k: float(v) for k, v in e.breakdown.items()}, model_version=version)
+
+
 class EstimatorService(estimator_pb2_grpc.EstimatorServiceServicer):
-    def __init__(self, store: MeasurementStore) -> None:
+    def __init__(self, store: MeasurementStore, keeper: ModelKeeper | None = None) -> None:
         self.store = store
+        self.keeper = keeper if keeper is not None else ModelKeeper(store, store.dir)
         self.log = log.get(component="estimator.api")
 
     async def ReportMeasurements(self, request_iterator, context):
@@ -62,3 +109,45 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServiceServicer):
             job_id=request.job_id, model_key=request.model_key, samples=s.samples,
             mean_step_time_s=s.mean_step_time_s, p50_step_time_s=s.p50_step_time_s, p90_step_time_s=s.p90_step_time_s,
             mean_phases=s.mean_phases, last_time=s.last_time)
+
+    async def Estimate(self, request, context):
+        c, err = candidate(request.candidate)
+        if err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+        model = await self.keeper.current()
+        return reply(model.estimate(c), model.version)
+
+    async def EstimateBatch(self, request, context):
+        if len(request.candidates) > MAX_BATCH:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"candidates: at most {MAX_BATCH} per call, got {len(request.candidates)}")
+        cands = []
+        for i, pc in enumerate(request.candidates):
+            c, err = candidate(pc, f"candidates[{i}]")
+            if err:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+            cands.append(c)
+        model = await self.keeper.current()
+        ests = model.estimate_batch(cands)
+        return estimator_pb2.EstimateBatchReply(estimates=[reply(e, model.version) for e in ests],
+                                                model_version=model.version)
+
+    async def GetModelSnapshot(self, request, context):
+        model = await self.keeper.current()
+        k = self.keeper
+        if model.version <= request.if_newer_than:
+            return estimator_pb2.ModelSnapshot(version=model.version, unchanged=True, format=FORMAT,
+                                               fitted_at=k.fitted_at, measurements=k.measurements)
+        return estimator_pb2.ModelSnapshot(version=model.version, format=FORMAT, json=json.dumps(model.to_dict()),
+                                           fitted_at=k.fitted_at, measurements=k.measurements)
+
+    async def ListProfiles(self, request, context):
+        model = await self.keeper.current()
+        out = [estimator_pb2.ProfileEntry(
+            module=p.module, model_key=model_key({"type": "gpt", "batch_size": p.rows, "model": {
+                "layers": p.layers, "hidden": p.hidden, "seq_len": p.seq_len, "vocab": p.vocab}}), device_type=p.device_type, job_id=p.job_id, rows=p.rows, seq=p.seq_len,
+            micro_batches=p.micro_batches, quota=p.quota, steps=p.steps, median_step_time_s=p.median_s, spread=p.spread)
+            for p in models.profiles(self.store.runs)
+            if (not request.module or p.module == request.module)
+            and (not request.device_type or p.device_type == request.device_type)]
+        return estimator_pb2.ListProfilesResponse(profiles=out, model_version=model.version)

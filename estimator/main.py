@@ -1,5 +1,6 @@
 """``tessera-estimator``: receives measurements from the profilerds, persists them
-(fsync before ack, duplicates dropped by (source, seq)), and answers profiles."""
+(fsync before ack, duplicates dropped by (source, seq)), fits the performance model
+from them (versioned, persisted) and answers profiles, estimates and model snapshots."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tessera.errors import SpecError
 
 from .api import EstimatorService
 from .config import EstimatorConfig
+from .models import ModelKeeper
 from .store import MeasurementStore
 
 SERVICE = grpcserver.full_name(estimator_pb2, "EstimatorService")
@@ -23,7 +25,8 @@ async def start(cfg: EstimatorConfig) -> tuple[grpcserver.Running, MeasurementSt
     """Open the store and start serving; the caller stops the server, then closes the store."""
     store = MeasurementStore(cfg.state_dir)
     try:
-        running = await grpcserver.start([(estimator_pb2_grpc.add_EstimatorServiceServicer_to_server, EstimatorService(store))],
+        svc = EstimatorService(store, ModelKeeper(store, cfg.state_dir, min_refit_interval_s=cfg.min_refit_interval_s))
+        running = await grpcserver.start([(estimator_pb2_grpc.add_EstimatorServiceServicer_to_server, svc)],
                                          [SERVICE], cfg.listen)
     except BaseException:
         store.close()
@@ -41,7 +44,8 @@ async def serve(cfg: EstimatorConfig, stop: asyncio.Event | None = None) -> None
         logger.info("estimator started", listen=cfg.listen, port=r.port, state_dir=cfg.state_dir)
 
     try:
-        await grpcserver.serve([(estimator_pb2_grpc.add_EstimatorServiceServicer_to_server, EstimatorService(store))],
+        svc = EstimatorService(store, ModelKeeper(store, cfg.state_dir, min_refit_interval_s=cfg.min_refit_interval_s))
+        await grpcserver.serve([(estimator_pb2_grpc.add_EstimatorServiceServicer_to_server, svc)],
                                [SERVICE], cfg.listen, stop=stop, grace=cfg.grace_s, on_started=started)
     finally:
         store.close()

@@ -18,6 +18,7 @@ from pathlib import Path
 from tessera import log
 from tessera.api.v1 import profiler_pb2
 
+from . import models
 from .profiles import StepSample
 
 _HEADER = struct.Struct("<II")
@@ -65,6 +66,13 @@ class MeasurementStore:
         self.by_job_model: dict[tuple[str, str], list[StepSample]] = {}
         self.count = 0
         self.duplicates = 0
+        # Inputs of the performance model (estimator/models.py): single-device runs
+        # (run key -> {step: seconds}), communication rows, colocation pairs; the
+        # revision moves only when one of them changed (device samples do not refit).
+        self.runs: dict[tuple, dict[int, float]] = {}
+        self.comm_rows: list[dict] = []
+        self.colocation_rows: list[dict] = []
+        self.model_revision = 0
         self._lock = asyncio.Lock()
         records, good = read_log(self.path)
         size = self.path.stat().st_size if self.path.exists() else 0
@@ -90,6 +98,20 @@ class MeasurementStore:
                 self.by_model.setdefault(m.model_key, []).append(s)
             if m.job_id and m.model_key:
                 self.by_job_model.setdefault((m.job_id, m.model_key), []).append(s)
+            key = models.run_key(m)
+            if key is not None:
+                self.runs.setdefault(key, {})[m.step] = m.step_time_s
+                self.model_revision += 1
+        elif m.kind == "comm":
+            row = models.comm_row(m)
+            if row is not None:
+                self.comm_rows.append(row)
+                self.model_revision += 1
+        elif m.kind == "colocation":
+            row = models.colocation_row(m)
+            if row is not None:
+                self.colocation_rows.append(row)
+                self.model_revision += 1
 
     def _write(self, blob: bytes) -> None:
         self._file.write(blob)

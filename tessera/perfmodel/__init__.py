@@ -16,7 +16,7 @@ Typical use::
 
 from tessera.perfmodel.comm import CommFit, fit_comm
 from tessera.perfmodel.compute import ComputeFit, ComputeSample, fit_compute
-from tessera.perfmodel.model import FORMAT, Candidate, Estimate, PerfModel, fit_interference
+from tessera.perfmodel.model import FORMAT, Candidate, Estimate, PerfModel, ProfilePoint, fit_interference
 
-__all__ = ["Candidate", "CommFit", "ComputeFit", "ComputeSample", "Estimate", "FORMAT", "PerfModel",
+__all__ = ["Candidate", "CommFit", "ComputeFit", "ComputeSample", "Estimate", "FORMAT", "PerfModel", "ProfilePoint",
            "fit_comm", "fit_compute", "fit_interference"]

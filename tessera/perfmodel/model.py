@@ -101,13 +101,17 @@ class PerfModel:
     compute: dict = field(default_factory=dict)       # device_type -> ComputeFit
     comm: dict = field(default_factory=dict)          # link -> CommFit
     interference: dict = field(default_factory=dict)  # device_type -> {"split": g, "shared": g}
+    # device_type -> profiled points (see ProfilePoint): answers exactly the configurations
+    # that were run while the device type has too few profiles for a fitted curve.
+    profiles: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------------ snapshot
     def to_dict(self) -> dict:
         return {"format": FORMAT, "version": self.version,
                 "compute": {k: v.to_dict() for k, v in self.compute.items()},
                 "comm": {k: v.to_dict() for k, v in self.comm.items()},
-                "interference": {k: dict(v) for k, v in self.interference.items()}}
+                "interference": {k: dict(v) for k, v in self.interference.items()},
+                "profiles": {k: [p.to_dict() for p in v] for k, v in self.profiles.items()}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "PerfModel":
@@ -116,7 +120,8 @@ class PerfModel:
         return cls(version=int(d["version"]),
                    compute={k: ComputeFit.from_dict(v) for k, v in d["compute"].items()},
                    comm={k: CommFit.from_dict(v) for k, v in d["comm"].items()},
-                   interference={k: {m: float(g) for m, g in v.items()} for k, v in d["interference"].items()})
+                   interference={k: {m: float(g) for m, g in v.items()} for k, v in d["interference"].items()},
+                   profiles={k: [ProfilePoint.from_dict(p) for p in v] for k, v in d.get("profiles", {}).items()})
 
     # ------------------------------------------------------------------ estimates
     def estimate(self, c: Candidate) -> Estimate:
@@ -130,6 +135,11 @@ class PerfModel:
         groups: dict[tuple, list[int]] = {}
         for i, c in enumerate(cands):
             why = self._why_not(c)
+            if why and c.device_type in self.profiles:
+                hit = self._from_profile(c)
+                if hit is not None:
+                    out[i] = hit
+                    continue
             if why:
                 out[i] = _insufficient(why)
             else:
@@ -138,6 +148,25 @@ class PerfModel:
             for i, e in zip(idx, self._evaluate(dev, link, [cands[i] for i in idx])):
                 out[i] = e
         return out  # type: ignore[return-value]
+
+    def _from_profile(self, c: Candidate) -> Estimate | None:
+        """The measured profile of exactly this single-device configuration, or None.
+        Used only where the fitted curve cannot answer (too few profiles)."""
+        if c.world != 1 or c.colocated != 1 or min(c.batch, c.layers, c.micro_batches) < 1:
+            return None
+        seq = c.seq or c.seq_len
+        for p in self.profiles.get(c.device_type, ()):
+            if (p.module, p.rows, p.seq, p.micro_batches) == (c.module, c.batch, seq, c.micro_batches) \
+                    and abs(p.q - c.quota) < 1e-9:
+                r = p.rel_std()
+                mem = 16.0 * F.stage_params(c.layers, c.hidden, c.vocab, c.seq_len, 1, 1) + F.activation_bytes(
+                    c.batch / c.micro_batches, seq, c.layers, c.hidden, c.heads, c.vocab, 1)
+                return Estimate(status="ok", seconds=p.seconds, memory_bytes=float(mem), rel_std=r,
+                                confidence=math.erf(CONF_TOLERANCE / (math.sqrt(2.0) * r)),
+                                reason=f"measured profile of this configuration ({p.steps} steps); "
+                                       f"no fitted curve for {c.device_type!r} yet",
+                                breakdown={"profile": p.seconds})
+        return None
 
     def _why_not(self, c: Candidate) -> str:
         fit = self.compute.get(c.device_type)
@@ -244,6 +273,41 @@ class PerfModel:
 
     def with_version(self, version: int) -> "PerfModel":
         return replace(self, version=version)
+
+
+RUN_TO_RUN = 0.03  # prior: another run of the same configuration differs by ~3% (placement, host)
+
+
+@dataclass(frozen=True)
+class ProfilePoint:
+    """One profiled single-device configuration: the median of ``steps`` measured steps
+    (warm-up excluded) and their spread ``(p90 - p10) / median``."""
+
+    module: str
+    rows: int
+    seq: int
+    micro_batches: int
+    q: float
+    seconds: float
+    steps: int
+    spread: float = 0.0
+
+    def rel_std(self) -> float:
+        """Expected relative error of predicting a new run by this median: the median's
+        standard error (1.25 sigma / sqrt(n), sigma = spread / 2.56 for a normal) and the
+        run-to-run prior, in quadrature."""
+        se = 1.25 * (self.spread / 2.56) / math.sqrt(max(self.steps, 1))
+        return math.sqrt(se * se + RUN_TO_RUN ** 2)
+
+    def to_dict(self) -> dict:
+        return {"module": self.module, "rows": self.rows, "seq": self.seq, "micro_batches": self.micro_batches,
+                "q": self.q, "seconds": self.seconds, "steps": self.steps, "spread": self.spread}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ProfilePoint":
+        return cls(module=str(d["module"]), rows=int(d["rows"]), seq=int(d["seq"]),
+                   micro_batches=int(d["micro_batches"]), q=float(d["q"]), seconds=float(d["seconds"]),
+                   steps=int(d["steps"]), spread=float(d.get("spread", 0.0)))
 
 
 def fit_interference(pairs: list[dict]) -> dict:

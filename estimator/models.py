@@ -1,0 +1,227 @@
+"""From measurements to a versioned performance model (tessera.perfmodel), persisted.
+
+Inputs, as the store indexes them (``run_key``, ``comm_row``, ``colocation_row``):
+- step measurements of *single-device* runs (labels ``world_size`` = 1, from
+  ``tessera.modelkey.profile_labels``): each run (job, device kind, module, batch,
+  micro-batches, threads) becomes one profile point, the median of its steps after
+  ``WARMUP_STEPS`` (at least ``MIN_MEASURED`` measured steps);
+- ``kind="comm"`` rows (labels ``op``, ``link``; values ``bytes``, ``world``, ``seconds``),
+  e.g. from the gloo micro-benchmark of ``bench/_measure.py``;
+- ``kind="colocation"`` pairs (labels ``mode``, ``device_kind``; values ``colocated``,
+  ``oversubscription``, ``alone_s``, ``together_s``).
+
+``ModelKeeper`` refits when those inputs changed (not for device samples), at most
+every ``min_refit_interval_s``, off the event loop; the version increases only when
+the fitted snapshot differs. ``<state_dir>/model.json`` (written atomically) holds the
+snapshot and the input revision it was fitted at, so a restart serves the same
+version without refitting; the measurement log replays to the same revision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tessera import log
+from tessera.perfmodel import ComputeSample, PerfModel, ProfilePoint, fit_comm, fit_compute, fit_interference
+
+WARMUP_STEPS = 2
+MIN_MEASURED = 3
+MODEL_NAME = "model.json"
+# Fields of a run key after (job_id, device_kind, module): ints in this order.
+RUN_INTS = ("layers", "hidden", "heads", "vocab", "seq_len", "batch", "micro_batches")
+
+
+def _int(labels, k: str) -> int:
+    try:
+        return int(float(labels.get(k, "0")))
+    except ValueError:
+        return 0
+
+
+def run_key(m) -> tuple | None:
+    """The single-device run a step measurement belongs to, or None when it is not one
+    (multi-rank, not a gpt workload, no configuration labels, no time)."""
+    lb = m.labels
+    if not m.job_id or m.step_time_s <= 0 or not lb.get("module") or lb.get("workload_type", "gpt") != "gpt":
+        return None
+    if _int(lb, "world_size") != 1 or lb.get("rank", "0") != "0":
+        return None
+    ints = tuple(_int(lb, k) for k in RUN_INTS)
+    if min(ints) <= 0:
+        return None
+    threads = float(lb.get("threads", "1") or 1)
+    return (m.job_id, lb.get("device_kind", "cpu") or "cpu", lb["module"]) + ints + (threads,)
+
+
+def comm_row(m) -> dict | None:
+    """A communication row of a ``kind="comm"`` measurement, or None if malformed."""
+    v, lb = m.values, m.labels
+    if not lb.get("op") or not lb.get("link") or v.get("seconds", 0) <= 0 or v.get("world", 0) < 2:
+        return None
+    return {"link": lb["link"], "op": lb["op"], "bytes": float(v.get("bytes", 0)), "world": int(v["world"]),
+            "seconds": float(v["seconds"])}
+
+
+def colocation_row(m) -> dict | None:
+    """A colocation pair of a ``kind="colocation"`` measurement, or None if malformed."""
+    v, lb = m.values, m.labels
+    if lb.get("mode") not in ("split", "shared") or v.get("alone_s", 0) <= 0 or v.get("together_s", 0) <= 0:
+        return None
+    return {"device_kind": lb.get("device_kind", "cpu") or "cpu", "mode": lb["mode"],
+            "colocated": int(v.get("colocated", 2)), "oversubscription": float(v.get("oversubscription", 1.0)),
+            "alone_s": float(v["alone_s"]), "together_s": float(v["together_s"])}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One single-device run turned into a profile point."""
+
+    job_id: str
+    device_type: str
+    module: str
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int
+    rows: int
+    micro_batches: int
+    quota: float
+    steps: int
+    median_s: float
+    spread: float
+
+    def point(self) -> ProfilePoint:
+        return ProfilePoint(module=self.module, rows=self.rows, seq=self.seq_len, micro_batches=self.micro_batches,
+                            q=self.quota, seconds=self.median_s, steps=self.steps, spread=self.spread)
+
+    def sample(self) -> ComputeSample:
+        return ComputeSample(module=self.module, rows=self.rows, seq=self.seq_len, layers=self.layers,
+                             hidden=self.hidden, heads=self.heads, vocab=self.vocab, q=self.quota,
+                             seconds=self.median_s, micro_batches=self.micro_batches, seq_len=self.seq_len)
+
+
+def profiles(runs: dict[tuple, dict[int, float]]) -> list[Profile]:
+    """Profile points of the runs with at least ``MIN_MEASURED`` steps after warm-up,
+    sorted by (device type, module, job)."""
+    out = []
+    for key, steps in runs.items():
+        ts = [steps[k] for k in sorted(steps)][WARMUP_STEPS:]
+        if len(ts) < MIN_MEASURED:
+            continue
+        job, dev, module = key[:3]
+        layers, hidden, heads, vocab, seq_len, batch, mb = key[3:10]
+        med = float(np.median(ts))
+        p10, p90 = np.percentile(ts, [10, 90])
+        out.append(Profile(job, dev, module, layers, hidden, heads, vocab, seq_len, batch, mb, key[10], len(ts), med,
+                           float((p90 - p10) / med) if med > 0 else 0.0))
+    return sorted(out, key=lambda p: (p.device_type, p.module, p.job_id))
+
+
+def build_model(runs: dict, comm_rows: list[dict], colocation_rows: list[dict], version: int) -> PerfModel:
+    """Fit every part the data allows (pure apart from numpy): a compute curve per
+    device type (it says insufficient_data when too few profiles), profile points per
+    device type, a communication fit per link, interference per device type."""
+    ps = profiles(runs)
+    compute, points = {}, {}
+    for dev in sorted({p.device_type for p in ps}):
+        mine = [p for p in ps if p.device_type == dev]
+        compute[dev] = fit_compute(dev, [p.sample() for p in mine])
+        points[dev] = [p.point() for p in mine]
+    comm = {}
+    for link in sorted({r["link"] for r in comm_rows}):
+        f = fit_comm(link, [r for r in comm_rows if r["link"] == link])
+        if f.ops:
+            comm[link] = f
+    inter = {}
+    for dev in sorted({r["device_kind"] for r in colocation_rows}):
+        inter[dev] = fit_interference([r for r in colocation_rows if r["device_kind"] == dev])
+    return PerfModel(version=version, compute=compute, comm=comm, interference=inter, profiles=points)
+
+
+def _canonical(model: PerfModel) -> str:
+    d = model.to_dict()
+    d.pop("version")
+    return json.dumps(d, sort_keys=True, allow_nan=True)
+
+
+class ModelKeeper:
+    """The current model of an estimator: refit on demand, versioned, persisted."""
+
+    def __init__(self, store, state_dir: str | os.PathLike, *, min_refit_interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.path = Path(state_dir) / MODEL_NAME
+        self.min_refit_interval_s = min_refit_interval_s
+        self.clock = clock
+        self.log = log.get(component="estimator.models")
+        self.model = PerfModel(version=0)
+        self.fitted_revision = 0
+        self.fitted_at = 0.0
+        self.measurements = 0
+        self._last_fit = -math.inf
+        self._lock = asyncio.Lock()
+        if self.path.exists():
+            d = json.loads(self.path.read_text())
+            self.model = PerfModel.from_dict(d["snapshot"])
+            self.fitted_revision = int(d["revision"])
+            self.fitted_at = float(d.get("fitted_at", 0.0))
+            self.measurements = int(d.get("measurements", 0))
+            self.log.info("model loaded", version=self.model.version, revision=self.fitted_revision,
+                          store_revision=store.model_revision)
+
+    @property
+    def stale(self) -> bool:
+        return self.store.model_revision != self.fitted_revision
+
+    async def current(self) -> PerfModel:
+        """The model, refitted first when its inputs changed and the last fit is at
+        least ``min_refit_interval_s`` old."""
+        if self.stale and self.clock() - self._last_fit >= self.min_refit_interval_s:
+            async with self._lock:
+                if self.stale:
+                    await self._refit()
+        return self.model
+
+    async def _refit(self) -> None:
+        st = self.store
+        rev = st.model_revision
+        runs = {k: dict(v) for k, v in st.runs.items()}
+        comm, colo = list(st.comm_rows), list(st.colocation_rows)
+        t0 = time.perf_counter()
+        new = await asyncio.to_thread(build_model, runs, comm, colo, self.model.version)
+        self._last_fit = self.clock()
+        changed = _canonical(new) != _canonical(self.model)
+        if changed:
+            new.version = self.model.version + 1
+            self.model = new
+        self.fitted_revision, self.fitted_at, self.measurements = rev, time.time(), st.count
+        await asyncio.to_thread(self._persist)
+        self.log.info("model refitted", version=self.model.version, changed=changed, revision=rev,
+                      profiles=sum(len(v) for v in self.model.profiles.values()),
+                      fits={k: v.status for k, v in self.model.compute.items()}, links=sorted(self.model.comm),
+                      ms=round((time.perf_counter() - t0) * 1000, 1))
+
+    def _persist(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        blob = json.dumps({"revision": self.fitted_revision, "fitted_at": self.fitted_at,
+                           "measurements": self.measurements, "snapshot": self.model.to_dict()})
+        with open(tmp, "w") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,171 @@
+"""The estimator's model RPCs over real loopback gRPC: measurements in, a fitted,
+versioned model out (Estimate, EstimateBatch, GetModelSnapshot, ListProfiles), the
+snapshot evaluated locally giving the service's numbers, and the model surviving a
+restart."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from estimator import main as emain
+from estimator.config import EstimatorConfig
+from estimator.models import MODEL_NAME, WARMUP_STEPS
+from tessera.api.v1 import estimator_pb2, estimator_pb2_grpc, profiler_pb2
+from tessera.perfmodel import Candidate, PerfModel
+from tessera.perfmodel.comm import steps_and_volume
+from tests.unit.test_perfmodel_fit import TRUE, TRUE_P, samples
+
+SRC = "profilerd/test"
+
+
+class Est:
+    def __init__(self, state_dir, port=0):
+        self.state_dir, self.port = state_dir, port
+
+    async def __aenter__(self):
+        cfg = EstimatorConfig(listen=f"127.0.0.1:{self.port}", state_dir=str(self.state_dir), grace_s=0,
+                              min_refit_interval_s=0)
+        self.running, self.store = await emain.start(cfg)
+        self.port = self.running.port
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = estimator_pb2_grpc.EstimatorServiceStub(self.channel)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.channel.close()
+        await self.running.stop(0)
+        self.store.close()
+
+
+def run_measurements(s, job: str, seq0: int, steps: int = 6) -> list[profiler_pb2.Measurement]:
+    """Step measurements of one single-device run of sample ``s`` (warm-up steps slower)."""
+    labels = {"module": s.module, "workload_type": "gpt", "layers": s.layers, "hidden": s.hidden, "heads": s.heads,
+              "vocab": s.vocab, "seq_len": s.seq, "batch": s.rows, "dp": 1, "tp": 1, "pp": 1,
+              "micro_batches": s.micro_batches, "threads": s.q, "world_size": 1, "device_kind": "cpu", "rank": 0}
+    out = []
+    for i in range(1, steps + 1):
+        t = s.seconds * (3.0 if i <= WARMUP_STEPS else 1.0)
+        out.append(profiler_pb2.Measurement(source=SRC, seq=seq0 + i - 1, kind="step", job_id=job, step=i,
+                                            step_time_s=t, labels={k: str(v) for k, v in labels.items()}))
+    return out
+
+
+def comm_measurements(seq0: int, alpha=50e-6, beta=1 / 2e9) -> list[profiler_pb2.Measurement]:
+    out = []
+    for op in ("all_reduce", "send_recv"):
+        for nbytes in (4 << 10, 256 << 10, 4 << 20):
+            st, vol = steps_and_volume(op, 2, nbytes)
+            out.append(profiler_pb2.Measurement(
+                source=SRC, seq=seq0 + len(out), kind="comm", labels={"op": op, "link": "lo"},
+                values={"bytes": nbytes, "world": 2, "seconds": float(alpha * st + beta * vol)}))
+    return out
+
+
+async def report(stub, ms):
+    return await stub.ReportMeasurements(iter([estimator_pb2.MeasurementBatch(measurements=ms[i:i + 100])
+                                               for i in range(0, len(ms), 100)]))
+
+
+def to_pb(c: Candidate) -> estimator_pb2.Candidate:
+    return estimator_pb2.Candidate(**{k: getattr(c, k) for k in estimator_pb2.Candidate.DESCRIPTOR.fields_by_name})
+
+
+def cand(**kw) -> Candidate:
+    base = dict(device_type="cpu", layers=3, hidden=96, heads=4, vocab=512, seq_len=64, batch=16, module="m3x96",
+                quota=2.0, link="lo")
+    base.update(kw)
+    return Candidate(**base)
+
+
+async def test_fit_serve_snapshot_and_restart(tmp_path):
+    ss = samples()  # 72 configurations with known coefficients
+    ms, seq = [], 1
+    for i, s in enumerate(ss):
+        ms += run_measurements(s, f"j-{i:03d}", seq)
+        seq += 6
+    ms += comm_measurements(seq)
+    async with Est(tmp_path) as e:
+        ack = await report(e.stub, ms)
+        assert ack.accepted == len(ms)
+        snap = await e.stub.GetModelSnapshot(estimator_pb2.GetModelSnapshotRequest())
+        assert snap.version == 1 and snap.format == "tessera.perfmodel/1" and not snap.unchanged
+        model = PerfModel.from_dict(json.loads(snap.json))
+        fit = model.compute["cpu"]
+        assert fit.status == "ok" and fit.p == pytest.approx(TRUE_P, abs=0.03)
+        for k in ("c_flops", "c_ops", "c_params"):  # warm-up steps were excluded: exact data, exact fit
+            assert fit.coef[k] == pytest.approx(TRUE[k], rel=0.05), k
+        assert set(model.comm["lo"].ops) == {"all_reduce", "send_recv"}
+
+        # the service's numbers are the snapshot's numbers, one by one and in a batch
+        c = cand(dp=2, pp=2, micro_batches=2, batch=32)
+        one = await e.stub.Estimate(estimator_pb2.EstimateRequest(candidate=to_pb(c)))
+        local = model.estimate(c)
+        assert one.status == "ok" and one.model_version == 1
+        assert one.seconds == local.seconds and one.confidence == local.confidence
+        assert one.breakdown["bubble"] > 0
+        cands = [cand(batch=b, quota=q, layers=L) for b in (8, 16, 32, 64) for q in (1.0, 2.0) for L in range(2, 8)] * 50
+        batch = await e.stub.EstimateBatch(estimator_pb2.EstimateBatchRequest(candidates=[to_pb(x) for x in cands]))
+        assert len(batch.estimates) == len(cands) == 2400
+        assert [r.seconds for r in batch.estimates] == [x.seconds for x in model.estimate_batch(cands)]
+        # a plan over a link never measured: says so
+        nolink = await e.stub.Estimate(estimator_pb2.EstimateRequest(candidate=to_pb(cand(dp=2, link="nvlink"))))
+        assert nolink.status == "insufficient_data" and "nvlink" in nolink.reason and nolink.seconds == 0
+
+        same = await e.stub.GetModelSnapshot(estimator_pb2.GetModelSnapshotRequest(if_newer_than=1))
+        assert same.unchanged and same.json == "" and same.version == 1
+        prof = await e.stub.ListProfiles(estimator_pb2.ListProfilesRequest(module="m3x96"))
+        assert len(prof.profiles) == 18 and {p.steps for p in prof.profiles} == {6 - WARMUP_STEPS}
+        p0 = prof.profiles[0]
+        assert p0.median_step_time_s == pytest.approx(next(
+            s.seconds for s in ss if (s.module, s.rows, s.seq, s.micro_batches, s.q)
+            == ("m3x96", p0.rows, p0.seq, p0.micro_batches, p0.quota)))
+        assert len((await e.stub.ListProfiles(estimator_pb2.ListProfilesRequest())).profiles) == 72
+        port = e.port
+
+    # restart: same version and coefficients, served from model.json
+    assert (tmp_path / MODEL_NAME).exists()
+    async with Est(tmp_path, port) as e:
+        again = await e.stub.GetModelSnapshot(estimator_pb2.GetModelSnapshotRequest())
+        assert again.version == 1 and json.loads(again.json) == json.loads(snap.json)
+        # new profiles change the model: a new version
+        extra = run_measurements(ss[0].__class__(**{**ss[0].__dict__, "seconds": ss[0].seconds * 1.5}), "j-new", seq + 100)
+        await report(e.stub, extra)
+        newer = await e.stub.GetModelSnapshot(estimator_pb2.GetModelSnapshotRequest(if_newer_than=1))
+        assert newer.version == 2 and not newer.unchanged
+
+
+async def test_few_profiles_answer_only_what_was_run(tmp_path):
+    s = samples()[0]
+    async with Est(tmp_path) as e:
+        await report(e.stub, run_measurements(s, "j-one", 1, steps=8))
+        snap = await e.stub.GetModelSnapshot(estimator_pb2.GetModelSnapshotRequest())
+        model = PerfModel.from_dict(json.loads(snap.json))
+        assert model.compute["cpu"].status == "insufficient_data"
+        exact = Candidate(device_type="cpu", layers=s.layers, hidden=s.hidden, heads=s.heads, vocab=s.vocab,
+                          seq_len=s.seq, batch=s.rows, micro_batches=s.micro_batches, quota=s.q, module=s.module)
+        r = await e.stub.Estimate(estimator_pb2.EstimateRequest(candidate=to_pb(exact)))
+        assert r.status == "ok" and r.seconds == pytest.approx(s.seconds) and "measured profile" in r.reason
+        assert 0 < r.confidence < 1 and r.memory_bytes > 0
+        other = await e.stub.Estimate(estimator_pb2.EstimateRequest(candidate=to_pb(
+            Candidate(**{**exact.__dict__, "batch": s.rows * 2}))))
+        assert other.status == "insufficient_data" and "at least" in other.reason and other.seconds == 0
+
+
+@pytest.mark.parametrize("rpc,field,expect", [
+    ("Estimate", {"hidden": 98}, "candidate.hidden"),
+    ("Estimate", {"device_type": ""}, "candidate.device_type"),
+    ("EstimateBatch", {"layers": 0}, "candidates[1].layers"),
+    ("EstimateBatch", {"quota": -1.0}, "candidates[1].quota"),
+])
+async def test_bad_candidate_is_invalid_argument_naming_the_field(tmp_path, rpc, field, expect):
+    async with Est(tmp_path) as e:
+        bad = estimator_pb2.Candidate(**{**{k: getattr(cand(), k) for k in
+                                            estimator_pb2.Candidate.DESCRIPTOR.fields_by_name}, **field})
+        req = (estimator_pb2.EstimateRequest(candidate=bad) if rpc == "Estimate"
+               else estimator_pb2.EstimateBatchRequest(candidates=[to_pb(cand()), bad]))
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await getattr(e.stub, rpc)(req)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and ei.value.details().startswith(expect)
