@@ -3,6 +3,7 @@ single-process step; resharding ships exactly the embeddings the plan says."""
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -15,6 +16,8 @@ from agent.runtime.multimodal.engine import plain_step
 from agent.runtime.multimodal.launch import run_ranks
 from agent.runtime.multimodal.models import MMModel
 from agent.runtime.multimodal.reshard import Layout, coupled_plan, decoupled_plan
+from agent.runtime.multimodal.workload import run
+from agent.runtime.report import Reporter, parse_line
 from tessera.spec.multimodal import validate_multimodal
 
 CFG = GPTConfig(vocab=64, seq_len=48, layers=1, hidden=32, heads=2)
@@ -41,16 +44,36 @@ def _layouts(world):
     return [Layout((0,), (1,)), Layout((0, 1), (0, 1)), None][:STEPS]
 
 
-def _rank_main(rank, world):
+WORKLOAD_STEPS = 20
+
+
+def _workload_spec(tmp: str, rank: int, world: int) -> dict:
+    return {
+        "job_id": "mm-dis", "checkpoint_dir": tmp,
+        "workload": {"type": "multimodal", "model": CFG.to_dict(), "steps": WORKLOAD_STEPS, "batch_size": 8,
+                     "learning_rate": 0.01, "seed": 0,
+                     "multimodal": {"mode": "disaggregated", "micro_batches": 2,
+                                    "image": {"size": 16, "patch": 8, "pool": 2},
+                                    "encoder": {"layers": 1, "hidden": 32, "heads": 2},
+                                    "data": {"max_images": 3, "min_text": 8, "max_text": 30},
+                                    "mix": [{"step": 0, "image_prob": 0.2}, {"step": 15, "image_prob": 0.9}]}},
+        # The process group is already up (run_ranks); init_from_spec leaves it alone.
+        "dist": {"rank": rank, "world_size": world},
+    }
+
+
+def _rank_main(rank, world, tmp):
     data, model, opt = _setup()
     eng = DistEngine(model, opt, data, rank, world)
     cost = CostModel.from_flops(model)
-    losses, sent, moved = [], [], []
+    losses, sent, moved, phases = [], [], [], []
     for step, layout in enumerate(_layouts(world)):
         ids = list(range(step * B, step * B + B))
         items = plan_items(data, ids, cost)
         plan = coupled_plan(items, world, 2) if layout is None else decoupled_plan(items, layout, 2)
-        losses.append(eng.step(ids, plan, cost).loss)
+        st = eng.step(ids, plan, cost)
+        losses.append(st.loss)
+        phases.append((st.modules, st.world))
         sent.append(sorted((j, dst, tuple(i)) for j, dst, i in eng.sent))
         expect = []
         for j, mp in enumerate(plan.micro):
@@ -58,19 +81,29 @@ def _rank_main(rank, world):
                 if src == rank and dst != rank:
                     expect.append((j, dst, tuple(i)))
         moved.append(sorted(expect))
-    return losses, sent, moved, [p.detach().clone() for p in model.parameters()][:3]
+    # Then the executor entry point itself, disaggregated over the same two ranks.
+    buf = io.StringIO()
+    code = run(_workload_spec(tmp, rank, world), Reporter(buf, enabled=(rank == 0)))
+    events = [e for e in map(parse_line, buf.getvalue().splitlines()) if e]
+    return losses, sent, moved, [p.detach().clone() for p in model.parameters()][:3], phases, (code, events)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Both ranks' results; one spawn serves every test here (spawning costs seconds)."""
+    return run_ranks(2, _rank_main, str(tmp_path_factory.mktemp("mm-dis")))
 
 
 @pytest.mark.timeout(120)
-def test_disaggregated_matches_plain_step():
+def test_disaggregated_matches_plain_step(ranks):
     data, model, opt = _setup()
     ref = []
     for step in range(STEPS):
         ref.append(plain_step(model, opt, [data.sample(i) for i in range(step * B, step * B + B)]).loss)
     ref_params = [p.detach().clone() for p in model.parameters()][:3]
 
-    results = run_ranks(2, _rank_main)
-    for losses, sent, moved, params in results:
+    results = ranks
+    for losses, sent, moved, params, _, _ in results:
         for a, b in zip(losses, ref):
             assert math.isclose(a, b, rel_tol=TOL), (losses, ref)
         assert sent == moved  # shipped exactly the planned cross-rank embeddings
@@ -78,3 +111,36 @@ def test_disaggregated_matches_plain_step():
             torch.testing.assert_close(p, q, rtol=1e-4, atol=5e-4)  # Adam's normalised update magnifies rounding on ~0 grads
     # The disjoint 1:1 step must have resharded something (media samples exist).
     assert any(results[0][1][0])
+
+
+def test_world_phases_sum_every_rank(ranks):
+    # Rank 0 alone reports, so what it reports per module must be the sum over ranks.
+    for step in range(STEPS):
+        per_rank = [r[4][step][0] for r in ranks]
+        for r in ranks:
+            world = r[4][step][1]
+            for mod in ("encoder", "llm"):
+                for ph in ("forward", "backward", "idle"):
+                    want = sum(m.get(mod, {}).get(ph, 0.0) for m in per_rank)
+                    assert math.isclose(world[mod][ph], want, rel_tol=1e-5, abs_tol=1e-6)
+    # A disjoint 1:1 step: rank 0 only encodes, rank 1 only trains the LLM; both show up.
+    world0 = ranks[0][4][0][1]
+    assert world0["encoder"]["forward"] > 0 and world0["llm"]["forward"] > 0
+    assert "llm" not in ranks[0][4][0][0] or ranks[0][4][0][0]["llm"].get("forward", 0.0) == 0.0
+
+
+def test_workload_disaggregated_trains_and_reports_modules(ranks):
+    (code0, ev0), (code1, ev1) = ranks[0][5], ranks[1][5]
+    assert code0 == 0 and code1 == 0
+    assert not ev1  # only rank 0 reports
+    prog = [e for e in ev0 if e["event"] == "progress" and e["module"] == "multimodal"]
+    assert [e["step"] for e in prog] == list(range(1, WORKLOAD_STEPS + 1))
+    assert sum(e["loss"] for e in prog[-4:]) < sum(e["loss"] for e in prog[:4])
+    assert all(e["layout"] in ("1:1", "2:2") for e in prog)
+    mods = [e for e in ev0 if e["event"] == "progress" and e["module"] in ("encoder", "llm")]
+    assert {e["module"] for e in mods} == {"encoder", "llm"}
+    assert len(mods) == 2 * WORKLOAD_STEPS
+    for e in mods:
+        assert e["ranks"] == 2 and "idle" in e["phases"] and e["phases"]["forward"] >= 0
+    assert sum(e["phases"]["forward"] for e in mods if e["module"] == "encoder") > 0
+    assert ev0[-1]["event"] == "done"

@@ -62,9 +62,6 @@ def test_assign_balances_llm_load():
 
 
 def test_shared_layout_prefers_local_handover_on_ties():
-    items = [Item(0, 1.0, 1.0)]
-    enc, llm = assign(items, Layout((0, 1), (0, 1)))
-    assert enc[0] != llm[0] or True  # placement is by load first
     plan = decoupled_plan([Item(0, 1.0, 5.0), Item(1, 1.0, 5.0)], Layout((0, 1), (0, 1)), 1)
     assert plan.micro[0].moved() == set()  # equal loads: each rank encodes what it trains on
 
@@ -86,3 +83,14 @@ def test_ratio_follows_the_mix():
     assert choose_layout(1.0, 1.0, 4, 4, allow_shared=False, encoder_ranks=2).ratio == "2:2"
     assert choose_layout(5.0, 5.0, 1, 4).ratio == "1:1"  # one rank holds both
     assert len(candidate_layouts(3, allow_shared=True)) == 3
+
+
+def test_shared_layout_buckets_micro_batches_by_llm_length():
+    # Shared roles: a rank's micro-batches hold similar lengths (less padding), shortest first.
+    items = [Item(i, 0.0, float(c)) for i, c in enumerate([30, 5, 28, 6, 29, 7, 31, 4])]
+    plan = decoupled_plan(items, Layout((0,), (0,)), micro_batches=2)
+    assert [sorted(items[i].llm for i in mp.ids) for mp in plan.micro] == [[4, 5, 6, 7], [28, 29, 30, 31]]
+    # Disjoint roles: micro-batches balance the pipeline's stages instead.
+    plan = decoupled_plan(items, Layout((0,), (1,)), micro_batches=2)
+    loads = [sum(items[i].llm for i in mp.ids) for mp in plan.micro]
+    assert abs(loads[0] - loads[1]) <= 4

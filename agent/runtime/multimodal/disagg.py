@@ -80,24 +80,53 @@ def init_from_spec(dist_spec: dict, timeout_s: float = 120.0) -> None:
     )
 
 
+# Per-module phases every rank adds into the step's all-reduce, so rank 0 (the only
+# rank that reports) can report the whole job's encoder and LLM time and idle time.
+_WORLD_PHASES = [(m, p) for m in ("encoder", "llm") for p in ("forward", "backward", "communication", "idle")]
+
+
 class DistEngine:
-    """One rank's side of disaggregated (or coupled) multimodal training."""
+    """One rank's side of disaggregated (or coupled) multimodal training.
+
+    CUDA tensors over a gloo group (several ranks sharing one GPU, where NCCL refuses)
+    are staged through host memory; over NCCL they go device to device."""
 
     def __init__(self, model: MMModel, opt: torch.optim.Optimizer, data: SyntheticData, rank: int, world: int) -> None:
         self.model, self.opt, self.data, self.rank, self.world = model, opt, data, rank, world
         self.hidden = model.gpt.cfg.hidden
         self.params = list(model.parameters())
         self.sent: list[tuple[int, int, list[int]]] = []  # (mb, dst, ids) of the last step, for tests
+        self.device = model.gpt.head.weight.device
+        self.stage = (self.device.type == "cuda" and world > 1 and dist.is_initialized()
+                      and dist.get_backend() == "gloo")
+
+    def _sync(self) -> None:
+        # Timings feed the cost model: on CUDA they must include the queued kernels.
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _isend(self, t: torch.Tensor, dst: int, tag: int):
+        t = t.detach().contiguous()
+        if self.stage:
+            t = t.cpu()
+        return dist.isend(t, dst, tag=tag), t  # keep the buffer alive until waited on
+
+    def _recv(self, shape: tuple[int, ...], src: int, tag: int) -> torch.Tensor:
+        buf = torch.empty(shape, device="cpu" if self.stage else self.device)
+        dist.irecv(buf, src, tag=tag).wait()
+        return buf.to(self.device) if self.stage else buf
 
     def _len(self, m: SampleMeta) -> int:
         return m.media_tokens(self.data.per_image, self.data.per_audio)
 
     def step(self, batch_ids: list[int], plan: StepPlan, cost: CostModel | None = None) -> StepStats:
         """One synchronous step of the global batch ``batch_ids`` under ``plan``; every rank
-        calls it with the same arguments. Returns the global mean loss and this rank's
-        per-module timings (``enc_units``/``llm_tokens`` totals are in ``stats.modules['work']``)."""
+        calls it with the same arguments. Returns the global mean loss, this rank's
+        per-module timings in ``stats.modules`` (``enc_units``/``llm_tokens`` totals are in
+        ``stats.modules['work']``) and the same phases summed over every rank in
+        ``stats.world`` (``idle``: time a module waited to receive from the other)."""
         t_start = time.perf_counter()
-        r, dev = self.rank, self.model.gpt.head.weight.device
+        r, dev = self.rank, self.device
         self.opt.zero_grad(set_to_none=True)
         metas = {i: self.data.meta(i) for i in batch_ids}
         norm = float(sum(m.text_len - (0 if (m.n_images or m.n_audio) else 1) for m in metas.values()))
@@ -128,6 +157,7 @@ class DistEngine:
                 return
             t0 = time.perf_counter()
             embs = dict(zip(mine, self.model.encode([sample(s) for s in mine])))
+            self._sync()
             enc_out[j] = {}
             for (src, dst), ids in sorted(mp.transfers().items()):
                 if src != r:
@@ -138,7 +168,7 @@ class DistEngine:
                     local[j] = out.detach().requires_grad_()
                 else:
                     t1 = time.perf_counter()
-                    pending.append(dist.isend(out.detach().contiguous(), dst, tag=tag(j, False)))
+                    pending.append(self._isend(out, dst, tag(j, False)))
                     stats.add("encoder", "communication", time.perf_counter() - t1)
                     self.sent.append((j, dst, list(ids)))
             dt = time.perf_counter() - t0
@@ -159,9 +189,8 @@ class DistEngine:
                 if src == r:
                     leaves[src] = local[j]
                 else:
-                    buf = torch.empty(sum(self._len(metas[s]) for s in ids), self.hidden, device=dev)
                     t1 = time.perf_counter()
-                    dist.irecv(buf, src, tag=tag(j, False)).wait()
+                    buf = self._recv((sum(self._len(metas[s]) for s in ids), self.hidden), src, tag(j, False))
                     wait += time.perf_counter() - t1
                     leaves[src] = buf.requires_grad_()
             t0 = time.perf_counter()
@@ -175,6 +204,7 @@ class DistEngine:
             loss = self.model.llm_loss(samples, embs, norm)
             tf = time.perf_counter()
             loss.backward()
+            self._sync()
             dt = time.perf_counter() - t0
             stats.add("llm", "forward", tf - t0)
             stats.add("llm", "backward", dt - (tf - t0))
@@ -187,7 +217,7 @@ class DistEngine:
                 if src == r:
                     local_grad[j] = g
                 else:
-                    pending.append(dist.isend(g.contiguous(), src, tag=tag(j, True)))
+                    pending.append(self._isend(g, src, tag(j, True)))
             stats.add("llm", "communication", time.perf_counter() - t1)
             return float(loss.detach())
 
@@ -200,14 +230,14 @@ class DistEngine:
                 if dst == r:
                     g = local_grad[j]
                 else:
-                    g = torch.empty_like(out)
                     t1 = time.perf_counter()
-                    dist.irecv(g, dst, tag=tag(j, True)).wait()
+                    g = self._recv(tuple(out.shape), dst, tag(j, True))
                     wait += time.perf_counter() - t1
                 outs.append(out)
                 grads.append(g)
             t0 = time.perf_counter()
             torch.autograd.backward(outs, grads)
+            self._sync()
             dt = time.perf_counter() - t0
             stats.add("encoder", "backward", dt)
             stats.add("encoder", "idle", wait)
@@ -223,16 +253,23 @@ class DistEngine:
             loss_sum += llm(j)
         for j in range(M):
             enc_backward(j)
-        for w in pending:
+        for w, _buf in pending:
             w.wait()
 
         # One world all-reduce carries every gradient, the loss and the cost observations.
         t0 = time.perf_counter()
         flat = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=dev) for p in self.params]
-        extras = torch.tensor([loss_sum, work["enc_s"], work["enc_units"], work["llm_s"], work["llm_tokens"]], device=dev)
+        mine = [stats.modules.get(m, {}).get(p, 0.0) for m, p in _WORLD_PHASES]
+        extras = torch.tensor([loss_sum, work["enc_s"], work["enc_units"], work["llm_s"], work["llm_tokens"], *mine],
+                              device=dev)
         buf = torch.cat(flat + [extras])
         if self.world > 1:
-            dist.all_reduce(buf)
+            if self.stage:
+                host = buf.cpu()
+                dist.all_reduce(host)
+                buf = host.to(dev)
+            else:
+                dist.all_reduce(buf)
         off = 0
         for p in self.params:
             n = p.numel()
@@ -245,6 +282,8 @@ class DistEngine:
         stats.add("optimizer", "step", time.perf_counter() - t1)
         stats.loss = ex[0]
         stats.modules["work"] = {"enc_s": ex[1], "enc_units": ex[2], "llm_s": ex[3], "llm_tokens": ex[4]}
+        for (m, p), v in zip(_WORLD_PHASES, ex[5:]):
+            stats.world.setdefault(m, {})[p] = v
         stats.wall_s = time.perf_counter() - t_start
         return stats
 

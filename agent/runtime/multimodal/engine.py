@@ -10,7 +10,9 @@ encoder's backward is driven by exactly the gradient the LLM produced for its ou
   LLM forward+backward, encoder backward, one after another, each using the whole device.
 - colocated (``concurrent=True``): the encoder and the LLM each run on their own worker
   thread with their own quota (CPU: a disjoint core set + intra-op thread budget; CUDA: a
-  stream each, the larger-quota module at high priority), pipelined across micro-batches:
+  stream each, the larger-quota module at high priority — one process cannot give its
+  streams hard SM shares; those are per process, MPS, see agent/partitions), pipelined
+  across micro-batches:
   the encoder runs forward of micro-batch j+1 (and backward of j-1) while the LLM trains
   on j. The optimizer steps once all micro-batches are done (synchronous, no staleness).
 """
@@ -33,11 +35,13 @@ from agent.runtime.multimodal.reorder import balanced_bins, chunk_sizes
 @dataclass
 class StepStats:
     """Loss of the step and seconds per (module, phase); ``idle`` is time a module's
-    worker waited on the other module."""
+    worker waited on the other module. ``world``: the same phases summed over every rank
+    of a distributed step (empty for a single-process step)."""
 
     loss: float
     wall_s: float
     modules: dict[str, dict[str, float]] = field(default_factory=dict)
+    world: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def add(self, module: str, phase: str, seconds: float) -> None:
         m = self.modules.setdefault(module, {})
@@ -83,6 +87,8 @@ class _Quota:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mm-{name}", initializer=self._init)
 
     def _init(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
         if self.device.type == "cpu" and self.cpus:
             if hasattr(os, "sched_setaffinity"):
                 os.sched_setaffinity(0, self.cpus)  # pid 0 = this thread on Linux
@@ -158,7 +164,7 @@ class ColocatedEngine:
         loss.backward()
         grads = [lf.grad if lf.requires_grad else None for lf in leaves]
         ev2 = self._record()
-        val = float(loss.detach())
+        val = loss.detach()  # read after the step: float() here would stall this stream's worker
         # (loss, grads, event, idle, forward, backward)
         return val, grads, ev2, t1 - t0, t2 - t1, time.perf_counter() - t2
 
@@ -192,12 +198,13 @@ class ColocatedEngine:
         norm = float(n_targets(samples))
         mbs = split_micro(samples, self.micro_batches)
         stats = StepStats(0.0, 0.0)
+        losses: list[torch.Tensor] = []
         if not self.concurrent:
             for mb in mbs:
                 f = self._enc_fwd(mb)
                 l_ = self._llm(mb, f, norm)
                 b = self._enc_bwd(f, l_)
-                stats.loss += l_[0]
+                losses.append(l_[0])
                 stats.add("encoder", "forward", f[3])
                 stats.add("llm", "forward", l_[4])
                 stats.add("llm", "backward", l_[5])
@@ -216,7 +223,7 @@ class ColocatedEngine:
                 bwd.append(self.enc.submit(self._enc_bwd, fwd[j], llm[j]))
             for f, l_, b in zip(fwd, llm, bwd):
                 fr, lr, br = f.result(), l_.result(), b.result()
-                stats.loss += lr[0]
+                losses.append(lr[0])
                 stats.add("encoder", "forward", fr[3])
                 stats.add("encoder", "backward", br[1])
                 stats.add("encoder", "idle", br[0])
@@ -225,6 +232,7 @@ class ColocatedEngine:
                 stats.add("llm", "idle", lr[3])
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+        stats.loss = sum(float(v) for v in losses)
         t1 = time.perf_counter()
         self.opt.step()
         stats.add("optimizer", "step", time.perf_counter() - t1)

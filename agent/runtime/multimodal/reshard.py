@@ -135,18 +135,33 @@ def assign(items: list[Item], layout: Layout, min_gain: float = 0.05) -> tuple[d
 
 def decoupled_plan(batch: list[Item], layout: Layout, micro_batches: int) -> StepPlan:
     """Balance the whole batch over the layout's encoder and LLM ranks (``assign``), then
-    cut each LLM rank's samples into ``micro_batches`` chunks of balanced load; a
-    sample's media are encoded in the micro-batch its LLM work is in. Balancing the
-    step, not each micro-batch, matters: ranks only wait for each other at transfers
-    and at the step's all-reduce, and a small micro-batch cannot be split evenly."""
+    cut each LLM rank's samples into ``micro_batches`` chunks; a sample's media are
+    encoded in the micro-batch its LLM work is in. Balancing the step, not each
+    micro-batch, matters: ranks only wait for each other at transfers and at the step's
+    all-reduce, and a small micro-batch cannot be split evenly.
+
+    How a rank's samples become micro-batches depends on the layout. Shared (every rank
+    runs both roles): only the step's total matters, so samples are bucketed by LLM
+    length (shortest first) — a micro-batch is padded to its longest sequence, and
+    similar lengths waste the least. Disjoint: encoder and LLM ranks form a pipeline
+    whose stages should be even per micro-batch, so chunks balance both loads."""
     enc_owner, llm_owner = assign(batch, layout)
+    shared = set(layout.enc_ranks) == set(layout.llm_ranks)
     micro = [MicroPlan(ids=[]) for _ in range(micro_batches)]
     for r in layout.llm_ranks:
         mine = [it for it in batch if llm_owner.get(it.id) == r]
         if not mine:
             continue
         sizes = chunk_sizes(len(mine), min(micro_batches, len(mine)))
-        for j, b in enumerate(balanced_bins([it.enc for it in mine], [it.llm for it in mine], sizes)):
+        if shared:
+            order = sorted(range(len(mine)), key=lambda i: (mine[i].llm, mine[i].id))
+            bins, pos = [], 0
+            for n in sizes:
+                bins.append(order[pos:pos + n])
+                pos += n
+        else:
+            bins = balanced_bins([it.enc for it in mine], [it.llm for it in mine], sizes)
+        for j, b in enumerate(bins):
             for i in b:
                 sid = mine[i].id
                 micro[j].ids.append(sid)

@@ -8,7 +8,9 @@ encoder and the LLM on separate quotas; ``disaggregated`` uses every rank of ``d
 choosing each step's encoder:LLM split from the measured cost model unless
 ``disaggregated.encoder_ranks`` pins it. Events: ``start``; per step a ``progress`` with
 ``module: "multimodal"`` (loss, step_time_s, phases) and one per module (``encoder``,
-``llm``) whose phases include ``idle`` (time waiting on the other module); ``checkpoint``;
+``llm``) whose phases (forward, backward, communication, idle: time waiting on the other
+module) are this process's in colocated mode and summed over all ranks in disaggregated
+mode (``ranks`` says over how many); the agent forwards them to profilerd; ``checkpoint``;
 ``done``. A checkpoint in ``checkpoint_dir`` (written atomically) is resumed from.
 """
 
@@ -157,10 +159,13 @@ def _run(spec: dict, reporter: Reporter) -> int:
             reporter.event("progress", step=step + 1, total=p["steps"], loss=loss, step_time_s=st.wall_s,
                            phases=_phases(st), module="multimodal",
                            images=sum(data.meta(i).n_images for i in ids), **extra)
+            # Per-module time and idle time for profilerd. Only rank 0 reports, so a
+            # distributed step reports the phases summed over every rank (``st.world``).
+            per_mod = st.world or st.modules
             for mod in ("encoder", "llm"):
-                if mod in st.modules:
+                if mod in per_mod:
                     reporter.event("progress", step=step + 1, total=p["steps"], step_time_s=st.wall_s,
-                                   phases=dict(st.modules[mod]), module=mod)
+                                   phases={"idle": 0.0, **per_mod[mod]}, module=mod, ranks=world)
             every = p["checkpoint_every"]
             if ckpt and rank == 0 and every and (step + 1) % every == 0 and step + 1 < p["steps"]:
                 _save(ckpt, model, opt, step + 1)
