@@ -110,6 +110,20 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         text, truncated = tail(p, request.tail_bytes or 64 << 10)
         return agent_pb2.ReadLogsResponse(text=text, truncated=truncated)
 
+    async def ControlTask(self, request, context):
+        why = self.node.check_token(request.fencing_token)
+        if why:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+        if request.op != "cancel":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"op: must be 'cancel', got {request.op!r}")
+        if not request.task:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "task: is required")
+        try:
+            path = self.mgr.append_control(request.allocation_id, {"op": request.op, "task": request.task})
+        except KeyError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
+        return agent_pb2.ControlTaskResponse(control_file=path)
+
 
 def to_proto(d) -> types_pb2.Device:
     return types_pb2.Device(id=d.id, kind=d.kind, model=d.model, memory_bytes=d.memory_bytes,

@@ -91,6 +91,24 @@ class ExecutorManager:
     def log_path(self, job_id: str) -> Path:
         return self.state_dir / "logs" / f"{job_id}.log"
 
+    def append_control(self, allocation_id: str, command: dict) -> str:
+        """Append ``command`` as one JSON line to the control file of the allocation's
+        running multi-task (peft) executor (its spec's ``control_file``, default
+        ``<checkpoint_dir>/peft-control.jsonl``), read by the executor at its next step
+        boundary; returns the file. KeyError when no executor of the allocation runs here."""
+        live = sorted((e for e in self.executors.values() if e.allocation_id == allocation_id and e.running),
+                      key=lambda e: e.rank)
+        if not live:
+            raise KeyError(f"no running executor of allocation {allocation_id} on this node")
+        spec = json.loads((self.state_dir / "specs" / f"{allocation_id}-r{live[0].rank}.json").read_text())
+        path = spec.get("control_file") or os.path.join(spec["checkpoint_dir"], "peft-control.jsonl")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # One write of a whole line: the executor only applies lines that end in a newline.
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(command) + "\n")
+        self.log.info("task control appended", allocation=allocation_id, job_id=live[0].job_id, command=command)
+        return path
+
     # -- launch -----------------------------------------------------------------------
     async def launch(self, *, allocation_id: str, job_id: str, rank: int, world_size: int, device_ids: list[str],
                      master_addr: str, master_port: int, runtime_spec: dict, checkpoint_dir: str) -> tuple[Executor, bool]:
@@ -176,6 +194,14 @@ class ExecutorManager:
                                   "message": "" if ex.exit_code == 0 else last_error[-400:]})
 
     async def _event(self, ex: Executor, ev: dict) -> None:
+        if ev["event"] == "task":
+            # A peft task's lifecycle (few events: start, every report_every steps, end):
+            # reported unthrottled, so that no phase change is dropped.
+            await self.on_report(ex, {"kind": "TASK", "task": str(ev.get("task", "")),
+                                      "task_phase": str(ev.get("phase", "")), "step": int(ev.get("step") or 0),
+                                      "total_steps": int(ev.get("steps") or 0), "loss": float(ev.get("loss") or 0.0),
+                                      "tokens_per_s": float(ev.get("tokens_per_s") or 0.0)})
+            return
         if ev["event"] != "progress":
             return
         ex.step = int(ev.get("step", ex.step))

@@ -72,7 +72,8 @@ class JobService(controller_pb2_grpc.JobServiceServicer):
         for i, p in enumerate(request.phases):
             if p not in types_pb2.JobPhase.values() or p == 0:
                 raise SpecError(f"phases[{i}]", f"unknown phase {p}")
-        jobs, nxt, rev = await self.ctl.list(request.tenant, list(request.phases), request.page_size, request.page_token)
+        jobs, nxt, rev = await self.ctl.list(request.tenant, list(request.phases), request.page_size, request.page_token,
+                                             include_tasks=request.include_tasks)
         return controller_pb2.ListJobsResponse(jobs=jobs, next_page_token=nxt, revision=rev)
 
     @rpc

@@ -24,6 +24,7 @@ from tessera import log, manifest
 from tessera.api.v1 import agent_pb2, agent_pb2_grpc, controller_pb2, types_pb2
 from tessera.errors import SpecError
 
+from . import tasks as peft_tasks
 from .config import ControllerConfig
 from .store import Conflict, Fenced, Store
 
@@ -184,12 +185,21 @@ class Controller:
         raise Conflict("too many concurrent submissions with this key")
 
     async def get(self, job_id: str) -> types_pb2.Job:
-        v = await self.store.get_job(job_id)
+        """One job, or one task of a peft job as its own job (``<job id>/<task>``); NotFound."""
+        parent_id, task = peft_tasks.split_id(job_id)
+        v = await self.store.get_job(parent_id)
         if v is None:
-            raise NotFound(f"job {job_id} not found")
-        return v.value
+            raise NotFound(f"job {parent_id} not found")
+        if task is None:
+            return v.value
+        tv = peft_tasks.view(v.value, task)
+        if tv is None:
+            raise NotFound(f"job {parent_id} has no task {task!r}")
+        return tv
 
-    async def list(self, tenant: str, phases: list[int], page_size: int, page_token: str):
+    async def list(self, tenant: str, phases: list[int], page_size: int, page_token: str, include_tasks: bool = False):
+        """A page of jobs (oldest first), filtered; with ``include_tasks`` each peft job's
+        tasks follow it as jobs of their own (``<job id>/<task>``)."""
         if page_size < 0 or page_size > 1000:
             raise SpecError("page_size", f"must be between 0 and 1000, got {page_size}")
         try:
@@ -199,14 +209,18 @@ class Controller:
         if offset < 0:
             raise SpecError("page_token", f"not a token this server issued: {page_token!r}")
         jobs, rev = await self.store.list_jobs()
-        jobs = [j for j in jobs if (not tenant or j.spec.tenant == tenant) and (not phases or j.status.phase in phases)]
         jobs.sort(key=lambda j: (j.created, j.id))
+        if include_tasks:
+            jobs = [x for j in jobs for x in [j, *peft_tasks.views(j)]]
+        jobs = [j for j in jobs if (not tenant or j.spec.tenant == tenant) and (not phases or j.status.phase in phases)]
         size = page_size or 100
         page = jobs[offset: offset + size]
         nxt = str(offset + size) if offset + size < len(jobs) else ""
         return page, nxt, rev
 
     async def cancel(self, job_id: str, reason: str) -> types_pb2.Job:
+        if "/" in job_id:
+            return await self.cancel_task(job_id, reason)
         self._require_leader()
         now = self.clock()
         stop: list = []
@@ -229,6 +243,48 @@ class Controller:
         self.log.info("job cancelled", job_id=job_id)
         self.kick.set()
         return job
+
+    async def cancel_task(self, task_id: str, reason: str) -> types_pb2.Job:
+        """Cancel one task of a running peft job (``<job id>/<task>``), the others untouched:
+        the request is recorded on the task and sent to the agent of rank 0, which appends it
+        to the executor's control file; the task turns CANCELLED when the executor reports
+        it. Returns the task's view. NotFound for an unknown job or task;
+        PreconditionFailed when the task already succeeded or the job is not running;
+        ConnectionError (retry) when the agent cannot be reached."""
+        self._require_leader()
+        parent_id, task = peft_tasks.split_id(task_id)
+        target: list = []
+
+        def fn(job):
+            if peft_tasks.view(job, task) is None:
+                raise NotFound(f"job {parent_id} has no task {task!r}")
+            t = peft_tasks.find(job, task)
+            if t is not None and t.phase == P.CANCELLED:
+                return None
+            if t is not None and t.phase == P.SUCCEEDED:
+                raise PreconditionFailed(f"task {task_id} already ended SUCCEEDED")
+            if job.status.phase not in ACTIVE:
+                raise PreconditionFailed(f"job {parent_id} is {P.Name(job.status.phase)}: a task is cancelled in a "
+                                         "running job (cancel the job itself otherwise)")
+            if t is None:
+                t = job.status.tasks.add(name=task, phase=P.PENDING)
+            t.reason = (reason or "cancel requested by its tenant")[:500]
+            target[:] = [(job.status.allocation_id, job.status.placement[0].node)]
+            return [], []
+
+        job = await self._rmw(parent_id, fn)
+        for alloc, node_name in target:
+            v = await self.store.get_node(node_name)
+            if v is None:
+                raise ConnectionError(f"node {node_name} of job {parent_id} is unknown; retry")
+            try:
+                await self.agents.stub(v.value.agent_address).ControlTask(
+                    agent_pb2.ControlTaskRequest(allocation_id=alloc, fencing_token=self.store.fencing_token or 0,
+                                                 op="cancel", task=task), timeout=5)
+            except grpc.aio.AioRpcError as e:
+                raise ConnectionError(f"agent of node {node_name}: {e.details()}") from None
+            self.log.info("task cancel requested", job_id=parent_id, task=task, allocation=alloc, node_id=node_name)
+        return peft_tasks.view(job, task)
 
     # -- nodes ------------------------------------------------------------------------
     async def register(self, req: controller_pb2.RegisterNodeRequest) -> types_pb2.Node:
@@ -316,7 +372,7 @@ class Controller:
                 stale[0] = st.allocation_id != r.allocation_id or st.phase in TERMINAL
                 return None
             world = sum(len(s.device_ids) for s in st.placement)
-            started = r.kind in (K.STARTED, K.PROGRESS) and st.phase == P.SCHEDULED
+            started = r.kind in (K.STARTED, K.PROGRESS, K.TASK) and st.phase == P.SCHEDULED
             if started:
                 transition(job, P.RUNNING, f"executors started on {', '.join(s.node for s in st.placement)}", now)
             if r.kind == K.PROGRESS:
@@ -326,6 +382,9 @@ class Controller:
                 if st.first_loss == 0:
                     st.first_loss = r.loss
                 return [], []
+            if r.kind == K.TASK:
+                changed = peft_tasks.apply_report(job, r.task, r.task_phase, r.step, r.total_steps, r.loss, r.tokens_per_s)
+                return ([], []) if changed or started else None
             if r.kind == K.EXITED:
                 if r.exit_code != 0:
                     after[:] = [(st.allocation_id, list(st.placement))]

@@ -4,7 +4,8 @@ Commands talking to a controller (``--controller HOST:PORT``, else env TESSERA_C
 else ``.tessera/testbed.json``), each with ``-o json`` for machine-readable output::
 
     tessera submit FILE.yaml [--wait] [--timeout S]   validate locally, submit, optionally follow
-    tessera get JOB | list [--tenant T] [--phase P] | cancel JOB | nodes | logs JOB [--tail BYTES]
+    tessera get JOB | list [--tenant T] [--phase P] [--tasks] | cancel JOB | nodes | logs JOB [--tail BYTES]
+    (a peft job's task is a job of its own: ``tessera get JOB/TASK``, ``tessera cancel JOB/TASK``)
 
 Local testbed::
 
@@ -168,6 +169,10 @@ def job_view(job: types_pb2.Job) -> Table:
     _row(t, "decision", s.decision or "-")
     if s.phase == types_pb2.FAILED:
         _row(t, "exit code", str(s.exit_code))
+    if job.parent_id:
+        _row(t, "task of", f"{job.parent_id} (shared executor and backbone)")
+    if s.tasks:
+        _row(t, "tasks", tasks_table(job))
     _row(t, "created", _ts(job.created))
     hist = Table(box=None, header_style="bold")
     for c in ("TIME (UTC)", "PHASE", "REASON"):
@@ -176,6 +181,18 @@ def job_view(job: types_pb2.Job) -> Table:
         name = phase_name(h.phase)
         _row(hist, _ts(h.time), Text(name, style=PHASE_STYLE.get(name, "")), h.reason)
     _row(t, "history", hist)
+    return t
+
+
+def tasks_table(job: types_pb2.Job) -> Table:
+    """The LoRA tasks of a peft job (or of a task's own view): phase, steps, loss, tokens/s."""
+    t = Table(box=None, header_style="bold")
+    for c in ("TASK", "PHASE", "STEP", "LOSS", "TOK/S", "REASON"):
+        t.add_column(c)
+    for k in job.status.tasks:
+        name = phase_name(k.phase)
+        _row(t, k.name if job.parent_id else f"{job.id}/{k.name}", Text(name, style=PHASE_STYLE.get(name, "")),
+             f"{k.step}/{k.total_steps}", f"{_loss(k.first_loss)} → {_loss(k.loss)}", f"{k.tokens_per_s:.0f}", k.reason)
     return t
 
 
@@ -287,7 +304,7 @@ def cmd_list(a, client_for, out: Console, err: Console) -> int:
     except ValueError as e:
         raise UsageError(f"--phase: {e}") from None
     with client_for(a.controller) as c:
-        jobs = c.list(tenant=a.tenant or "", phases=phases)
+        jobs = c.list(tenant=a.tenant or "", phases=phases, **({"include_tasks": True} if a.tasks else {}))
     if a.output == "json":
         emit_json(out, {"jobs": [to_dict(j) for j in jobs]})
     elif not jobs:
@@ -471,6 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("list", parents=[common], help="list jobs")
     p.add_argument("--tenant", default="")
     p.add_argument("--phase", action="append", metavar="P", help="filter by phase (repeatable)")
+    p.add_argument("--tasks", action="store_true", help="also list each peft task as its own job JOB/TASK")
     p.set_defaults(fn=cmd_list)
 
     p = sub.add_parser("cancel", parents=[common], help="cancel a job")

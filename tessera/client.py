@@ -110,9 +110,11 @@ def to_spec(spec: Any) -> types_pb2.JobSpec:
     return manifest.to_proto(manifest.validate(spec))
 
 
-def _list_request(tenant: str, phases: Any, page_size: int, token: str) -> controller_pb2.ListJobsRequest:
+def _list_request(tenant: str, phases: Any, page_size: int, token: str,
+                  include_tasks: bool = False) -> controller_pb2.ListJobsRequest:
     ph = [parse_phase(p) if isinstance(p, str) else int(p) for p in (phases or [])]
-    return controller_pb2.ListJobsRequest(tenant=tenant or "", phases=ph, page_size=page_size, page_token=token)
+    return controller_pb2.ListJobsRequest(tenant=tenant or "", phases=ph, page_size=page_size, page_token=token,
+                                          include_tasks=include_tasks)
 
 
 class Client:
@@ -160,16 +162,19 @@ class Client:
         """The job ``job_id``; ``TesseraError(NOT_FOUND)`` if unknown."""
         return self._call(self.jobs.GetJob, controller_pb2.GetJobRequest(job_id=job_id), retries=2)
 
-    def list(self, tenant: str = "", phases: Any = None, page_size: int = 100) -> list[types_pb2.Job]:
-        """Every matching job, oldest first; follows pagination to the end."""
-        return self.list_with_revision(tenant, phases, page_size)[0]
+    def list(self, tenant: str = "", phases: Any = None, page_size: int = 100,
+             include_tasks: bool = False) -> list[types_pb2.Job]:
+        """Every matching job, oldest first; follows pagination to the end. With
+        ``include_tasks`` each peft job's tasks follow it as jobs ``<job id>/<task>``."""
+        return self.list_with_revision(tenant, phases, page_size, include_tasks)[0]
 
-    def list_with_revision(self, tenant: str = "", phases: Any = None, page_size: int = 100) -> tuple[list[types_pb2.Job], int]:
+    def list_with_revision(self, tenant: str = "", phases: Any = None, page_size: int = 100,
+                           include_tasks: bool = False) -> tuple[list[types_pb2.Job], int]:
         """Like ``list``, also returning the etcd revision of the first page's read."""
         out: list[types_pb2.Job] = []
         token, revision = "", 0
         while True:
-            resp = self._call(self.jobs.ListJobs, _list_request(tenant, phases, page_size, token), retries=2)
+            resp = self._call(self.jobs.ListJobs, _list_request(tenant, phases, page_size, token, include_tasks), retries=2)
             out.extend(resp.jobs)
             revision = revision or resp.revision
             token = resp.next_page_token

@@ -7,6 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ControlTaskRequest(_message.Message):
+    __slots__ = ("allocation_id", "fencing_token", "op", "task")
+    ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    allocation_id: str
+    fencing_token: int
+    op: str
+    task: str
+    def __init__(self, allocation_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., op: _Optional[str] = ..., task: _Optional[str] = ...) -> None: ...
+
+class ControlTaskResponse(_message.Message):
+    __slots__ = ("control_file",)
+    CONTROL_FILE_FIELD_NUMBER: _ClassVar[int]
+    control_file: str
+    def __init__(self, control_file: _Optional[str] = ...) -> None: ...
+
 class ReadLogsRequest(_message.Message):
     __slots__ = ("job_id", "tail_bytes")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class AgentServiceStub:
                 request_serializer=tessera_dot_api_dot_v1_dot_agent__pb2.ReadLogsRequest.SerializeToString,
                 response_deserializer=tessera_dot_api_dot_v1_dot_agent__pb2.ReadLogsResponse.FromString,
                 _registered_method=True)
+        self.ControlTask = channel.unary_unary(
+                '/tessera.api.v1.AgentService/ControlTask',
+                request_serializer=tessera_dot_api_dot_v1_dot_agent__pb2.ControlTaskRequest.SerializeToString,
+                response_deserializer=tessera_dot_api_dot_v1_dot_agent__pb2.ControlTaskResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -93,6 +98,17 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ControlTask(self, request, context):
+        """Changes one task of a running multi-task (peft) executor without restarting it: the
+        command is appended to the executor's control file (<checkpoint_dir>/peft-control.jsonl),
+        which it reads at its next step boundary. NOT_FOUND when no running executor of the
+        allocation is on this node; INVALID_ARGUMENT for an unknown op or an empty task;
+        FAILED_PRECONDITION for a stale fencing token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +131,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.ReadLogs,
                     request_deserializer=tessera_dot_api_dot_v1_dot_agent__pb2.ReadLogsRequest.FromString,
                     response_serializer=tessera_dot_api_dot_v1_dot_agent__pb2.ReadLogsResponse.SerializeToString,
+            ),
+            'ControlTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.ControlTask,
+                    request_deserializer=tessera_dot_api_dot_v1_dot_agent__pb2.ControlTaskRequest.FromString,
+                    response_serializer=tessera_dot_api_dot_v1_dot_agent__pb2.ControlTaskResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +246,33 @@ class AgentService:
             '/tessera.api.v1.AgentService/ReadLogs',
             tessera_dot_api_dot_v1_dot_agent__pb2.ReadLogsRequest.SerializeToString,
             tessera_dot_api_dot_v1_dot_agent__pb2.ReadLogsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ControlTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.api.v1.AgentService/ControlTask',
+            tessera_dot_api_dot_v1_dot_agent__pb2.ControlTaskRequest.SerializeToString,
+            tessera_dot_api_dot_v1_dot_agent__pb2.ControlTaskResponse.FromString,
             options,
             channel_credentials,
             insecure,

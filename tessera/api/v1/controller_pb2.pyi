@@ -31,16 +31,18 @@ class GetJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
-    __slots__ = ("tenant", "phases", "page_size", "page_token")
+    __slots__ = ("tenant", "phases", "page_size", "page_token", "include_tasks")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_TASKS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     phases: _containers.RepeatedScalarFieldContainer[_types_pb2.JobPhase]
     page_size: int
     page_token: str
-    def __init__(self, tenant: _Optional[str] = ..., phases: _Optional[_Iterable[_Union[_types_pb2.JobPhase, str]]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+    include_tasks: bool
+    def __init__(self, tenant: _Optional[str] = ..., phases: _Optional[_Iterable[_Union[_types_pb2.JobPhase, str]]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., include_tasks: _Optional[bool] = ...) -> None: ...
 
 class ListJobsResponse(_message.Message):
     __slots__ = ("jobs", "next_page_token", "revision")
@@ -155,17 +157,19 @@ class ListNodesResponse(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[_types_pb2.Node, _Mapping]]] = ...) -> None: ...
 
 class ExecutorReport(_message.Message):
-    __slots__ = ("node", "incarnation", "job_id", "allocation_id", "rank", "kind", "step", "total_steps", "loss", "step_time_s", "exit_code", "message")
+    __slots__ = ("node", "incarnation", "job_id", "allocation_id", "rank", "kind", "step", "total_steps", "loss", "step_time_s", "exit_code", "message", "task", "task_phase", "tokens_per_s")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[ExecutorReport.Kind]
         STARTED: _ClassVar[ExecutorReport.Kind]
         PROGRESS: _ClassVar[ExecutorReport.Kind]
         EXITED: _ClassVar[ExecutorReport.Kind]
+        TASK: _ClassVar[ExecutorReport.Kind]
     KIND_UNSPECIFIED: ExecutorReport.Kind
     STARTED: ExecutorReport.Kind
     PROGRESS: ExecutorReport.Kind
     EXITED: ExecutorReport.Kind
+    TASK: ExecutorReport.Kind
     NODE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +182,9 @@ class ExecutorReport(_message.Message):
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    TASK_PHASE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     node: str
     incarnation: str
     job_id: str
@@ -190,7 +197,10 @@ class ExecutorReport(_message.Message):
     step_time_s: float
     exit_code: int
     message: str
-    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[str] = ..., job_id: _Optional[str] = ..., allocation_id: _Optional[str] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[ExecutorReport.Kind, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    task: str
+    task_phase: str
+    tokens_per_s: float
+    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[str] = ..., job_id: _Optional[str] = ..., allocation_id: _Optional[str] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[ExecutorReport.Kind, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., task: _Optional[str] = ..., task_phase: _Optional[str] = ..., tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class ReportExecutorResponse(_message.Message):
     __slots__ = ("stale",)

@@ -155,7 +155,7 @@ class PhaseTransition(_message.Message):
     def __init__(self, phase: _Optional[_Union[JobPhase, str]] = ..., time: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("phase", "reason", "history", "placement", "allocation_id", "step", "total_steps", "loss", "first_loss", "step_time_s", "attempts", "decision", "exit_code", "estimate")
+    __slots__ = ("phase", "reason", "history", "placement", "allocation_id", "step", "total_steps", "loss", "first_loss", "step_time_s", "attempts", "decision", "exit_code", "estimate", "tasks")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class JobStatus(_message.Message):
     DECISION_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
     phase: JobPhase
     reason: str
     history: _containers.RepeatedCompositeFieldContainer[PhaseTransition]
@@ -184,7 +185,28 @@ class JobStatus(_message.Message):
     decision: str
     exit_code: int
     estimate: JobEstimate
-    def __init__(self, phase: _Optional[_Union[JobPhase, str]] = ..., reason: _Optional[str] = ..., history: _Optional[_Iterable[_Union[PhaseTransition, _Mapping]]] = ..., placement: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., allocation_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., first_loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., attempts: _Optional[int] = ..., decision: _Optional[str] = ..., exit_code: _Optional[int] = ..., estimate: _Optional[_Union[JobEstimate, _Mapping]] = ...) -> None: ...
+    tasks: _containers.RepeatedCompositeFieldContainer[TaskStatus]
+    def __init__(self, phase: _Optional[_Union[JobPhase, str]] = ..., reason: _Optional[str] = ..., history: _Optional[_Iterable[_Union[PhaseTransition, _Mapping]]] = ..., placement: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., allocation_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., first_loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., attempts: _Optional[int] = ..., decision: _Optional[str] = ..., exit_code: _Optional[int] = ..., estimate: _Optional[_Union[JobEstimate, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ...) -> None: ...
+
+class TaskStatus(_message.Message):
+    __slots__ = ("name", "phase", "step", "total_steps", "loss", "first_loss", "tokens_per_s", "reason")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    phase: JobPhase
+    step: int
+    total_steps: int
+    loss: float
+    first_loss: float
+    tokens_per_s: float
+    reason: str
+    def __init__(self, name: _Optional[str] = ..., phase: _Optional[_Union[JobPhase, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., first_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class JobEstimate(_message.Message):
     __slots__ = ("status", "step_time_s", "rel_std", "confidence", "memory_bytes", "reason", "model_version", "profile_job_id", "time")
@@ -209,20 +231,22 @@ class JobEstimate(_message.Message):
     def __init__(self, status: _Optional[str] = ..., step_time_s: _Optional[float] = ..., rel_std: _Optional[float] = ..., confidence: _Optional[float] = ..., memory_bytes: _Optional[float] = ..., reason: _Optional[str] = ..., model_version: _Optional[int] = ..., profile_job_id: _Optional[str] = ..., time: _Optional[float] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "spec", "status", "created", "idempotency_key", "revision")
+    __slots__ = ("id", "spec", "status", "created", "idempotency_key", "revision", "parent_id")
     ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     id: str
     spec: JobSpec
     status: JobStatus
     created: float
     idempotency_key: str
     revision: int
-    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., status: _Optional[_Union[JobStatus, _Mapping]] = ..., created: _Optional[float] = ..., idempotency_key: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
+    parent_id: str
+    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., status: _Optional[_Union[JobStatus, _Mapping]] = ..., created: _Optional[float] = ..., idempotency_key: _Optional[str] = ..., revision: _Optional[int] = ..., parent_id: _Optional[str] = ...) -> None: ...
 
 class Node(_message.Message):
     __slots__ = ("name", "agent_address", "profilerd_address", "devices", "state", "incarnation", "last_heartbeat", "allocated_device_ids")
