@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from controller.policy import FirstFit
+from controller.policy import FirstFit, TesseraPolicy
 from tessera import config, log
 from tessera.api.v1 import controller_pb2, controller_pb2_grpc
 from tessera.errors import SpecError
@@ -22,9 +22,10 @@ from .api import JobService, NodeService
 from .config import ControllerConfig
 from .core import Controller
 from .leader import Leadership
+from .profiling import Profiling
 from .store import Store
 
-POLICIES = {"firstfit": FirstFit}
+POLICIES = {"tessera": TesseraPolicy, "firstfit": FirstFit}
 
 
 def make_policy(name: str):
@@ -73,6 +74,10 @@ async def serve(cfg: ControllerConfig, ready: asyncio.Event | None = None, stop:
 
     campaign = asyncio.create_task(leadership.campaign(elected, lost))
     reconcile = asyncio.create_task(ctl.run(loop_stop))
+    loops = [campaign, reconcile]
+    if cfg.estimator:  # profiling jobs and estimates (controller/profiling.py)
+        prof = Profiling(ctl, cfg.estimator, steps=cfg.profile_steps, interval_s=cfg.reconcile_interval_s)
+        loops.append(asyncio.create_task(prof.run(loop_stop)))
     logger.info("controller started", listen=cfg.listen, port=bound, etcd=cfg.etcd, prefix=cfg.prefix, identity=identity)
     if ready is not None:
         ready.set()
@@ -84,7 +89,7 @@ async def serve(cfg: ControllerConfig, ready: asyncio.Event | None = None, stop:
         loop_stop.set()
         ctl.kick.set()
         campaign.cancel()
-        await asyncio.gather(campaign, reconcile, return_exceptions=True)
+        await asyncio.gather(*loops, return_exceptions=True)
         await server.stop(grace=3)
         await ctl.agents.close()
         await client.close()

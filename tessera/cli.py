@@ -66,7 +66,17 @@ def _phase(job: types_pb2.Job) -> Text:
 
 
 def _placement(job: types_pb2.Job) -> str:
-    return ", ".join(f"{s.node}[{','.join(s.device_ids)}]" for s in job.status.placement) or "-"
+    return ", ".join(f"{s.node}[{','.join(s.partition_ids or s.device_ids)}]" + (f" {s.units}u" if s.units else "")
+                     for s in job.status.placement) or "-"
+
+
+def _decision(s: types_pb2.JobStatus) -> str:
+    """The scheduler's last decision: action, reason, policy, quota, when."""
+    d = s.last_decision
+    if not d.action:
+        return s.decision or "-"
+    quota = f", quota {d.quota:.2f}" if d.action in ("pack",) or 0 < d.quota < 1 else ""
+    return f"{d.action}: {d.reason} ({d.policy}{quota}, {_ts(d.time)}, {d.decision_id})"
 
 
 def _nodes_of(job: types_pb2.Job) -> str:
@@ -148,6 +158,22 @@ def jobs_table(jobs: list[types_pb2.Job]) -> Table:
     return t
 
 
+def _step_time(s: types_pb2.JobStatus) -> str:
+    """Measured step time next to the performance model's estimate (controller/profiling.py)."""
+    measured = f"{s.step_time_s * 1000:.1f} ms measured" if s.step_time_s else "- measured"
+    e = s.estimate
+    if not e.status:
+        return measured
+    if e.status == "ok":
+        est = (f"{e.step_time_s * 1000:.1f} ms estimated ±{e.rel_std * 100:.0f}% "
+               f"(confidence {e.confidence:.0%}, model v{e.model_version})")
+    elif e.status == "profiling":
+        est = f"estimate pending: profiling job {e.profile_job_id}"
+    else:
+        est = f"no estimate ({e.status}: {e.reason})"
+    return f"{measured}, {est}"
+
+
 def job_view(job: types_pb2.Job) -> Table:
     s = job.status
     t = Table(box=None, show_header=False)
@@ -164,9 +190,11 @@ def job_view(job: types_pb2.Job) -> Table:
     _row(t, "placement", _placement(job))
     _row(t, "step", _steps(job))
     _row(t, "loss", f"{_loss(s.first_loss)} → {_loss(s.loss)}")
-    _row(t, "step time", f"{s.step_time_s * 1000:.1f} ms" if s.step_time_s else "-")
+    _row(t, "step time", _step_time(s))
     _row(t, "attempts", str(s.attempts))
-    _row(t, "decision", s.decision or "-")
+    _row(t, "decision", _decision(s))
+    if s.HasField("plan"):
+        _row(t, "running plan", f"dp{s.plan.dp} tp{s.plan.tp} pp{s.plan.pp} (resized from the spec's)")
     if s.phase == types_pb2.FAILED:
         _row(t, "exit code", str(s.exit_code))
     if job.parent_id:
@@ -198,14 +226,16 @@ def tasks_table(job: types_pb2.Job) -> Table:
 
 def nodes_table(nodes: list[types_pb2.Node]) -> Table:
     t = Table(box=None, header_style="bold")
-    for c in ("NAME", "STATE", "AGENT", "DEVICES", "ALLOCATED", "HEARTBEAT"):
+    for c in ("NAME", "STATE", "AGENT", "DEVICES", "PARTITIONS (allocated/capacity, agent free)", "ALLOCATED", "HEARTBEAT"):
         t.add_column(c)
     for n in nodes:
         state = types_pb2.NodeState.Name(n.state)
         devs = ", ".join(f"{d.id} ({d.kind}" + (f", {len(d.cores)} cores" if d.cores else "")
                          + (f", {d.memory_bytes / 2**30:.1f} GiB" if d.memory_bytes else "") + ")" for d in n.devices)
+        parts = "\n".join(f"{p.id} {p.kind} {p.allocated_units}/{p.capacity_units} {p.unit}, {p.free_units} free"
+                          for p in n.partitions) or "-"
         _row(t, n.name, Text(state, style="green" if n.state == types_pb2.READY else "red"), n.agent_address, devs,
-                  ",".join(n.allocated_device_ids) or "-", _age(n.last_heartbeat) + " ago" if n.last_heartbeat else "-")
+                  parts, ",".join(n.allocated_device_ids) or "-", _age(n.last_heartbeat) + " ago" if n.last_heartbeat else "-")
     return t
 
 

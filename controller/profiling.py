@@ -1,0 +1,231 @@
+"""Profiling jobs and estimates: the controller's side of the performance model.
+
+Each cycle (while leading) for every job of a ``gpt`` workload:
+
+1. its module (``tessera.modelkey.arch_key``) has no profile at the estimator
+   (ListProfiles) -> submit a *profiling job* once: the job's own workload on one
+   device (its per-rank batch, ``dp = tp = pp = 1``, ``profile_steps`` steps), a real
+   short run through the agents whose step timings reach the estimator via
+   profilerd; the job's ``status.estimate`` says ``profiling`` and names it;
+2. otherwise -> evaluate the cached model snapshot (GetModelSnapshot, polled with
+   ``if_newer_than``) *locally* with ``tessera.perfmodel`` for the job's plan and write
+   ``status.estimate`` (ok with seconds and confidence, or insufficient_data with the
+   reason) when it changed.
+
+The controller talks to the estimator only over gRPC; the numbers come from the same
+pure code the estimator runs. An unreachable estimator skips the cycle (estimates are
+advisory: scheduling never waits for them). Profiling jobs belong to tenant
+``PROFILE_TENANT`` and are idempotent per (module, per-rank shape, device kind).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import Callable
+
+import grpc
+
+from tessera import log, manifest
+from tessera.api.v1 import estimator_pb2, estimator_pb2_grpc, types_pb2
+from tessera.modelkey import arch_key
+from tessera.perfmodel import Candidate, Estimate, PerfModel
+
+from .core import NotFound
+
+PROFILE_TENANT = "tessera-system"
+PROFILE_PREFIX = "profile-"
+P = types_pb2.JobPhase
+TERMINAL = (P.SUCCEEDED, P.FAILED, P.CANCELLED)
+
+
+def is_profile_job(job: types_pb2.Job) -> bool:
+    return job.spec.tenant == PROFILE_TENANT and job.spec.name.startswith(PROFILE_PREFIX)
+
+
+def profile_doc(doc: dict, steps: int) -> tuple[dict, str]:
+    """(manifest of the profiling job, its idempotency key) for a validated job manifest:
+    the same model and data on one device at the per-rank batch, ``steps`` steps."""
+    w = doc["workload"]
+    p = w["plan"]
+    rows = w["batch_size"] // p["dp"]
+    dev = doc["resources"].get("device_kind", "")
+    key = json.dumps([arch_key(w), rows, p["micro_batches"], dev], sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    pw = {k: v for k, v in w.items() if k not in ("peft", "multimodal")}
+    pw.update(steps=steps, batch_size=rows, checkpoint_every=steps,
+              plan={"dp": 1, "tp": 1, "pp": 1, "micro_batches": p["micro_batches"]})
+    return ({"apiVersion": manifest.API_VERSION, "name": PROFILE_PREFIX + digest, "tenant": PROFILE_TENANT,
+             "workload": pw, "resources": {"devices": 1, "device_kind": dev}}, PROFILE_PREFIX + digest)
+
+
+def link_for(device_type: str, nodes: int) -> str:
+    """Link type of a plan's collectives (the names the communication tables use)."""
+    if device_type == "gpu":
+        return "nccl-local" if nodes <= 1 else "nccl-net"
+    return "loopback-gloo" if nodes <= 1 else "tcp-gloo"
+
+
+def candidate(doc: dict, device_type: str, quota: float, nodes: int) -> Candidate:
+    """The perfmodel candidate of a validated job manifest on ``device_type``."""
+    w, m = doc["workload"], doc["workload"]["model"]
+    p = w["plan"]
+    return Candidate(device_type=device_type, layers=m["layers"], hidden=m["hidden"], heads=m["heads"],
+                     vocab=m["vocab"], seq_len=m["seq_len"], batch=w["batch_size"], dp=p["dp"], tp=p["tp"], pp=p["pp"],
+                     micro_batches=p["micro_batches"], quota=quota, link=link_for(device_type, nodes),
+                     module=arch_key(w))
+
+
+def to_status(e: Estimate, version: int, now: float, profile_job: str = "") -> types_pb2.JobEstimate:
+    if not e.ok:
+        return types_pb2.JobEstimate(status=e.status, reason=e.reason, model_version=version,
+                                     profile_job_id=profile_job, time=now)
+    return types_pb2.JobEstimate(status="ok", step_time_s=e.seconds, rel_std=e.rel_std, confidence=e.confidence,
+                                 memory_bytes=e.memory_bytes, reason=e.reason, model_version=version,
+                                 profile_job_id=profile_job, time=now)
+
+
+def _same(a: types_pb2.JobEstimate, b: types_pb2.JobEstimate) -> bool:
+    return (a.status, a.step_time_s, a.rel_std, a.model_version, a.profile_job_id, a.reason) == \
+           (b.status, b.step_time_s, b.rel_std, b.model_version, b.profile_job_id, b.reason)
+
+
+class EstimatorLink:
+    """gRPC client of the estimator with a cached model snapshot."""
+
+    def __init__(self, address: str, timeout_s: float = 5.0) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = estimator_pb2_grpc.EstimatorServiceStub(self.channel)
+        self.timeout_s = timeout_s
+        self.model = PerfModel(version=0)
+
+    async def snapshot(self) -> PerfModel:
+        """The newest model (fetched only when the estimator has a newer version)."""
+        r = await self.stub.GetModelSnapshot(estimator_pb2.GetModelSnapshotRequest(if_newer_than=self.model.version),
+                                             timeout=self.timeout_s)
+        if not r.unchanged and r.json:
+            self.model = PerfModel.from_dict(json.loads(r.json))
+        return self.model
+
+    async def profiles(self, module: str) -> list[estimator_pb2.ProfileEntry]:
+        r = await self.stub.ListProfiles(estimator_pb2.ListProfilesRequest(module=module), timeout=self.timeout_s)
+        return list(r.profiles)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class Profiling:
+    """The profiling/estimate loop over a ``controller.core.Controller`` (see module doc)."""
+
+    def __init__(self, ctl, address: str, *, steps: int = 8, interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.ctl = ctl
+        self.link = EstimatorLink(address)
+        self.steps = steps
+        self.interval_s = interval_s
+        self.clock = clock
+        self.log = log.get(component="controller.profiling")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run ``once`` every ``interval_s`` while leading, until ``stop``."""
+        while not stop.is_set():
+            if self.ctl.leading:
+                try:
+                    await self.once()
+                except grpc.aio.AioRpcError as e:
+                    self.log.warning("estimator unreachable; estimates not refreshed", code=e.code().name,
+                                     error=e.details())
+                except Exception:
+                    self.log.exception("profiling cycle failed")
+            try:
+                async with asyncio.timeout(self.interval_s):
+                    await stop.wait()
+            except TimeoutError:
+                pass
+        await self.link.close()
+
+    async def once(self) -> dict:
+        """One cycle; returns counts {"requested", "estimated"} (profiling jobs submitted,
+        estimates written)."""
+        t0 = time.perf_counter()
+        model = await self.link.snapshot()
+        jobs, _ = await self.ctl.store.list_jobs()
+        nodes = {v.value.name: v.value for v in await self.ctl.store.list_nodes()}
+        by_id = {j.id: j for j in jobs}
+        known: dict[str, list] = {}
+        requested = estimated = 0
+        for job in jobs:
+            if is_profile_job(job) or job.spec.workload.type != "gpt":
+                continue
+            cur = job.status.estimate
+            if job.status.phase in TERMINAL and cur.status == "ok" and cur.model_version == model.version:
+                continue
+            doc = manifest.validate(manifest.from_proto(job.spec))
+            module = arch_key(doc["workload"])
+            if module not in known:
+                known[module] = await self.link.profiles(module)
+            profs = known[module]
+            pdoc, idem = profile_doc(doc, self.steps)
+            est = None
+            if profs:
+                dev = doc["resources"].get("device_kind") or profs[0].device_type
+                quota, n_nodes = self._quota(job, nodes, [p for p in profs if p.device_type == dev] or profs)
+                est = model.estimate(candidate(doc, dev, quota, n_nodes))
+            rows, mb = pdoc["workload"]["batch_size"], pdoc["workload"]["plan"]["micro_batches"]
+            if est is not None and (est.ok or any(p.rows == rows and p.micro_batches == mb for p in profs)):
+                pj_id = cur.profile_job_id if cur.profile_job_id in by_id else ""
+                estimated += await self._write(job.id, to_status(est, model.version, self.clock(), pj_id))
+                continue
+            if job.status.phase in TERMINAL and not cur.profile_job_id:
+                continue  # a job that ended before profiling existed is not worth a run now
+            # Neither the model nor a profile of this module at this per-rank shape: profile it.
+            pj = next((j for j in jobs if is_profile_job(j) and j.idempotency_key == idem), None)
+            if pj is None:
+                pj, created = await self.ctl.submit(manifest.to_proto(pdoc), idem)
+                requested += created
+                self.log.info("profiling job requested", job_id=job.id, profile_job=pj.id, module=module,
+                              rows=rows, micro_batches=mb)
+            if pj.status.phase in (P.FAILED, P.CANCELLED):
+                new = types_pb2.JobEstimate(status="insufficient_data", profile_job_id=pj.id, time=self.clock(),
+                                            reason=f"profiling job {pj.id} ended {P.Name(pj.status.phase)}")
+            else:
+                new = types_pb2.JobEstimate(status="profiling", profile_job_id=pj.id, time=self.clock(),
+                                            reason=f"no profile of {module} at batch {rows} yet; profiling job {pj.id}")
+            estimated += await self._write(job.id, new)
+        if requested or estimated:
+            self.log.info("profiling cycle", requested=requested, estimated=estimated, model_version=model.version,
+                          ms=round((time.perf_counter() - t0) * 1000, 2))
+        return {"requested": requested, "estimated": estimated}
+
+    @staticmethod
+    def _quota(job: types_pb2.Job, nodes: dict, profs: list) -> tuple[float, int]:
+        """(quota per rank, nodes spanned): the capacity of the job's first placed device
+        when placed, else the quota its module was profiled at."""
+        placement = list(job.status.placement)
+        if placement:
+            node = nodes.get(placement[0].node)
+            dev = next((d for d in node.devices if d.id == placement[0].device_ids[0]), None) if node else None
+            if dev is not None and dev.capacity > 0:
+                cap = float(dev.capacity) if dev.kind == "cpu" else dev.capacity / 100.0
+                return cap, len({s.node for s in placement})
+        return float(profs[0].quota or 1.0), max(1, len({s.node for s in placement}))
+
+    async def _write(self, job_id: str, new: types_pb2.JobEstimate) -> int:
+        """Write ``status.estimate`` when it changed (CAS through the controller); 1 if written."""
+        wrote = [0]
+
+        def fn(job):
+            if _same(job.status.estimate, new):
+                return None
+            job.status.estimate.CopyFrom(new)
+            wrote[0] = 1
+            return [], []
+
+        try:
+            await self.ctl._rmw(job_id, fn)  # noqa: SLF001 - the controller's fenced read-modify-write
+        except NotFound:
+            return 0
+        return wrote[0]

@@ -1,0 +1,55 @@
+"""Pure parts of controller/profiling.py: the profiling job of a job, its candidate,
+and the CLI's step-time line."""
+
+from __future__ import annotations
+
+from tessera import manifest
+from tessera.api.v1 import types_pb2
+from tessera.cli import _step_time
+from tessera.modelkey import arch_key
+
+from controller.profiling import PROFILE_TENANT, candidate, is_profile_job, link_for, profile_doc
+
+MODEL = {"vocab": 64, "seq_len": 16, "layers": 4, "hidden": 32, "heads": 2}
+
+
+def doc(name="j", steps=100, batch=16, devices=4, **plan):
+    p = {"dp": 2, "tp": 1, "pp": 2, "micro_batches": 2, **plan}
+    return manifest.validate({"apiVersion": "tessera/v1", "name": name, "tenant": "t",
+                              "workload": {"type": "gpt", "model": MODEL, "steps": steps, "batch_size": batch, "plan": p},
+                              "resources": {"devices": devices, "device_kind": "cpu"}})
+
+
+def test_profile_job_is_one_device_at_the_per_rank_batch_and_valid():
+    pd, idem = profile_doc(doc(), steps=8)
+    v = manifest.validate(pd)  # the controller submits it through the same validation
+    assert v["resources"]["devices"] == 1 and v["workload"]["batch_size"] == 8 and v["workload"]["steps"] == 8
+    assert v["workload"]["plan"] == {"dp": 1, "tp": 1, "pp": 1, "micro_batches": 2}
+    assert v["tenant"] == PROFILE_TENANT and v["name"] == idem and len(idem) <= 63
+    job = types_pb2.Job(spec=manifest.to_proto(v))
+    assert is_profile_job(job)
+
+
+def test_profile_key_depends_on_module_and_per_rank_shape_only():
+    a = profile_doc(doc(name="a", steps=10), 8)[1]
+    assert a == profile_doc(doc(name="b", steps=99, pp=1, devices=2), 8)[1]      # name, steps, pp: same profile
+    assert a != profile_doc(doc(batch=32), 8)[1]                                  # another per-rank batch
+    assert a != profile_doc(doc(micro_batches=1), 8)[1]
+
+
+def test_candidate_of_a_job():
+    c = candidate(doc(), "cpu", 1.0, nodes=2)
+    assert (c.dp, c.tp, c.pp, c.micro_batches, c.batch, c.layers) == (2, 1, 2, 2, 16, 4)
+    assert c.module == arch_key(doc()["workload"]) and c.link == link_for("cpu", 2) == "tcp-gloo"
+
+
+def test_step_time_line_shows_estimate_next_to_measured():
+    s = types_pb2.JobStatus(step_time_s=0.0123)
+    assert _step_time(s) == "12.3 ms measured"
+    s.estimate.CopyFrom(types_pb2.JobEstimate(status="ok", step_time_s=0.0119, rel_std=0.04, confidence=0.98,
+                                              model_version=3))
+    assert _step_time(s) == "12.3 ms measured, 11.9 ms estimated ±4% (confidence 98%, model v3)"
+    s.estimate.CopyFrom(types_pb2.JobEstimate(status="profiling", profile_job_id="j-abc"))
+    assert "profiling job j-abc" in _step_time(s)
+    s.estimate.CopyFrom(types_pb2.JobEstimate(status="insufficient_data", reason="no communication table"))
+    assert "no communication table" in _step_time(s)
