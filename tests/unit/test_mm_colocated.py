@@ -100,8 +100,9 @@ def test_workload_colocated_loss_falls(tmp_path):
                                     "data": {"max_images": 3, "min_text": 8, "max_text": 30},
                                     "mix": [{"step": 0, "image_prob": 0.2}, {"step": 20, "image_prob": 0.9}]}},
         "dist": {"rank": 0, "world_size": 1},
-        "checkpoint_dir": str(tmp_path),
+        "checkpoint_dir": str(tmp_path / "ckpt"),  # not there yet: the agent hands over a fresh path
     }
+    spec["workload"]["checkpoint_every"] = 10
     buf = io.StringIO()
     assert run(spec, Reporter(buf)) == 0
     ev = _events(buf)
@@ -110,7 +111,8 @@ def test_workload_colocated_loss_falls(tmp_path):
     assert sum(e["loss"] for e in prog[-5:]) < sum(e["loss"] for e in prog[:5])
     assert any(e["event"] == "progress" and e["module"] == "encoder" and "idle" in e["phases"] for e in ev)
     assert ev[-1]["event"] == "done"
-    assert (tmp_path / "multimodal.pt").exists()
+    assert [e["step"] for e in ev if e["event"] == "checkpoint"] == [10, 20, 25]
+    assert (tmp_path / "ckpt" / "multimodal.pt").exists()
     # Resuming a finished job runs no further step.
     buf2 = io.StringIO()
     assert run(spec, Reporter(buf2)) == 0

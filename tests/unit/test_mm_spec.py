@@ -62,3 +62,25 @@ def test_custom_path_and_ints_accepted_as_floats():
     with pytest.raises(SpecError) as e:
         validate_multimodal({"mode": 3}, "x.mm")
     assert e.value.field == "x.mm.mode"
+
+
+def test_examples_for_both_modes_are_valid_jobs():
+    # The two multimodal manifests `tessera demo` runs: valid as jobs and as executor workloads.
+    import glob
+    import os
+
+    import yaml
+
+    from agent.runtime.multimodal.workload import parse
+    from tessera.manifest import validate
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    modes = {}
+    for path in sorted(glob.glob(os.path.join(root, "examples", "mm-*.yaml"))):
+        with open(path) as f:
+            doc = yaml.safe_load(f)
+        validate(doc)
+        _, mm, _ = parse(doc["workload"])
+        modes[mm["mode"]] = doc["resources"]["devices"]
+    assert modes.get("colocated") == 1
+    assert modes.get("disaggregated", 0) >= 2

@@ -81,6 +81,7 @@ def _phases(st: StepStats) -> dict[str, float]:
 
 
 def _save(path: str, model: MMModel, opt: torch.optim.Optimizer, step: int) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # the agent may hand over a fresh directory
     tmp = path + ".tmp"
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
     os.replace(tmp, path)  # atomic: a reader sees the old or the new checkpoint, never half
@@ -174,7 +175,6 @@ def _run(spec: dict, reporter: Reporter) -> int:
         if colo is not None:
             colo.close()
     if ckpt and rank == 0:
-        os.makedirs(ckpt_dir, exist_ok=True)
         _save(ckpt, model, opt, p["steps"])
         reporter.event("checkpoint", path=ckpt, step=p["steps"])
     reporter.event("done", final_loss=loss)
