@@ -1,7 +1,8 @@
 """Thin AgentService servicer: fencing and incarnation checks, then the executor manager.
 
 Codes: FAILED_PRECONDITION for a stale fencing token or incarnation; RESOURCE_EXHAUSTED
-when a device is held by another allocation; INVALID_ARGUMENT for a bad request;
+when the quota asked exceeds the partition's free capacity (the reason names the
+partition, the amounts and the holders); INVALID_ARGUMENT for a bad request;
 NOT_FOUND for logs of a job this node never ran.
 """
 
@@ -72,6 +73,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 allocation_id=request.allocation_id, job_id=request.job_id, rank=request.rank,
                 world_size=request.world_size, device_ids=list(request.device_ids), master_addr=request.master_addr,
                 master_port=request.master_port, runtime_spec=spec, checkpoint_dir=request.checkpoint_dir,
+                partition_id=request.partition_id, units=request.units, memory_bytes=request.memory_bytes,
             )
         except CapacityError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -96,9 +98,11 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                     allocation_id=e.allocation_id, job_id=e.job_id, rank=e.rank, pid=e.proc.pid if e.proc else 0,
                     device_ids=e.device_ids, running=e.running, exit_code=e.exit_code or 0,
                     log_path=str(e.log_path), step=e.step, loss=e.loss,
+                    partition_id=e.grant.partition_id if e.grant else "", units=e.grant.units if e.grant else 0,
                 )
                 for e in self.mgr.executors.values()
             ],
+            partitions=partitions_proto(self.mgr.parts),
         )
 
     async def ReadLogs(self, request, context):
@@ -123,6 +127,16 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         except KeyError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
         return agent_pb2.ControlTaskResponse(control_file=path)
+
+
+def partitions_proto(parts) -> list[types_pb2.Partition]:
+    """The node's partitions with their free amounts now ([] without partitions)."""
+    if parts is None:
+        return []
+    return [types_pb2.Partition(id=p.id, kind=p.kind, device_id=p.device_id, capacity_units=p.capacity_units,
+                                unit=p.unit, memory_bytes=p.memory_bytes, free_units=p.free_units,
+                                free_memory_bytes=p.free_memory_bytes, attributes=p.attributes)
+            for p in parts.describe()]
 
 
 def to_proto(d) -> types_pb2.Device:

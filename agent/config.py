@@ -19,3 +19,8 @@ class AgentConfig:
     stop_grace_s: float = field(default=10.0, metadata={"help": "SIGTERM to SIGKILL delay when stopping executors"})
     report_interval_s: float = field(default=0.5, metadata={"help": "at most one progress report per executor this often"})
     disable_nvml: bool = field(default=False, metadata={"help": "ignore NVIDIA GPUs even if NVML finds some"})
+    partition_mode: str = field(default="auto", metadata={
+        "help": "partitions per device: auto (cpuset on CPUs; MIG if enabled, else MPS if installed, else "
+                "time slicing on GPUs) | cpuset | mps | mig | timeslice; an explicit mode that cannot apply is an error"})
+    timeslice_slots: int = field(default=4, metadata={"help": "executors per GPU under time slicing"})
+    fault_poll_s: float = field(default=1.0, metadata={"help": "how often MPS server logs are polled for fatal faults"})

@@ -25,6 +25,7 @@ from tessera import log
 from tessera.modelkey import model_key, profile_labels
 
 from .devices import LocalDevice
+from .partitions import BadGrant, CapacityRefused, Grant, MpsBackend, Partitions, UnknownPartition
 
 
 class CapacityError(Exception):
@@ -51,6 +52,12 @@ class Executor:
     pump: asyncio.Task | None = None
     model_key: str = ""
     labels: dict = field(default_factory=dict)  # tessera.modelkey.profile_labels of the run
+    grant: Grant | None = None      # its partition share; released when it exits
+    fault: str = ""                 # set when a device-wide fault (MPS) took it down
+
+    @property
+    def grant_id(self) -> str:
+        return grant_id(self.allocation_id, self.rank)
 
     @property
     def running(self) -> bool:
@@ -58,6 +65,11 @@ class Executor:
 
 
 Report = dict  # {"kind": "STARTED"|"PROGRESS"|"EXITED", ...}
+
+
+def grant_id(allocation_id: str, rank: int) -> str:
+    """The partition grant id of one rank of an allocation."""
+    return f"{allocation_id}/r{rank}"
 
 
 class ExecutorManager:
@@ -69,6 +81,7 @@ class ExecutorManager:
         on_step: Callable[[Executor, dict], Awaitable[None]] | None = None,
         report_interval_s: float = 0.5,
         python: str = sys.executable,
+        parts: Partitions | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.devices = {d.id: d for d in devices}
@@ -76,6 +89,9 @@ class ExecutorManager:
         self.on_step = on_step
         self.report_interval_s = report_interval_s
         self.python = python
+        # With partitions, every executor runs on a grant (the agent's capacity check);
+        # without (older callers), a device is held whole by one allocation.
+        self.parts = parts
         self.executors: dict[tuple[str, int], Executor] = {}
         self.log = log.get(component="executors")
         (self.state_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -111,28 +127,70 @@ class ExecutorManager:
 
     # -- launch -----------------------------------------------------------------------
     async def launch(self, *, allocation_id: str, job_id: str, rank: int, world_size: int, device_ids: list[str],
-                     master_addr: str, master_port: int, runtime_spec: dict, checkpoint_dir: str) -> tuple[Executor, bool]:
-        """Start rank ``rank`` of ``allocation_id``; idempotent. Returns (executor, already_running)."""
+                     master_addr: str, master_port: int, runtime_spec: dict, checkpoint_dir: str,
+                     partition_id: str = "", units: int = 0, memory_bytes: int = 0) -> tuple[Executor, bool]:
+        """Start rank ``rank`` of ``allocation_id``; idempotent. Returns (executor, already_running).
+
+        With partitions: grants ``units`` (0: all) + ``memory_bytes`` of ``partition_id``
+        (empty: ``device_ids[0]``'s partition) first; ``CapacityError`` with the ledger's
+        reason when that exceeds the partition's free capacity, ``BadRequest`` for an
+        unknown partition. The grant is released when the executor exits."""
         key = (allocation_id, rank)
         if key in self.executors and self.executors[key].running:
             return self.executors[key], True
-        if not device_ids:
-            raise BadRequest("device_ids: at least one device is required")
+        if not device_ids and not partition_id:
+            raise BadRequest("device_ids: at least one device (or a partition_id) is required")
+        grant = None
+        if self.parts is not None:
+            grant = self._grant(allocation_id, rank, device_ids, partition_id, units, memory_bytes)
+            device_ids = device_ids or [grant.device_id]
+        try:
+            return await self._launch(key, allocation_id, job_id, rank, world_size, device_ids, master_addr,
+                                      master_port, runtime_spec, checkpoint_dir, grant)
+        except BaseException:
+            if grant is not None:
+                self.parts.release(grant.grant_id)
+            raise
+
+    def _grant(self, allocation_id: str, rank: int, device_ids: list[str], partition_id: str, units: int,
+               memory_bytes: int) -> Grant:
+        pid = partition_id or device_ids[0]
+        if units < 0:
+            raise BadRequest(f"units: must be >= 0, got {units}")
+        if memory_bytes < 0:
+            raise BadRequest(f"memory_bytes: must be >= 0, got {memory_bytes}")
+        info = next((p for p in self.parts.describe() if p.id == pid), None)
+        if info is None:
+            known = ", ".join(p.id for p in self.parts.describe())
+            raise BadRequest(f"partition_id: unknown partition {pid!r} (this node has {known})")
+        if device_ids and info.device_id not in device_ids:
+            raise BadRequest(f"partition_id: {pid} is on device {info.device_id}, not on {', '.join(device_ids)}")
+        try:
+            return self.parts.grant(grant_id(allocation_id, rank), pid, units or info.capacity_units, memory_bytes)
+        except CapacityRefused as e:
+            holders = sorted({g.grant_id.rsplit("/", 1)[0] for g in self.parts.grants() if g.partition_id == pid})
+            raise CapacityError(f"{e} (held by allocation {', '.join(holders)})" if holders else str(e)) from None
+        except (BadGrant, UnknownPartition) as e:
+            raise BadRequest(f"partition_id: {e}") from None
+
+    async def _launch(self, key, allocation_id: str, job_id: str, rank: int, world_size: int, device_ids: list[str],
+                      master_addr: str, master_port: int, runtime_spec: dict, checkpoint_dir: str,
+                      grant: Grant | None) -> tuple[Executor, bool]:
         for d in device_ids:
             if d not in self.devices:
                 raise BadRequest(f"device_ids: unknown device {d!r} (this node has {', '.join(self.devices)})")
             other = self.holders(d) - {allocation_id}
-            if other:
+            if other and grant is None:
                 raise CapacityError(f"device {d} is held by allocation {', '.join(sorted(other))}; refusing to oversubscribe it")
         devs = [self.devices[d] for d in device_ids]
-        cores = sorted({c for d in devs for c in d.cores})
+        cores = sorted(grant.cores) if grant is not None and grant.cores else sorted({c for d in devs for c in d.cores})
         spec = dict(runtime_spec)
         spec["dist"] = {
             "rank": rank, "world_size": world_size, "master_addr": master_addr, "master_port": master_port,
             "backend": "nccl" if devs[0].kind == "gpu" else "gloo",
         }
         spec["checkpoint_dir"] = checkpoint_dir or str((self.state_dir / "checkpoints" / job_id).resolve())
-        spec["threads"] = max(1, len(cores)) if cores else 1
+        spec["threads"] = (grant.threads if grant is not None and grant.threads else max(1, len(cores)) if cores else 1)
         spec_path = self.state_dir / "specs" / f"{allocation_id}-r{rank}.json"
         spec_path.write_text(json.dumps(spec, indent=1))
         env = dict(os.environ)
@@ -145,8 +203,10 @@ class ExecutorManager:
             env["CUDA_VISIBLE_DEVICES"] = ""
 
         env["TESSERA_CPU_CORES"] = ",".join(map(str, cores))
+        if grant is not None:
+            env = grant.apply_env(env)  # the partition's quota wins (MPS percentages, core sets)
         ex = Executor(allocation_id, job_id, rank, list(device_ids), self.log_path(job_id),
-                      model_key=model_key(spec.get("workload", {})), labels=profile_labels(spec, devs[0].kind))
+                      model_key=model_key(spec.get("workload", {})), labels=profile_labels(spec, devs[0].kind), grant=grant)
         ex.proc = ex_proc = await asyncio.create_subprocess_exec(
             self.python, "-m", "agent.runtime", "--spec", str(spec_path),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
@@ -162,7 +222,8 @@ class ExecutorManager:
                 pass
         self.executors[key] = ex
         self.log.info("executor started", job_id=job_id, allocation=allocation_id, rank=rank, pid=ex.proc.pid,
-                      devices=device_ids, cores=cores)
+                      devices=device_ids, cores=cores, partition=grant.partition_id if grant else "",
+                      units=grant.units if grant else 0)
         ex.pump = asyncio.create_task(self._pump(ex))
         await self.on_report(ex, {"kind": "STARTED"})
         return ex, False
@@ -189,9 +250,22 @@ class ExecutorManager:
             ex.exit_code = code if code >= 0 else 128 - code
             f.write(prefix + f"exited with code {ex.exit_code}\n".encode())
         self.log.info("executor exited", job_id=ex.job_id, allocation=ex.allocation_id, rank=ex.rank, code=ex.exit_code)
+        if ex.grant is not None:
+            # Before releasing: a fatal MPS fault in this client took down every client of the GPU.
+            backend = self.parts.backends.get(ex.grant.device_id)
+            if isinstance(backend, MpsBackend) and not ex.fault:
+                hit = backend.faulted_by_exit(ex.grant_id, ex.exit_code, last_error)
+                if hit:
+                    ex.fault = (f"MPS fatal fault on {backend.device_id} (rank {ex.rank} of {ex.allocation_id}: "
+                                f"{last_error[-200:]}); every client of the GPU is failed")
+                    self.fail_grants(hit, ex.fault)
+            self.parts.release(ex.grant_id)
+        if ex.fault and ex.exit_code == 0:
+            ex.exit_code = 1  # a faulted executor never counts as a success
         ex.done.set()
         await self.on_report(ex, {"kind": "EXITED", "exit_code": ex.exit_code,
-                                  "message": "" if ex.exit_code == 0 else last_error[-400:]})
+                                  "message": ex.fault[:400] if ex.fault else
+                                  "" if ex.exit_code == 0 else last_error[-400:]})
 
     async def _event(self, ex: Executor, ev: dict) -> None:
         if ev["event"] == "task":
@@ -232,6 +306,36 @@ class ExecutorManager:
         if targets:
             self.log.info("executors stopped", allocation=allocation_id, count=len(targets))
         return len(targets)
+
+    # -- device-wide faults -----------------------------------------------------------
+    def fail_grants(self, grants: list[Grant], why: str) -> list[Executor]:
+        """Mark the running executors of ``grants`` faulted with ``why`` and kill them
+        (their GPU context is gone: nothing to checkpoint). Their EXITED reports carry
+        ``why`` and a non-zero code. Returns the executors hit."""
+        ids = {g.grant_id for g in grants}
+        hit = [e for e in self.executors.values() if e.running and e.grant_id in ids]
+        for e in hit:
+            if not e.fault:
+                e.fault = why
+            _signal(e, signal.SIGKILL)
+        if hit:
+            self.log.warning("device fault: failing executors", why=why,
+                             executors=[f"{e.allocation_id}/r{e.rank}" for e in hit])
+        return hit
+
+    def check_faults(self) -> list[Executor]:
+        """Poll every MPS backend's server log; fail every executor of a GPU whose server
+        reported a fatal fault. Cheap (reads only new log bytes); call periodically."""
+        hit: list[Executor] = []
+        if self.parts is None:
+            return hit
+        for b in self.parts.backends.values():
+            if isinstance(b, MpsBackend):
+                grants = b.poll_faults()
+                if grants:
+                    hit += self.fail_grants(grants, f"MPS server of {b.device_id} reported a fatal fault "
+                                                    f"(see {b.daemon.server_log()}); every client of the GPU is failed")
+        return hit
 
     async def stop_all(self, grace_s: float = 10.0) -> int:
         allocs = self.running_allocations()

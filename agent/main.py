@@ -19,10 +19,11 @@ from tessera import config, log
 from tessera.api.v1 import agent_pb2, agent_pb2_grpc, controller_pb2, controller_pb2_grpc, profiler_pb2, profiler_pb2_grpc
 from tessera.errors import SpecError
 
-from .api import AgentService, NodeState, to_proto
+from .api import AgentService, NodeState, partitions_proto, to_proto
 from .config import AgentConfig
 from .devices import discover
 from .executors import Executor, ExecutorManager
+from .partitions import MODES, Partitions
 
 K = controller_pb2.ExecutorReport
 
@@ -33,7 +34,12 @@ class Agent:
         self.log = log.get(component="agent", node_id=cfg.name)
         self.devices = discover(cfg.cpu_devices, use_nvml=not cfg.disable_nvml)
         self.node = NodeState(cfg.name, self.devices)
-        self.mgr = ExecutorManager(Path(cfg.state_dir), self.devices, self._on_report, self._on_step, cfg.report_interval_s)
+        # One partition backend per device (cpuset on CPUs; MIG, MPS or time slicing on GPUs);
+        # ValueError when an explicit --partition-mode cannot apply to a device.
+        self.parts = Partitions.for_devices(self.devices, mode=cfg.partition_mode, state_dir=cfg.state_dir,
+                                            mig_allow_changes=False, timeslice_slots=cfg.timeslice_slots)
+        self.mgr = ExecutorManager(Path(cfg.state_dir), self.devices, self._on_report, self._on_step, cfg.report_interval_s,
+                                   parts=self.parts)
         self.channel = grpc.aio.insecure_channel(cfg.controller)
         self.nodes = controller_pb2_grpc.NodeServiceStub(self.channel)
         self.prof = None
@@ -102,11 +108,13 @@ class Agent:
             try:
                 resp = await self.nodes.RegisterNode(controller_pb2.RegisterNodeRequest(
                     name=self.cfg.name, agent_address=self.cfg.advertise or self.cfg.listen,
-                    profilerd_address=self.cfg.profilerd, devices=[to_proto(d) for d in self.devices]), timeout=5)
+                    profilerd_address=self.cfg.profilerd, devices=[to_proto(d) for d in self.devices],
+                    partitions=partitions_proto(self.parts)), timeout=5)
                 self.node.incarnation = resp.incarnation
                 self.grace_s, self.interval_s = resp.grace_s or 10.0, resp.heartbeat_interval_s or 1.0
                 self.registered.set()
-                self.log.info("registered", incarnation=resp.incarnation, devices=[d.id for d in self.devices])
+                self.log.info("registered", incarnation=resp.incarnation, devices=[d.id for d in self.devices],
+                              partitions=[f"{p.id}:{p.kind}:{p.capacity_units}{p.unit}" for p in self.parts.describe()])
                 return
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -122,7 +130,8 @@ class Agent:
             try:
                 resp = await self.nodes.Heartbeat(controller_pb2.HeartbeatRequest(
                     name=self.cfg.name, incarnation=self.node.incarnation,
-                    running_allocations=self.mgr.running_allocations()), timeout=max(self.interval_s, 1.0))
+                    running_allocations=self.mgr.running_allocations(), partitions=partitions_proto(self.parts)),
+                    timeout=max(self.interval_s, 1.0))
                 last_ok = time.monotonic()
                 for a in resp.stop_allocations:
                     self.log.warning("controller says allocation is not current; stopping it", allocation=a)
@@ -142,8 +151,22 @@ class Agent:
                     await self.mgr.stop_all(self.cfg.stop_grace_s)
 
 
+    async def watch_faults(self) -> None:
+        """Poll MPS server logs; a fatal fault fails every executor of that GPU (each
+        reported EXITED with the fault as its message)."""
+        if not any(b.kind == "mps" for b in self.parts.backends.values()):
+            return
+        while True:
+            await asyncio.sleep(self.cfg.fault_poll_s)
+            self.mgr.check_faults()
+
+
 async def serve(cfg: AgentConfig, stop: asyncio.Event | None = None) -> None:
-    agent = Agent(cfg)
+    try:
+        agent = Agent(cfg)
+    except ValueError as e:  # an explicit partition mode that cannot apply to a device
+        raise SystemExit(f"--partition-mode: {e}") from None
+    agent.parts.start()  # MPS daemons; stopped (idempotently) when the agent stops
     server = grpc.aio.server()
     agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentService(agent.node, agent.mgr, cfg.stop_grace_s), server)
     hs = health.aio.HealthServicer()
@@ -158,6 +181,7 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event | None = None) -> None:
     for n in (svc, ""):
         await hs.set(n, health_pb2.HealthCheckResponse.SERVING)
     beats = asyncio.create_task(agent.heartbeats())
+    faults = asyncio.create_task(agent.watch_faults())
     stop = stop or asyncio.Event()
     try:
         await stop.wait()
@@ -165,7 +189,9 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event | None = None) -> None:
         agent.log.info("agent stopping")
         await hs.enter_graceful_shutdown()
         beats.cancel()
+        faults.cancel()
         await agent.mgr.stop_all(cfg.stop_grace_s)
+        agent.parts.stop()
         # Let the exit reports of the executors just stopped reach the controller.
         try:
             async with asyncio.timeout(3):
@@ -183,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config.load(AgentConfig, argv, "TESSERA_AGENT_", __doc__)
         if cfg.cpu_devices < 1:
             raise SpecError("--cpu-devices", f"must be >= 1, got {cfg.cpu_devices}")
+        if cfg.partition_mode not in MODES:
+            raise SpecError("--partition-mode", f"must be one of {', '.join(MODES)}, got {cfg.partition_mode!r}")
+        if cfg.timeslice_slots < 1:
+            raise SpecError("--timeslice-slots", f"must be >= 1, got {cfg.timeslice_slots}")
     except SpecError as e:
         print(f"tessera-agent: {e}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ servicers (api.py) only translate messages and exceptions.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import secrets
@@ -19,14 +20,15 @@ from dataclasses import dataclass
 
 import grpc
 
-from controller.policy import DeviceView, JobView, NodeView, Placement, RunningJob, ScheduleRequest, Shard
+from controller.policy import Placement, Resize
 from tessera import log, manifest
 from tessera.api.v1 import agent_pb2, agent_pb2_grpc, controller_pb2, types_pb2
 from tessera.errors import SpecError
 
 from . import tasks as peft_tasks
+from . import adapter
 from .config import ControllerConfig
-from .store import Conflict, Fenced, Store
+from .store import CapacityExceeded, Conflict, Fenced, Store
 
 P = types_pb2.JobPhase
 TERMINAL = (P.SUCCEEDED, P.FAILED, P.CANCELLED)
@@ -60,6 +62,19 @@ def transition(job: types_pb2.Job, phase: int, reason: str, now: float) -> None:
         job.status.history.add(phase=phase, time=now, reason=reason)
     job.status.phase = phase
     job.status.reason = reason
+
+
+def alloc_keys(shards) -> list[tuple[str, str]]:
+    """(node, partition id) of every rank of ``shards`` (device ids for older records)."""
+    return [(s.node, pid) for s in shards for pid in (list(s.partition_ids) or list(s.device_ids))]
+
+
+def decide(job: types_pb2.Job, policy: str, action: str, reason: str, now: float, decision_id: str,
+           quota: float = 1.0) -> None:
+    """Record a scheduling decision on ``job`` (structured, and as the ``decision`` text)."""
+    job.status.last_decision.CopyFrom(types_pb2.Decision(policy=policy, action=action, reason=reason[:500], time=now,
+                                                         decision_id=decision_id, quota=quota))
+    job.status.decision = f"{policy}: {action}: {reason}"[:600]
 
 
 def canonical_spec(spec: types_pb2.JobSpec) -> bytes:
@@ -103,6 +118,11 @@ class Controller:
         self.clock = clock
         self.agents = AgentPool()
         self.heartbeats: dict[str, float] = {}
+        # The agents' last partition reports (free amounts), in memory like heartbeats.
+        self.part_reports: dict[str, dict[str, types_pb2.Partition]] = {}
+        # What the policy may ask for estimates (controller.policy.estimator.Estimator), or
+        # None: policies fall back to the requested resources.
+        self.estimator: object | None = None
         self.elected_at = 0.0
         self.leading = False
         self.kick = asyncio.Event()  # set on events that warrant an early reconcile
@@ -134,6 +154,8 @@ class Controller:
                 raise NotFound(f"job {job_id} not found")
             job = v.value
             out = fn(job)
+            if inspect.isawaitable(out):  # an async fn may read (and compare) other keys
+                out = await out
             if out is None:
                 return job
             cmp, ops = out
@@ -225,7 +247,7 @@ class Controller:
         now = self.clock()
         stop: list = []
 
-        def fn(job):
+        async def fn(job):
             if job.status.phase == P.CANCELLED:
                 return None
             if job.status.phase in (P.SUCCEEDED, P.FAILED):
@@ -233,7 +255,8 @@ class Controller:
             cmp, ops = [], []
             if job.status.phase in ACTIVE:
                 stop[:] = [(job.status.allocation_id, list(job.status.placement))]
-                cmp, ops = self.store.release_ops(job.status.allocation_id, job.status.placement)
+                cmp, ops = await self.store.realloc_ops(drop=job.status.allocation_id,
+                                                        drop_keys=alloc_keys(job.status.placement))
             transition(job, P.CANCELLED, reason or "cancelled by its tenant", now)
             return cmp, ops
 
@@ -301,17 +324,29 @@ class Controller:
             seen.add(d.id)
             if d.kind not in ("cpu", "gpu"):
                 raise SpecError(f"devices[{i}].kind", f"must be 'cpu' or 'gpu', got {d.kind!r}")
+        pseen: set[str] = set()
+        for i, p in enumerate(req.partitions):
+            if not p.id or p.id in pseen or "/" in p.id:
+                raise SpecError(f"partitions[{i}].id", f"must be non-empty, unique and without '/', got {p.id!r}")
+            pseen.add(p.id)
+            if p.device_id not in seen:
+                raise SpecError(f"partitions[{i}].device_id", f"must be one of the devices, got {p.device_id!r}")
+            if p.capacity_units <= 0:
+                raise SpecError(f"partitions[{i}].capacity_units", f"must be > 0, got {p.capacity_units}")
+            if p.memory_bytes < 0:
+                raise SpecError(f"partitions[{i}].memory_bytes", f"must be >= 0, got {p.memory_bytes}")
         self._require_leader()
         node = types_pb2.Node(
             name=req.name, agent_address=req.agent_address, profilerd_address=req.profilerd_address,
             devices=req.devices, state=types_pb2.READY, incarnation=uuid.uuid4().hex[:12],
-            last_heartbeat=self.clock(),
+            last_heartbeat=self.clock(), partitions=req.partitions,
         )
         try:
             await self.store.put_node(node, None)
         except Fenced as e:
             raise NotLeader(str(e)) from None
         self.heartbeats[node.name] = node.last_heartbeat
+        self.part_reports[node.name] = {p.id: p for p in req.partitions}
         # Executors of an earlier incarnation are gone or stale: requeue their jobs.
         await self._requeue_node_jobs(node.name, "node re-registered (agent restarted)")
         self.log.info("node registered", node_id=node.name, incarnation=node.incarnation, devices=len(node.devices))
@@ -337,17 +372,34 @@ class Controller:
                 raise NotLeader(str(e)) from None
             self.log.info("node ready again", node_id=req.name)
             self.kick.set()
-        held = {a for (n, _), a in (await self.store.list_allocs()).items() if n == req.name}
+        if req.partitions:
+            self.part_reports[req.name] = {p.id: p for p in req.partitions}
+        held = {a for (n, _), hs in (await self.store.list_holders()).items() if n == req.name for a in hs}
         return [a for a in req.running_allocations if a not in held]
 
     async def list_nodes(self) -> list[types_pb2.Node]:
-        allocs = await self.store.list_allocs()
+        """Every node with its partitions: allocated units (the controller's view, from
+        etcd) and free units (the agent's last report)."""
+        holders = await self.store.list_holders()
         out = []
         for v in await self.store.list_nodes():
             n = v.value
             if n.name in self.heartbeats:
                 n.last_heartbeat = self.heartbeats[n.name]
-            n.allocated_device_ids.extend(sorted(d for (nn, d) in allocs if nn == n.name))
+            parts = adapter.node_partitions(n)
+            reported = self.part_reports.get(n.name, {})
+            held_devs = set()
+            for p in parts:
+                hs = holders.get((n.name, p.id), {})
+                p.allocated_units = sum(u or p.capacity_units for u in hs.values())
+                if hs:
+                    held_devs.add(p.device_id)
+                r = reported.get(p.id)
+                if r is not None:
+                    p.free_units, p.free_memory_bytes = r.free_units, r.free_memory_bytes
+            del n.partitions[:]
+            n.partitions.extend(parts)
+            n.allocated_device_ids.extend(sorted(held_devs))
             out.append(n)
         return sorted(out, key=lambda n: n.name)
 
@@ -366,7 +418,7 @@ class Controller:
                 raise NotLeader(str(e)) from None
         exits = await self.store.rank_exits(r.allocation_id) if r.kind == K.EXITED else {}
 
-        def fn(job):
+        async def fn(job):
             st = job.status
             if st.allocation_id != r.allocation_id or st.phase not in ACTIVE:
                 stale[0] = st.allocation_id != r.allocation_id or st.phase in TERMINAL
@@ -388,12 +440,12 @@ class Controller:
             if r.kind == K.EXITED:
                 if r.exit_code != 0:
                     after[:] = [(st.allocation_id, list(st.placement))]
-                    cmp, ops = self.store.release_ops(st.allocation_id, st.placement)
+                    cmp, ops = await self.store.realloc_ops(drop=st.allocation_id, drop_keys=alloc_keys(st.placement))
                     st.exit_code = r.exit_code
                     transition(job, P.FAILED, f"rank {r.rank} on {r.node} exited {r.exit_code}: {r.message}"[:500], now)
                     return cmp, ops
                 if len(exits) >= world and all(c == 0 for c in exits.values()):
-                    cmp, ops = self.store.release_ops(st.allocation_id, st.placement)
+                    cmp, ops = await self.store.realloc_ops(drop=st.allocation_id, drop_keys=alloc_keys(st.placement))
                     transition(job, P.SUCCEEDED, f"all {world} ranks exited 0", now)
                     return cmp, ops
                 return None
@@ -444,74 +496,84 @@ class Controller:
                 lost += 1
                 self.log.warning("node not ready", node_id=n.name, silent_s=round(now - last, 1))
                 await self._requeue_node_jobs(n.name, f"node {n.name} stopped heartbeating for {self.cfg.grace_s:g}s")
-        # 2. schedule
+        # 2. schedule: the policy sees every partition and every pending and running job;
+        # its reply is carried out as fenced writes, then agent RPCs.
         nodes = [v.value for v in await self.store.list_nodes()]
         jobs, _ = await self.store.list_jobs()
-        allocs = await self.store.list_allocs()
         pending = [j for j in jobs if j.status.phase == P.PENDING]
-        if not pending:
+        active = [j for j in jobs if j.status.phase in ACTIVE]
+        if not pending and not active:
             return {"placed": 0, "lost_nodes": lost}
-        req = self._request(nodes, pending, allocs)
+        decision_id = "d-" + secrets.token_hex(4)
+        dlog = self.log.bind(decision_id=decision_id)
+        req = adapter.build_request(nodes, jobs, now, self.estimator)
         reply = self.policy.schedule(req)
         by_id = {j.id: j for j in jobs}
-        placed = 0
+        node_map = {n.name: n for n in nodes}
+        out = {"placed": 0, "lost_nodes": lost, "infeasible": len(reply.infeasible), "resized": 0, "preempted": 0}
+        # Moves first: they free the partitions that this round's placements may take.
+        for pre in reply.preemptions:
+            if pre.job_id in by_id and await self._preempt(by_id[pre.job_id], pre.reason, decision_id):
+                out["preempted"] += 1
+        for rz in reply.resizes:
+            if rz.job_id in by_id and await self._resize(by_id[rz.job_id], rz, node_map, decision_id):
+                out["resized"] += 1
         for p in reply.placements:
-            if await self._place(by_id[p.job_id], p, {n.name: n for n in nodes}):
-                placed += 1
+            if p.job_id in by_id and await self._place(by_id[p.job_id], p, node_map, decision_id):
+                out["placed"] += 1
         for inf in reply.infeasible:
-            j = by_id[inf.job_id]
-            if j.status.decision != inf.reason:
+            j = by_id.get(inf.job_id)
+            if j is not None and (j.status.last_decision.action, j.status.last_decision.reason) != ("wait", inf.reason):
                 try:
-                    await self._rmw(j.id, lambda job, r=inf.reason: _set_decision(job, r))
+                    await self._rmw(j.id, lambda job, r=inf.reason: _set_decision(job, self.policy.name, r, now, decision_id))
                 except NotFound:
                     pass
         dt = (time.perf_counter() - t0) * 1000
-        self.log.info("decision cycle", pending=len(pending), placed=placed, infeasible=len(reply.infeasible), ms=round(dt, 2))
-        return {"placed": placed, "lost_nodes": lost, "infeasible": len(reply.infeasible)}
+        dlog.info("decision cycle", policy=self.policy.name, nodes=len(nodes), pending=len(pending), running=len(active),
+                  placements=[(p.job_id, p.reason) for p in reply.placements],
+                  resizes=[(r.job_id, r.kind) for r in reply.resizes], preemptions=[p.job_id for p in reply.preemptions],
+                  ms=round(dt, 2), **out)
+        return out
 
-    def _request(self, nodes, pending, allocs) -> ScheduleRequest:
-        nv = tuple(
-            NodeView(n.name, tuple(DeviceView(d.id, d.kind, d.model, d.memory_bytes, d.capacity) for d in n.devices),
-                     n.state == types_pb2.READY)
-            for n in nodes
-        )
-        held: dict[str, dict[str, list[str]]] = {}
-        for (node, dev), a in allocs.items():
-            held.setdefault(a, {}).setdefault(node, []).append(dev)
-        running = tuple(
-            RunningJob(JobView(a), Placement(a, tuple(Shard(n, tuple(ds)) for n, ds in shards.items())))
-            for a, shards in held.items()
-        )
-        jv = tuple(
-            JobView(j.id, j.spec.tenant, j.spec.resources.devices, j.spec.resources.device_kind, j.created,
-                    model=j.spec.workload.type, workload=j.spec.workload.type)
-            for j in pending
-        )
-        return ScheduleRequest(nodes=nv, pending=jv, running=running, now=self.clock())
+    def _capacity(self, nodes: dict) -> dict[tuple[str, str], int]:
+        return {(n.name, p.id): p.capacity_units for n in nodes.values() for p in adapter.node_partitions(n)}
 
-    async def _place(self, job: types_pb2.Job, p: Placement, nodes: dict) -> bool:
+    async def _place(self, job: types_pb2.Job, p: Placement, nodes: dict, decision_id: str = "") -> bool:
+        """Persist a placement (partitions and quotas taken in the same fenced transaction
+        that moves the job to SCHEDULED), then launch its executors; a launch refused by an
+        agent requeues the job. A partition found full (the policy's view was stale) leaves
+        the job PENDING with a "wait" decision saying which."""
         now = self.clock()
         alloc_id = "a-" + secrets.token_hex(6)
-        shards = []
-        rank = 0
-        for s in p.shards:
-            shards.append(types_pb2.Shard(node=s.node, device_ids=list(s.device_ids), first_rank=rank))
-            rank += len(s.device_ids)
+        try:
+            shards = adapter.shards_for(p, nodes)
+        except KeyError as e:
+            self.log.warning("placement names an unknown partition", job_id=job.id, error=str(e))
+            return False
+        want = adapter.shard_units(shards, nodes)
+        caps = self._capacity(nodes)
+        action = "pack" if p.quota < 1.0 else "place"
 
-        def fn(j):
+        async def fn(j):
             if j.status.phase != P.PENDING:
                 return None
-            if j.status.attempts >= self.cfg.max_attempts:
+            if j.status.attempts - j.status.preemptions >= self.cfg.max_attempts:
                 transition(j, P.FAILED, f"gave up after {j.status.attempts} placements: {j.status.reason}", now)
                 return [], []
+            try:
+                cmp, ops = await self.store.realloc_ops(add=alloc_id, add_units=want, capacity=caps)
+            except CapacityExceeded as e:
+                return _set_decision(j, self.policy.name, f"waiting: {e}", now, decision_id)
             del j.status.placement[:]
             j.status.placement.extend(shards)
             j.status.allocation_id = alloc_id
             j.status.attempts += 1
-            where = ", ".join(f"{s.node}[{','.join(s.device_ids)}]" for s in shards)
-            j.status.decision = f"{self.policy.name}: {p.reason or 'placed'} ({where})"
+            j.status.ClearField("plan")
+            where = ", ".join(f"{s.node}[{','.join(s.partition_ids)}]" + (f" {s.units} units" if s.units else "")
+                              for s in shards)
+            decide(j, self.policy.name, action, f"{p.reason or 'placed'} ({where})", now, decision_id, p.quota)
             transition(j, P.SCHEDULED, f"placed on {', '.join(s.node for s in shards)}", now)
-            return self.store.alloc_ops(alloc_id, shards)
+            return cmp, ops
 
         try:
             job = await self._rmw(job.id, fn)
@@ -519,14 +581,108 @@ class Controller:
             return False
         if job.status.allocation_id != alloc_id or job.status.phase != P.SCHEDULED:
             return False
-        self.log.info("job placed", job_id=job.id, allocation=alloc_id, decision=job.status.decision)
+        self.log.info("job placed", job_id=job.id, allocation=alloc_id, decision=job.status.decision,
+                      decision_id=decision_id)
         ok, why = await self._launch(job, nodes)
         if not ok:
             await self._requeue(job.id, alloc_id, f"launch failed: {why}")
         return ok
 
+    async def _resize(self, job: types_pb2.Job, rz: Resize, nodes: dict, decision_id: str) -> bool:
+        """Carry out a resize / migrate / type change of a running job: one fenced write
+        moves its allocation to the new partitions (and plan), then its executors are
+        stopped with SIGTERM (the runtime checkpoints) and relaunched under the new plan,
+        which resumes (and reshards) from the checkpoint."""
+        now = self.clock()
+        old_alloc, old_shards = job.status.allocation_id, list(job.status.placement)
+        try:
+            shards = adapter.shards_for(rz.placement, nodes)
+        except KeyError as e:
+            self.log.warning("resize names an unknown partition", job_id=job.id, error=str(e))
+            return False
+        n = sum(len(s.device_ids) for s in shards)
+        cur = job.status.plan if job.status.HasField("plan") else job.spec.workload.plan
+        plan = None
+        if n != sum(len(s.device_ids) for s in old_shards):
+            if job.spec.workload.type != "gpt":
+                self.log.info("resize skipped: only gpt jobs change device count", job_id=job.id, kind=rz.kind)
+                return False
+            stages = rz.placement.plan.stages if rz.placement.plan is not None else 0
+            plan = adapter.replan(cur, job.spec.workload.model, job.spec.workload.batch_size, n, stages)
+            if plan is None:
+                self.log.info("resize skipped: no plan fits", job_id=job.id, devices=n)
+                return False
+        alloc_id = "a-" + secrets.token_hex(6)
+        want = adapter.shard_units(shards, nodes)
+        caps = self._capacity(nodes)
+
+        async def fn(j):
+            if j.status.allocation_id != old_alloc or j.status.phase not in ACTIVE:
+                return None
+            try:
+                cmp, ops = await self.store.realloc_ops(drop=old_alloc, drop_keys=alloc_keys(j.status.placement),
+                                                        add=alloc_id, add_units=want, capacity=caps)
+            except CapacityExceeded as e:
+                self.log.info("resize skipped: partition full", job_id=j.id, error=str(e))
+                return None
+            del j.status.placement[:]
+            j.status.placement.extend(shards)
+            j.status.allocation_id = alloc_id
+            j.status.attempts += 1
+            j.status.preemptions += 1
+            if plan is not None:
+                j.status.plan.CopyFrom(plan)
+            ptxt = f"; plan dp={plan.dp} tp={plan.tp} pp={plan.pp}" if plan is not None else ""
+            decide(j, self.policy.name, rz.kind, f"{rz.reason or rz.kind}{ptxt}", now, decision_id, rz.placement.quota)
+            transition(j, P.SCHEDULED, f"{rz.kind}: checkpoint and relaunch on "
+                                       f"{', '.join(s.node for s in shards)}{ptxt}", now)
+            return cmp, ops
+
+        try:
+            job = await self._rmw(job.id, fn)
+        except Conflict:
+            return False
+        if job.status.allocation_id != alloc_id:
+            return False
+        self.log.info("job resized", job_id=job.id, kind=rz.kind, allocation=alloc_id, old_allocation=old_alloc,
+                      decision_id=decision_id)
+        # The old ranks checkpoint on SIGTERM and release their grants before the new ones start.
+        await self._stop_alloc(old_alloc, old_shards, f"{rz.kind}: checkpoint for a relaunch")
+        ok, why = await self._launch(job, nodes)
+        if not ok:
+            await self._requeue(job.id, alloc_id, f"relaunch after {rz.kind} failed: {why}")
+        return ok
+
+    async def _preempt(self, job: types_pb2.Job, reason: str, decision_id: str) -> bool:
+        """Stop a running job at a checkpoint and return it to PENDING (not a failure)."""
+        now = self.clock()
+        alloc_id, shards = job.status.allocation_id, list(job.status.placement)
+
+        async def fn(j):
+            if j.status.allocation_id != alloc_id or j.status.phase not in ACTIVE:
+                return None
+            cmp, ops = await self.store.realloc_ops(drop=alloc_id, drop_keys=alloc_keys(j.status.placement))
+            j.status.allocation_id = ""
+            j.status.preemptions += 1
+            decide(j, self.policy.name, "preempt", reason or "preempted", now, decision_id)
+            transition(j, P.PENDING, f"preempted: {reason}; resumes from its checkpoint"[:500], now)
+            return cmp, ops
+
+        try:
+            job = await self._rmw(job.id, fn)
+        except Conflict:
+            return False
+        if job.status.phase != P.PENDING:
+            return False
+        self.log.info("job preempted", job_id=job.id, allocation=alloc_id, reason=reason, decision_id=decision_id)
+        await self._stop_alloc(alloc_id, shards, f"preempted: {reason}")
+        return True
+
     async def _launch(self, job: types_pb2.Job, nodes: dict) -> tuple[bool, str]:
         doc = manifest.validate(manifest.from_proto(job.spec))
+        if job.status.HasField("plan"):  # resized: the plan of the current allocation
+            pl = job.status.plan
+            doc["workload"]["plan"] = {"dp": pl.dp, "tp": pl.tp, "pp": pl.pp, "micro_batches": pl.micro_batches}
         spec_json = json.dumps({"job_id": job.id, "workload": doc["workload"]})
         shards = list(job.status.placement)
         world = sum(len(s.device_ids) for s in shards)
@@ -541,6 +697,8 @@ class Controller:
                     allocation_id=job.status.allocation_id, job_id=job.id, fencing_token=self.store.fencing_token or 0,
                     incarnation=node.incarnation, rank=s.first_rank + i, world_size=world, device_ids=[dev],
                     master_addr=master, master_port=port, runtime_spec_json=spec_json, checkpoint_dir=ckpt,
+                    partition_id=s.partition_ids[i] if len(s.partition_ids) > i else "", units=s.units,
+                    memory_bytes=s.memory_bytes,
                 )
                 calls.append((node.name, self.agents.stub(node.agent_address).LaunchExecutor(req, timeout=15)))
         results = await asyncio.gather(*(c for _, c in calls), return_exceptions=True)
@@ -554,11 +712,11 @@ class Controller:
         now = self.clock()
         stop: list = []
 
-        def fn(j):
+        async def fn(j):
             if j.status.allocation_id != alloc_id or j.status.phase not in ACTIVE:
                 return None
             stop[:] = [(alloc_id, list(j.status.placement))]
-            cmp, ops = self.store.release_ops(alloc_id, j.status.placement)
+            cmp, ops = await self.store.realloc_ops(drop=alloc_id, drop_keys=alloc_keys(j.status.placement))
             j.status.allocation_id = ""
             transition(j, P.PENDING, f"requeued: {reason}"[:500], now)
             return cmp, ops
@@ -611,9 +769,11 @@ class Controller:
         return "\n".join(parts), truncated
 
 
-def _set_decision(job: types_pb2.Job, reason: str):
-    if job.status.phase != P.PENDING or job.status.decision == reason:
+def _set_decision(job: types_pb2.Job, policy: str, reason: str, now: float, decision_id: str):
+    """Record a "wait" decision on a PENDING job; None (no write) when unchanged."""
+    d = job.status.last_decision
+    if job.status.phase != P.PENDING or (d.action, d.reason) == ("wait", reason[:500]):
         return None
-    job.status.decision = reason
-    job.status.reason = f"waiting: {reason}"
+    decide(job, policy, "wait", reason, now, decision_id)
+    job.status.reason = reason if reason.startswith("waiting") else f"waiting: {reason}"
     return [], []

@@ -6,8 +6,11 @@ Layout under the configurable prefix P (default ``/tessera``)::
     P/jobs/<job_id>               Job (protobuf bytes)
     P/idem/<tenant>/<key>         job id of an idempotent submission
     P/nodes/<name>                Node (protobuf bytes)
-    P/allocs/<node>/<device_id>   allocation id holding the device (one key per device:
-                                  a device can never be held twice at any revision)
+    P/allocs/<node>/<partition>   JSON {allocation id: units} of the allocations holding
+                                  quotas of the partition (one key per partition, written
+                                  with a compare on its mod revision after checking that the
+                                  units sum to at most the partition's capacity: a partition
+                                  is never allocated beyond capacity at any revision)
     P/exits/<alloc_id>/<rank>     exit code of a rank of an allocation
 
 Every write is one etcd transaction. Read-modify-writes compare the mod revision read
@@ -18,6 +21,7 @@ transaction fails with ``Fenced`` and changes nothing.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import aetcd
@@ -31,6 +35,11 @@ class Conflict(Exception):
 
 class Fenced(Exception):
     """This controller is no longer the leader: stop writing."""
+
+
+class CapacityExceeded(Exception):
+    """An allocation would take a partition beyond its capacity (data, not an error:
+    the job waits). The message names the partition, the amounts and the holders."""
 
 
 @dataclass
@@ -60,8 +69,8 @@ class Store:
     def node_key(self, name: str) -> bytes:
         return self.k("nodes", name)
 
-    def alloc_key(self, node: str, device_id: str) -> bytes:
-        return self.k("allocs", node, device_id)
+    def alloc_key(self, node: str, partition_id: str) -> bytes:
+        return self.k("allocs", node, partition_id)
 
     def idem_key(self, tenant: str, key: str) -> bytes:
         return self.k("idem", tenant, key)
@@ -120,14 +129,14 @@ class Store:
         g = await self.c.get(self.node_key(name))
         return None if g is None else Versioned(types_pb2.Node.FromString(g.value), g.mod_revision)
 
-    async def list_allocs(self) -> dict[tuple[str, str], str]:
-        """(node, device_id) -> allocation id, for every held device."""
+    async def list_holders(self) -> dict[tuple[str, str], dict[str, int]]:
+        """(node, partition id) -> {allocation id: units} for every held partition."""
         r = await self.c.get_prefix(self.k("allocs") + b"/")
         out = {}
         base = len(self.k("allocs")) + 1
         for kv in r:
-            node, dev = kv.key[base:].decode().split("/", 1)
-            out[(node, dev)] = kv.value.decode()
+            node, pid = kv.key[base:].decode().split("/", 1)
+            out[(node, pid)] = _holders(kv.value)
         return out
 
     async def rank_exits(self, alloc_id: str) -> dict[int, int]:
@@ -160,27 +169,41 @@ class Store:
         cmp = [self.c.transactions.mod(self.job_key(job.id)) == mod_revision, *extra_cmp]
         return await self.txn(cmp, [self.put_job_op(job), *extra_ops])
 
-    def alloc_ops(self, alloc_id: str, shards) -> tuple[list, list]:
-        """Compares (every device free) and puts that take the devices of ``shards``."""
+    async def realloc_ops(self, drop: str = "", drop_keys=(), add: str = "",
+                          add_units: dict[tuple[str, str], int] | None = None,
+                          capacity: dict[tuple[str, str], int] | None = None) -> tuple[list, list]:
+        """Compares and writes that remove allocation ``drop`` from the partitions
+        ``drop_keys`` ((node, partition id) pairs; its rank exits are forgotten too) and
+        give allocation ``add`` ``add_units`` of each partition, in one transaction with
+        the caller's own compares. Each partition record is compared on the mod revision
+        read here, so the capacity check below holds at the revision written. Raises
+        ``CapacityExceeded`` when ``add`` would take a partition beyond ``capacity``."""
+        add_units = add_units or {}
+        capacity = capacity or {}
         cmp, ops = [], []
-        for s in shards:
-            for d in s.device_ids:
-                key = self.alloc_key(s.node, d)
-                cmp.append(self.c.transactions.version(key) == 0)
-                ops.append(self.c.transactions.put(key, alloc_id.encode()))
-        return cmp, ops
-
-    def release_ops(self, alloc_id: str, shards) -> tuple[list, list]:
-        """Compares (each device still held by ``alloc_id``) and deletes that free the
-        devices of ``shards`` and forget the allocation's rank exits."""
-        cmp, ops = [], []
-        for s in shards:
-            for d in s.device_ids:
-                key = self.alloc_key(s.node, d)
-                cmp.append(self.c.transactions.value(key) == alloc_id.encode())
-                ops.append(self.c.transactions.delete(key))
-        ex = self.k("exits", alloc_id) + b"/"
-        ops.append(self.c.transactions.delete(ex, range_end=_prefix_end(ex)))
+        for key in sorted(set(drop_keys) | set(add_units)):
+            k = self.alloc_key(*key)
+            g = await self.c.get(k)
+            holders = _holders(g.value) if g is not None else {}
+            before = dict(holders)
+            if drop:
+                holders.pop(drop, None)
+            if key in add_units:
+                cap = capacity.get(key, 0)
+                used = sum(u for a, u in holders.items() if a != add)
+                if cap and used + add_units[key] > cap:
+                    raise CapacityExceeded(
+                        f"partition {key[1]} on {key[0]}: asks {add_units[key]} of {cap} units, {cap - used} free "
+                        f"(held by {', '.join(f'{a}:{u}' for a, u in sorted(holders.items()) if a != add)})")
+                holders[add] = add_units[key]
+            if holders == before:
+                continue
+            cmp.append(self.c.transactions.version(k) == 0 if g is None else self.c.transactions.mod(k) == g.mod_revision)
+            ops.append(self.c.transactions.put(k, json.dumps(holders, sort_keys=True).encode()) if holders
+                       else self.c.transactions.delete(k))
+        if drop:
+            ex = self.k("exits", drop) + b"/"
+            ops.append(self.c.transactions.delete(ex, range_end=_prefix_end(ex)))
         return cmp, ops
 
     async def put_node(self, node: types_pb2.Node, mod_revision: int | None) -> int:
@@ -189,6 +212,17 @@ class Store:
 
     async def put_exit(self, alloc_id: str, rank: int, code: int) -> None:
         await self.txn([], [self.c.transactions.put(self.exit_key(alloc_id, rank), str(code).encode())])
+
+
+def _holders(raw: bytes) -> dict[str, int]:
+    """Decode a partition record (an older record is a bare allocation id: whole)."""
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        d = None
+    if isinstance(d, dict):
+        return {str(a): int(u) for a, u in d.items()}
+    return {raw.decode(): 0}
 
 
 def _prefix_end(prefix: bytes) -> bytes:

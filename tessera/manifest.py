@@ -207,12 +207,20 @@ def _section(section: str, value: Any, mod: str, fn: str) -> dict:
 
 
 def _resources(r: dict) -> dict:
-    _no_unknown(r, {"devices", "device_kind"}, "resources")
+    _no_unknown(r, {"devices", "device_kind", "share"}, "resources")
     devices = _int(r.get("devices", 1), "resources.devices", 1)
     kind = _str(r.get("device_kind", ""), "resources.device_kind")
     if kind not in DEVICE_KINDS:
         raise SpecError("resources.device_kind", f"must be 'cpu', 'gpu' or empty, got {kind!r}")
-    return {"devices": devices, "device_kind": kind}
+    out = {"devices": devices, "device_kind": kind}
+    if "share" in r:  # a share of one partition, for packing small jobs (single-device only)
+        share = r["share"]
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise SpecError("resources.share", f"must be a number in (0, 1], got {share!r}")
+        if share < 1 and devices != 1:
+            raise SpecError("resources.share", f"a share below 1 needs resources.devices = 1, got {devices}")
+        out["share"] = float(share)
+    return out
 
 
 def load_file(path: str | Path) -> dict:
@@ -309,4 +317,6 @@ def from_proto(spec: types_pb2.JobSpec) -> dict:
         doc["resources"] = {"devices": int(r.devices)} if r.devices != 0 else {}
         if r.device_kind:
             doc["resources"]["device_kind"] = r.device_kind
+        if r.share:
+            doc["resources"]["share"] = r.share
     return doc

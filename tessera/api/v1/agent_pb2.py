@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tessera.api.v1 import types_pb2 as tessera_dot_api_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atessera/api/v1/agent.proto\x12\x0etessera.api.v1\x1a\x1atessera/api/v1/types.proto\"\\\n\x12\x43ontrolTaskRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\n\n\x02op\x18\x03 \x01(\t\x12\x0c\n\x04task\x18\x04 \x01(\t\"+\n\x13\x43ontrolTaskResponse\x12\x14\n\x0c\x63ontrol_file\x18\x01 \x01(\t\"5\n\x0fReadLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ntail_bytes\x18\x02 \x01(\x03\"3\n\x10ReadLogsResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttruncated\x18\x02 \x01(\x08\"\xfd\x01\n\x15LaunchExecutorRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x03\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\x12\n\nworld_size\x18\x06 \x01(\x05\x12\x12\n\ndevice_ids\x18\x07 \x03(\t\x12\x13\n\x0bmaster_addr\x18\x08 \x01(\t\x12\x13\n\x0bmaster_port\x18\t \x01(\x05\x12\x19\n\x11runtime_spec_json\x18\n \x01(\t\x12\x16\n\x0e\x63heckpoint_dir\x18\x0b \x01(\t\">\n\x16LaunchExecutorResponse\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x17\n\x0f\x61lready_running\x18\x02 \x01(\x08\"d\n\x13StopExecutorRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07grace_s\x18\x04 \x01(\x01\"\'\n\x14StopExecutorResponse\x12\x0f\n\x07stopped\x18\x01 \x01(\x05\"\x12\n\x10GetStatusRequest\"\xb8\x01\n\x0e\x45xecutorStatus\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x12\n\ndevice_ids\x18\x05 \x03(\t\x12\x0f\n\x07running\x18\x06 \x01(\x08\x12\x11\n\texit_code\x18\x07 \x01(\x05\x12\x10\n\x08log_path\x18\x08 \x01(\t\x12\x0c\n\x04step\x18\t \x01(\x03\x12\x0c\n\x04loss\x18\n \x01(\x01\"\x92\x01\n\x11GetStatusResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\'\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x16.tessera.api.v1.Device\x12\x31\n\texecutors\x18\x04 \x03(\x0b\x32\x1e.tessera.api.v1.ExecutorStatus2\xc3\x03\n\x0c\x41gentService\x12_\n\x0eLaunchExecutor\x12%.tessera.api.v1.LaunchExecutorRequest\x1a&.tessera.api.v1.LaunchExecutorResponse\x12Y\n\x0cStopExecutor\x12#.tessera.api.v1.StopExecutorRequest\x1a$.tessera.api.v1.StopExecutorResponse\x12P\n\tGetStatus\x12 .tessera.api.v1.GetStatusRequest\x1a!.tessera.api.v1.GetStatusResponse\x12M\n\x08ReadLogs\x12\x1f.tessera.api.v1.ReadLogsRequest\x1a .tessera.api.v1.ReadLogsResponse\x12V\n\x0b\x43ontrolTask\x12\".tessera.api.v1.ControlTaskRequest\x1a#.tessera.api.v1.ControlTaskResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atessera/api/v1/agent.proto\x12\x0etessera.api.v1\x1a\x1atessera/api/v1/types.proto\"\\\n\x12\x43ontrolTaskRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\n\n\x02op\x18\x03 \x01(\t\x12\x0c\n\x04task\x18\x04 \x01(\t\"+\n\x13\x43ontrolTaskResponse\x12\x14\n\x0c\x63ontrol_file\x18\x01 \x01(\t\"5\n\x0fReadLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ntail_bytes\x18\x02 \x01(\x03\"3\n\x10ReadLogsResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttruncated\x18\x02 \x01(\x08\"\xb8\x02\n\x15LaunchExecutorRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x03\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\x12\n\nworld_size\x18\x06 \x01(\x05\x12\x12\n\ndevice_ids\x18\x07 \x03(\t\x12\x13\n\x0bmaster_addr\x18\x08 \x01(\t\x12\x13\n\x0bmaster_port\x18\t \x01(\x05\x12\x19\n\x11runtime_spec_json\x18\n \x01(\t\x12\x16\n\x0e\x63heckpoint_dir\x18\x0b \x01(\t\x12\x14\n\x0cpartition_id\x18\x0c \x01(\t\x12\r\n\x05units\x18\r \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x0e \x01(\x03\">\n\x16LaunchExecutorResponse\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x17\n\x0f\x61lready_running\x18\x02 \x01(\x08\"d\n\x13StopExecutorRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07grace_s\x18\x04 \x01(\x01\"\'\n\x14StopExecutorResponse\x12\x0f\n\x07stopped\x18\x01 \x01(\x05\"\x12\n\x10GetStatusRequest\"\xdd\x01\n\x0e\x45xecutorStatus\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x12\n\ndevice_ids\x18\x05 \x03(\t\x12\x0f\n\x07running\x18\x06 \x01(\x08\x12\x11\n\texit_code\x18\x07 \x01(\x05\x12\x10\n\x08log_path\x18\x08 \x01(\t\x12\x0c\n\x04step\x18\t \x01(\x03\x12\x0c\n\x04loss\x18\n \x01(\x01\x12\x14\n\x0cpartition_id\x18\x0b \x01(\t\x12\r\n\x05units\x18\x0c \x01(\x05\"\xc1\x01\n\x11GetStatusResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\'\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x16.tessera.api.v1.Device\x12\x31\n\texecutors\x18\x04 \x03(\x0b\x32\x1e.tessera.api.v1.ExecutorStatus\x12-\n\npartitions\x18\x05 \x03(\x0b\x32\x19.tessera.api.v1.Partition2\xc3\x03\n\x0c\x41gentService\x12_\n\x0eLaunchExecutor\x12%.tessera.api.v1.LaunchExecutorRequest\x1a&.tessera.api.v1.LaunchExecutorResponse\x12Y\n\x0cStopExecutor\x12#.tessera.api.v1.StopExecutorRequest\x1a$.tessera.api.v1.StopExecutorResponse\x12P\n\tGetStatus\x12 .tessera.api.v1.GetStatusRequest\x1a!.tessera.api.v1.GetStatusResponse\x12M\n\x08ReadLogs\x12\x1f.tessera.api.v1.ReadLogsRequest\x1a .tessera.api.v1.ReadLogsResponse\x12V\n\x0b\x43ontrolTask\x12\".tessera.api.v1.ControlTaskRequest\x1a#.tessera.api.v1.ControlTaskResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,19 +41,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_READLOGSRESPONSE']._serialized_start=268
   _globals['_READLOGSRESPONSE']._serialized_end=319
   _globals['_LAUNCHEXECUTORREQUEST']._serialized_start=322
-  _globals['_LAUNCHEXECUTORREQUEST']._serialized_end=575
-  _globals['_LAUNCHEXECUTORRESPONSE']._serialized_start=577
-  _globals['_LAUNCHEXECUTORRESPONSE']._serialized_end=639
-  _globals['_STOPEXECUTORREQUEST']._serialized_start=641
-  _globals['_STOPEXECUTORREQUEST']._serialized_end=741
-  _globals['_STOPEXECUTORRESPONSE']._serialized_start=743
-  _globals['_STOPEXECUTORRESPONSE']._serialized_end=782
-  _globals['_GETSTATUSREQUEST']._serialized_start=784
-  _globals['_GETSTATUSREQUEST']._serialized_end=802
-  _globals['_EXECUTORSTATUS']._serialized_start=805
-  _globals['_EXECUTORSTATUS']._serialized_end=989
-  _globals['_GETSTATUSRESPONSE']._serialized_start=992
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1138
-  _globals['_AGENTSERVICE']._serialized_start=1141
-  _globals['_AGENTSERVICE']._serialized_end=1592
+  _globals['_LAUNCHEXECUTORREQUEST']._serialized_end=634
+  _globals['_LAUNCHEXECUTORRESPONSE']._serialized_start=636
+  _globals['_LAUNCHEXECUTORRESPONSE']._serialized_end=698
+  _globals['_STOPEXECUTORREQUEST']._serialized_start=700
+  _globals['_STOPEXECUTORREQUEST']._serialized_end=800
+  _globals['_STOPEXECUTORRESPONSE']._serialized_start=802
+  _globals['_STOPEXECUTORRESPONSE']._serialized_end=841
+  _globals['_GETSTATUSREQUEST']._serialized_start=843
+  _globals['_GETSTATUSREQUEST']._serialized_end=861
+  _globals['_EXECUTORSTATUS']._serialized_start=864
+  _globals['_EXECUTORSTATUS']._serialized_end=1085
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1088
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1281
+  _globals['_AGENTSERVICE']._serialized_start=1284
+  _globals['_AGENTSERVICE']._serialized_end=1735
 # @@protoc_insertion_point(module_scope)

@@ -42,7 +42,7 @@ class ReadLogsResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class LaunchExecutorRequest(_message.Message):
-    __slots__ = ("allocation_id", "job_id", "fencing_token", "incarnation", "rank", "world_size", "device_ids", "master_addr", "master_port", "runtime_spec_json", "checkpoint_dir")
+    __slots__ = ("allocation_id", "job_id", "fencing_token", "incarnation", "rank", "world_size", "device_ids", "master_addr", "master_port", "runtime_spec_json", "checkpoint_dir", "partition_id", "units", "memory_bytes")
     ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,9 @@ class LaunchExecutorRequest(_message.Message):
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_ID_FIELD_NUMBER: _ClassVar[int]
+    UNITS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     allocation_id: str
     job_id: str
     fencing_token: int
@@ -65,7 +68,10 @@ class LaunchExecutorRequest(_message.Message):
     master_port: int
     runtime_spec_json: str
     checkpoint_dir: str
-    def __init__(self, allocation_id: _Optional[str] = ..., job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., incarnation: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device_ids: _Optional[_Iterable[str]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., runtime_spec_json: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ...) -> None: ...
+    partition_id: str
+    units: int
+    memory_bytes: int
+    def __init__(self, allocation_id: _Optional[str] = ..., job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., incarnation: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device_ids: _Optional[_Iterable[str]] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., runtime_spec_json: _Optional[str] = ..., checkpoint_dir: _Optional[str] = ..., partition_id: _Optional[str] = ..., units: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class LaunchExecutorResponse(_message.Message):
     __slots__ = ("pid", "already_running")
@@ -98,7 +104,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorStatus(_message.Message):
-    __slots__ = ("allocation_id", "job_id", "rank", "pid", "device_ids", "running", "exit_code", "log_path", "step", "loss")
+    __slots__ = ("allocation_id", "job_id", "rank", "pid", "device_ids", "running", "exit_code", "log_path", "step", "loss", "partition_id", "units")
     ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +115,8 @@ class ExecutorStatus(_message.Message):
     LOG_PATH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_ID_FIELD_NUMBER: _ClassVar[int]
+    UNITS_FIELD_NUMBER: _ClassVar[int]
     allocation_id: str
     job_id: str
     rank: int
@@ -119,16 +127,20 @@ class ExecutorStatus(_message.Message):
     log_path: str
     step: int
     loss: float
-    def __init__(self, allocation_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., device_ids: _Optional[_Iterable[str]] = ..., running: _Optional[bool] = ..., exit_code: _Optional[int] = ..., log_path: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
+    partition_id: str
+    units: int
+    def __init__(self, allocation_id: _Optional[str] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., device_ids: _Optional[_Iterable[str]] = ..., running: _Optional[bool] = ..., exit_code: _Optional[int] = ..., log_path: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., partition_id: _Optional[str] = ..., units: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("node", "incarnation", "devices", "executors")
+    __slots__ = ("node", "incarnation", "devices", "executors", "partitions")
     NODE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     EXECUTORS_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     node: str
     incarnation: str
     devices: _containers.RepeatedCompositeFieldContainer[_types_pb2.Device]
     executors: _containers.RepeatedCompositeFieldContainer[ExecutorStatus]
-    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_types_pb2.Device, _Mapping]]] = ..., executors: _Optional[_Iterable[_Union[ExecutorStatus, _Mapping]]] = ...) -> None: ...
+    partitions: _containers.RepeatedCompositeFieldContainer[_types_pb2.Partition]
+    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_types_pb2.Device, _Mapping]]] = ..., executors: _Optional[_Iterable[_Union[ExecutorStatus, _Mapping]]] = ..., partitions: _Optional[_Iterable[_Union[_types_pb2.Partition, _Mapping]]] = ...) -> None: ...

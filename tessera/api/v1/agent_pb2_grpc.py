@@ -67,7 +67,7 @@ class AgentServiceServicer:
     def LaunchExecutor(self, request, context):
         """Starts one executor process (one rank) for an allocation. Idempotent on
         (allocation_id, rank): a repeated launch returns the running executor.
-        RESOURCE_EXHAUSTED when the devices are held by another allocation (the agent's
+        RESOURCE_EXHAUSTED when the partition quota exceeds its free capacity (the agent's
         second capacity check); INVALID_ARGUMENT for an unknown device id or bad spec;
         FAILED_PRECONDITION for a stale fencing token or incarnation.
         """

@@ -109,16 +109,18 @@ class JobEvent(_message.Message):
     def __init__(self, type: _Optional[_Union[JobEvent.Type, str]] = ..., job: _Optional[_Union[_types_pb2.Job, _Mapping]] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("name", "agent_address", "profilerd_address", "devices")
+    __slots__ = ("name", "agent_address", "profilerd_address", "devices", "partitions")
     NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PROFILERD_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     agent_address: str
     profilerd_address: str
     devices: _containers.RepeatedCompositeFieldContainer[_types_pb2.Device]
-    def __init__(self, name: _Optional[str] = ..., agent_address: _Optional[str] = ..., profilerd_address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_types_pb2.Device, _Mapping]]] = ...) -> None: ...
+    partitions: _containers.RepeatedCompositeFieldContainer[_types_pb2.Partition]
+    def __init__(self, name: _Optional[str] = ..., agent_address: _Optional[str] = ..., profilerd_address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[_types_pb2.Device, _Mapping]]] = ..., partitions: _Optional[_Iterable[_Union[_types_pb2.Partition, _Mapping]]] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
     __slots__ = ("incarnation", "heartbeat_interval_s", "grace_s")
@@ -131,14 +133,16 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, incarnation: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., grace_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("name", "incarnation", "running_allocations")
+    __slots__ = ("name", "incarnation", "running_allocations", "partitions")
     NAME_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     RUNNING_ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     incarnation: str
     running_allocations: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., incarnation: _Optional[str] = ..., running_allocations: _Optional[_Iterable[str]] = ...) -> None: ...
+    partitions: _containers.RepeatedCompositeFieldContainer[_types_pb2.Partition]
+    def __init__(self, name: _Optional[str] = ..., incarnation: _Optional[str] = ..., running_allocations: _Optional[_Iterable[str]] = ..., partitions: _Optional[_Iterable[_Union[_types_pb2.Partition, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("stop_allocations",)

@@ -52,6 +52,37 @@ class Device(_message.Message):
     uuid: str
     def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., model: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., capacity: _Optional[int] = ..., cores: _Optional[_Iterable[int]] = ..., uuid: _Optional[str] = ...) -> None: ...
 
+class Partition(_message.Message):
+    __slots__ = ("id", "kind", "device_id", "capacity_units", "unit", "memory_bytes", "free_units", "free_memory_bytes", "attributes", "allocated_units")
+    class AttributesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_UNITS_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_UNITS_FIELD_NUMBER: _ClassVar[int]
+    FREE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_UNITS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    kind: str
+    device_id: str
+    capacity_units: int
+    unit: str
+    memory_bytes: int
+    free_units: int
+    free_memory_bytes: int
+    attributes: _containers.ScalarMap[str, str]
+    allocated_units: int
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., device_id: _Optional[str] = ..., capacity_units: _Optional[int] = ..., unit: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., free_units: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., attributes: _Optional[_Mapping[str, str]] = ..., allocated_units: _Optional[int] = ...) -> None: ...
+
 class ModelConfig(_message.Message):
     __slots__ = ("vocab", "seq_len", "layers", "hidden", "heads")
     VOCAB_FIELD_NUMBER: _ClassVar[int]
@@ -113,12 +144,14 @@ class Workload(_message.Message):
     def __init__(self, type: _Optional[str] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., seed: _Optional[int] = ..., data: _Optional[_Union[DataSource, _Mapping]] = ..., plan: _Optional[_Union[ParallelPlan, _Mapping]] = ..., checkpoint_every: _Optional[int] = ..., peft: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., multimodal: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class Resources(_message.Message):
-    __slots__ = ("devices", "device_kind")
+    __slots__ = ("devices", "device_kind", "share")
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
     devices: int
     device_kind: str
-    def __init__(self, devices: _Optional[int] = ..., device_kind: _Optional[str] = ...) -> None: ...
+    share: float
+    def __init__(self, devices: _Optional[int] = ..., device_kind: _Optional[str] = ..., share: _Optional[float] = ...) -> None: ...
 
 class JobSpec(_message.Message):
     __slots__ = ("api_version", "name", "tenant", "workload", "resources")
@@ -135,14 +168,36 @@ class JobSpec(_message.Message):
     def __init__(self, api_version: _Optional[str] = ..., name: _Optional[str] = ..., tenant: _Optional[str] = ..., workload: _Optional[_Union[Workload, _Mapping]] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ...) -> None: ...
 
 class Shard(_message.Message):
-    __slots__ = ("node", "device_ids", "first_rank")
+    __slots__ = ("node", "device_ids", "first_rank", "partition_ids", "units", "memory_bytes")
     NODE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_RANK_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_IDS_FIELD_NUMBER: _ClassVar[int]
+    UNITS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     node: str
     device_ids: _containers.RepeatedScalarFieldContainer[str]
     first_rank: int
-    def __init__(self, node: _Optional[str] = ..., device_ids: _Optional[_Iterable[str]] = ..., first_rank: _Optional[int] = ...) -> None: ...
+    partition_ids: _containers.RepeatedScalarFieldContainer[str]
+    units: int
+    memory_bytes: int
+    def __init__(self, node: _Optional[str] = ..., device_ids: _Optional[_Iterable[str]] = ..., first_rank: _Optional[int] = ..., partition_ids: _Optional[_Iterable[str]] = ..., units: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+
+class Decision(_message.Message):
+    __slots__ = ("policy", "action", "reason", "time", "decision_id", "quota")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    DECISION_ID_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    action: str
+    reason: str
+    time: float
+    decision_id: str
+    quota: float
+    def __init__(self, policy: _Optional[str] = ..., action: _Optional[str] = ..., reason: _Optional[str] = ..., time: _Optional[float] = ..., decision_id: _Optional[str] = ..., quota: _Optional[float] = ...) -> None: ...
 
 class PhaseTransition(_message.Message):
     __slots__ = ("phase", "time", "reason")
@@ -155,7 +210,7 @@ class PhaseTransition(_message.Message):
     def __init__(self, phase: _Optional[_Union[JobPhase, str]] = ..., time: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("phase", "reason", "history", "placement", "allocation_id", "step", "total_steps", "loss", "first_loss", "step_time_s", "attempts", "decision", "exit_code", "estimate", "tasks")
+    __slots__ = ("phase", "reason", "history", "placement", "allocation_id", "step", "total_steps", "loss", "first_loss", "step_time_s", "attempts", "decision", "exit_code", "last_decision", "plan", "preemptions", "estimate", "tasks")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +224,9 @@ class JobStatus(_message.Message):
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    LAST_DECISION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     ESTIMATE_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     phase: JobPhase
@@ -184,9 +242,12 @@ class JobStatus(_message.Message):
     attempts: int
     decision: str
     exit_code: int
+    last_decision: Decision
+    plan: ParallelPlan
+    preemptions: int
     estimate: JobEstimate
     tasks: _containers.RepeatedCompositeFieldContainer[TaskStatus]
-    def __init__(self, phase: _Optional[_Union[JobPhase, str]] = ..., reason: _Optional[str] = ..., history: _Optional[_Iterable[_Union[PhaseTransition, _Mapping]]] = ..., placement: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., allocation_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., first_loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., attempts: _Optional[int] = ..., decision: _Optional[str] = ..., exit_code: _Optional[int] = ..., estimate: _Optional[_Union[JobEstimate, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ...) -> None: ...
+    def __init__(self, phase: _Optional[_Union[JobPhase, str]] = ..., reason: _Optional[str] = ..., history: _Optional[_Iterable[_Union[PhaseTransition, _Mapping]]] = ..., placement: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., allocation_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., first_loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., attempts: _Optional[int] = ..., decision: _Optional[str] = ..., exit_code: _Optional[int] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ..., plan: _Optional[_Union[ParallelPlan, _Mapping]] = ..., preemptions: _Optional[int] = ..., estimate: _Optional[_Union[JobEstimate, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
     __slots__ = ("name", "phase", "step", "total_steps", "loss", "first_loss", "tokens_per_s", "reason")
@@ -249,7 +310,7 @@ class Job(_message.Message):
     def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., status: _Optional[_Union[JobStatus, _Mapping]] = ..., created: _Optional[float] = ..., idempotency_key: _Optional[str] = ..., revision: _Optional[int] = ..., parent_id: _Optional[str] = ...) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("name", "agent_address", "profilerd_address", "devices", "state", "incarnation", "last_heartbeat", "allocated_device_ids")
+    __slots__ = ("name", "agent_address", "profilerd_address", "devices", "state", "incarnation", "last_heartbeat", "allocated_device_ids", "partitions")
     NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PROFILERD_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +319,7 @@ class Node(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     ALLOCATED_DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     agent_address: str
     profilerd_address: str
@@ -266,4 +328,5 @@ class Node(_message.Message):
     incarnation: str
     last_heartbeat: float
     allocated_device_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., agent_address: _Optional[str] = ..., profilerd_address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., state: _Optional[_Union[NodeState, str]] = ..., incarnation: _Optional[str] = ..., last_heartbeat: _Optional[float] = ..., allocated_device_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    partitions: _containers.RepeatedCompositeFieldContainer[Partition]
+    def __init__(self, name: _Optional[str] = ..., agent_address: _Optional[str] = ..., profilerd_address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., state: _Optional[_Union[NodeState, str]] = ..., incarnation: _Optional[str] = ..., last_heartbeat: _Optional[float] = ..., allocated_device_ids: _Optional[_Iterable[str]] = ..., partitions: _Optional[_Iterable[_Union[Partition, _Mapping]]] = ...) -> None: ...

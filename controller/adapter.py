@@ -1,0 +1,174 @@
+"""Translation between the controller's live state (protobuf records read from etcd) and
+the pure policy's value objects, both ways. Pure: no etcd, gRPC calls, clock or I/O, so
+it is unit tested on plain messages; ``core.Controller`` does the reads, the fenced
+writes and the agent RPCs around it.
+
+- :func:`node_partitions` — a node's partitions (an agent that reported none: one whole
+  partition per device).
+- :func:`build_request` — nodes (one ``DeviceView`` per partition), pending jobs, and
+  running jobs with their placements and quotas -> ``ScheduleRequest``.
+- :func:`shards_for` — a policy ``Placement`` -> ``Shard`` messages naming partitions
+  and each rank's quota in units (what the etcd allocation and the agents get).
+- :func:`replan` — the parallelism plan of a job moved to another device count.
+- :func:`quota_units` — a quota in (0, 1] of a partition -> whole units.
+"""
+
+from __future__ import annotations
+
+import math
+
+from controller.policy import DeviceView, JobView, NodeView, Placement, RunningJob, ScheduleRequest, Shard
+from tessera.api.v1 import types_pb2
+
+P = types_pb2.JobPhase
+ACTIVE = (P.SCHEDULED, P.RUNNING)
+EPS = 1e-9
+
+
+def node_partitions(node: types_pb2.Node) -> list[types_pb2.Partition]:
+    """The node's partitions; for a node registered without any (an older agent), one
+    partition per device holding its whole capacity (id = device id)."""
+    if node.partitions:
+        return list(node.partitions)
+    return [types_pb2.Partition(id=d.id, kind="device", device_id=d.id, capacity_units=max(d.capacity, 1),
+                                unit="cores" if d.kind == "cpu" else "sm_percent", memory_bytes=d.memory_bytes)
+            for d in node.devices]
+
+
+def device_type(dev: types_pb2.Device) -> str:
+    """The policy's device type: "cpu" for every CPU core set (core sets of one machine
+    type are interchangeable), the GPU model for GPUs (the grid ranks models)."""
+    return "cpu" if dev.kind == "cpu" else (dev.model or "gpu")
+
+
+def quota_units(quota: float, capacity: int) -> int:
+    """Whole units of a partition of ``capacity`` for a share ``quota`` in (0, 1]:
+    rounded down (a quota never exceeds its share), at least 1."""
+    if quota >= 1.0 - EPS:
+        return capacity
+    return max(1, min(capacity, math.floor(quota * capacity + EPS)))
+
+
+def _job_kind(job: types_pb2.Job, types_by_kind: dict[str, set[str]]) -> str:
+    """The policy's device_kind for a job: "" (any), or the one type of the asked kind."""
+    k = job.spec.resources.device_kind
+    if not k:
+        return ""
+    models = types_by_kind.get(k, set())
+    if len(models) == 1:
+        return next(iter(models))
+    return "" if models else k  # several models of that kind: any; none: a kind nothing matches
+
+
+def job_view(job: types_pb2.Job, types_by_kind: dict[str, set[str]]) -> JobView:
+    """A job as the policy sees it: its devices, share, total and done steps."""
+    share = job.spec.resources.share
+    return JobView(
+        job.id, job.spec.tenant or "default", max(job.spec.resources.devices, 1), _job_kind(job, types_by_kind),
+        job.created, model=job.spec.workload.type, workload=job.spec.workload.type,
+        iterations=int(job.status.total_steps or job.spec.workload.steps), done_iterations=float(job.status.step),
+        gpu_fraction=share if 0 < share < 1 else 1.0,
+    )
+
+
+def placement_of(job: types_pb2.Job, capacity: dict[tuple[str, str], int], types: dict[tuple[str, str], str]) -> Placement:
+    """A running job's placement in the policy's terms (partition ids, quota)."""
+    shards, quota, gtype = [], 1.0, ""
+    for s in job.status.placement:
+        pids = tuple(s.partition_ids) or tuple(s.device_ids)
+        shards.append(Shard(s.node, pids))
+        for pid in pids:
+            cap = capacity.get((s.node, pid), 0)
+            gtype = gtype or types.get((s.node, pid), "")
+            if cap and s.units and s.units < cap:
+                quota = min(quota, s.units / cap)
+    group = ""
+    if quota < 1.0 and len(shards) == 1 and len(shards[0].device_ids) == 1:
+        group = f"share:{shards[0].node}/{shards[0].device_ids[0]}"
+    return Placement(job.id, tuple(shards), job.status.decision, gpu_type=gtype, quota=quota, group=group)
+
+
+def build_request(nodes: list[types_pb2.Node], jobs: list[types_pb2.Job], now: float,
+                  estimator: object | None = None) -> ScheduleRequest:
+    """The policy's request: every node with one ``DeviceView`` per partition (only READY
+    nodes take placements), pending jobs, and active jobs as running with their quota."""
+    nv, capacity, types, by_kind = [], {}, {}, {}
+    for n in nodes:
+        devs = {d.id: d for d in n.devices}
+        views = []
+        for p in node_partitions(n):
+            d = devs.get(p.device_id)
+            t = device_type(d) if d is not None else "cpu"
+            kind = d.kind if d is not None else "cpu"
+            views.append(DeviceView(p.id, kind, t, p.memory_bytes or (d.memory_bytes if d else 0), p.capacity_units))
+            capacity[(n.name, p.id)] = p.capacity_units
+            types[(n.name, p.id)] = t
+            if n.state == types_pb2.READY:
+                by_kind.setdefault(kind, set()).add(t)
+        nv.append(NodeView(n.name, tuple(views), n.state == types_pb2.READY))
+    pending = tuple(job_view(j, by_kind) for j in sorted(jobs, key=lambda j: (j.created, j.id))
+                    if j.status.phase == P.PENDING)
+    running = []
+    for j in sorted(jobs, key=lambda j: (j.created, j.id)):
+        if j.status.phase in ACTIVE and j.status.placement:
+            since = next((h.time for h in reversed(j.status.history) if h.phase == P.SCHEDULED), j.created)
+            running.append(RunningJob(job_view(j, by_kind), placement_of(j, capacity, types), since))
+    return ScheduleRequest(nodes=tuple(nv), pending=pending, running=tuple(running), now=now, estimator=estimator)
+
+
+def shards_for(p: Placement, nodes: dict[str, types_pb2.Node]) -> list[types_pb2.Shard]:
+    """Shard messages for a policy placement: partition ids, each rank's device, and the
+    quota in units (``p.quota`` of each partition, whole units). ``KeyError`` naming the
+    node or partition when the placement does not match ``nodes`` (a bug or a race)."""
+    out, rank = [], 0
+    for s in p.shards:
+        node = nodes[s.node]
+        parts = {x.id: x for x in node_partitions(node)}
+        missing = [pid for pid in s.device_ids if pid not in parts]
+        if missing:
+            raise KeyError(f"node {s.node} has no partition {', '.join(missing)}")
+        units = {quota_units(p.quota, parts[pid].capacity_units) for pid in s.device_ids}
+        # One quota per shard: partitions of a shard share their capacity in practice.
+        u = min(units)
+        whole = all(u == parts[pid].capacity_units for pid in s.device_ids)
+        out.append(types_pb2.Shard(node=s.node, device_ids=[parts[pid].device_id for pid in s.device_ids],
+                                   first_rank=rank, partition_ids=list(s.device_ids), units=0 if whole else u))
+        rank += len(s.device_ids)
+    return out
+
+
+def shard_units(shards, nodes: dict[str, types_pb2.Node]) -> dict[tuple[str, str], int]:
+    """(node, partition id) -> units an allocation of ``shards`` holds there (0 units in a
+    shard = the whole partition; a shard without partition ids names devices)."""
+    out: dict[tuple[str, str], int] = {}
+    for s in shards:
+        node = nodes.get(s.node)
+        caps = {x.id: x.capacity_units for x in node_partitions(node)} if node is not None else {}
+        for pid in (list(s.partition_ids) or list(s.device_ids)):
+            u = s.units or caps.get(pid, 1)
+            out[(s.node, pid)] = out.get((s.node, pid), 0) + u
+    return out
+
+
+def replan(plan: types_pb2.ParallelPlan, model: types_pb2.ModelConfig, batch_size: int, n: int,
+           stages: int = 0) -> types_pb2.ParallelPlan | None:
+    """A plan for ``n`` ranks close to ``plan``: keep tensor and pipeline degrees when they
+    divide ``n`` (pipeline degree ``stages`` first when the policy named one), else drop
+    them; data parallelism takes the rest. None when no candidate fits the model (heads
+    divisible by tp, layers >= pp, batch divisible by dp x micro-batches)."""
+    tp0, pp0, mb0 = max(plan.tp, 1), max(plan.pp, 1), max(plan.micro_batches, 1)
+    cands = []
+    for pp in ([stages] if stages > 0 else []) + [pp0, 1]:
+        for tp in (tp0, 1):
+            if (tp, pp) not in cands:
+                cands.append((tp, pp))
+    for tp, pp in cands:
+        if n % (tp * pp):
+            continue
+        dp = n // (tp * pp)
+        if model.heads % tp or (4 * model.hidden) % tp or model.layers < pp:
+            continue
+        for mb in (mb0, 1):
+            if batch_size % (dp * mb) == 0:
+                return types_pb2.ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batches=mb)
+    return None
