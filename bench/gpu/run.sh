@@ -2,9 +2,10 @@
 # Tessera GPU check: one script, < 8 minutes, read-only on MIG.
 #   1. lists devices and MIG state through the agent's code (read-only MigManager);
 #   2. starts a private MPS control daemon for GPU 0 (own pipe/log dirs; quit on exit);
-#   3. runs the 2-executor MPS quota check (bench/gpu/mps_quota.py);
+#   3. runs the 2-executor MPS quota check (bench/gpu/mps_quota.py), then the estimator's
+#      accuracy benchmark under MPS quotas 10-100 % (bench.estimator_accuracy --device cuda);
 #   4. runs the runtime benchmarks that exist (bench.peft_mux, bench.mm_colocate,
-#      bench.mm_reshard, bench.estimator_accuracy) with --device cuda, each under a timeout.
+#      bench.mm_reshard) with --device cuda, each under a timeout.
 # Everything goes to one folder: $OUT if set, else bench/out/gpu. summary.json says what ran.
 # It NEVER changes MIG mode, creates/destroys MIG instances, or resets a GPU.
 # Without a CUDA GPU it writes summary.json {"gpu": false, ...} and exits 0.
@@ -101,8 +102,10 @@ trap mps_quit EXIT
 trap 'mps_quit; exit 130' INT TERM
 if [ "$MIG0" = "1" ]; then
   echo '{"step":"mps_quota","skipped":"MIG is enabled on GPU 0; MPS quotas apply per MIG instance and MIG is left as is"}' >> "$STEPS"
+  echo '{"step":"estimator_accuracy","skipped":"needs MPS quotas; MIG is enabled on GPU 0"}' >> "$STEPS"
 elif ! command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
   echo '{"step":"mps_quota","skipped":"nvidia-cuda-mps-control not installed"}' >> "$STEPS"
+  echo '{"step":"estimator_accuracy","skipped":"needs MPS quotas; nvidia-cuda-mps-control not installed"}' >> "$STEPS"
 else
   # Short path under /tmp: the pipe is a unix socket (108-byte path limit).
   MPS_ROOT=$(mktemp -d /tmp/tessera-mps.XXXXXX)
@@ -113,6 +116,10 @@ else
     step mps_quota 180 "$PY" bench/gpu/mps_quota.py --mps-root "$MPS_ROOT" --gpu-uuid "$GPU0_UUID" \
       --quotas 30,70 --json "$DIR/mps_quota.json"
     tail -n 3 "$DIR/mps_quota.log"
+    # The estimator's GPU variant needs the daemon too: MPS quotas 10-100 % on GPU 0.
+    step estimator_accuracy 200 env CUDA_MPS_PIPE_DIRECTORY="$MPS_ROOT/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_ROOT/log" \
+      CUDA_VISIBLE_DEVICES="${GPU0_UUID:-0}" "$PY" -m bench.estimator_accuracy --device cuda --json "$DIR/estimator_accuracy.json"
+    tail -n 12 "$DIR/estimator_accuracy.log"
   else
     echo '{"step":"mps_quota","skipped":"nvidia-cuda-mps-control -d failed"}' >> "$STEPS"
   fi
@@ -120,7 +127,7 @@ else
 fi
 
 # -- 4. the runtime benchmarks that exist, each bounded ------------------------------------
-for mod in peft_mux mm_colocate mm_reshard estimator_accuracy; do
+for mod in peft_mux mm_colocate mm_reshard; do  # estimator_accuracy ran above, under MPS
   if "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('bench.$mod') else 1)" 2>/dev/null; then
     step "$mod" 60 "$PY" -m "bench.$mod" --device cuda --json "$DIR/$mod.json"
   else
