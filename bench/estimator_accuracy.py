@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -240,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="two grid points per category (< 2 minutes)")
     args = ap.parse_args(argv)
     if args.device == "cuda":
-        print("the cuda variant (MPS quotas) is not implemented yet; see docs/estimator.md", file=sys.stderr)
-        return 2
+        return main_cuda(args)
     t0 = time.monotonic()
     rounds = 1 if args.quick else ROUNDS
     model, prof = profile(1)
@@ -300,6 +300,154 @@ def main(argv: list[str] | None = None) -> int:
           f"wall {out['wall_s']:.0f} s")
     print(f"host: CPU/wall of single-core steps {contention if contention is None else round(contention, 2)}, "
           f"load average {' '.join(load)}; estimate_batch of {len(rows)}: {res['eval_s'] * 1e3:.1f} ms")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+# ----------------------------------------------------------------------------- cuda
+# One GPU under MPS: quota = CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (10-100 %), the model's q
+# is the SM share in (0, 1]. Models big enough that a step is not only launch overhead.
+GPU_MODELS = {
+    "A": (4, 256, 8, 8192, 256),
+    "B": (8, 512, 8, 8192, 256),
+    "C": (6, 384, 8, 8192, 256),    # unseen: between A and B
+    "E": (4, 768, 12, 8192, 256),   # unseen: wider than anything profiled
+}
+# (model, batch, seq, quota %, micro_batches); one profiling process per quota level.
+GPU_PROFILE = [
+    ("A", 8, 256, 100, 1), ("A", 32, 128, 100, 1), ("A", 16, 256, 100, 2), ("A", 16, 64, 100, 1),
+    ("A", 8, 256, 30, 1), ("A", 32, 128, 30, 1), ("A", 8, 256, 60, 1),
+    ("B", 4, 256, 100, 1), ("B", 16, 128, 100, 1), ("B", 8, 256, 100, 2), ("B", 4, 256, 30, 1), ("B", 16, 128, 30, 1),
+    ("B", 4, 256, 60, 1),
+]  # three quota levels: the fit can place a saturation point q_sat (0.6 or 1.0)
+# Colocation profiles of A (8, 256): split 30 % + 30 % and shared 100 % + 100 % (alone
+# times are the profile points at those quotas).
+GPU_COLO_PROFILE = (("split", 30), ("shared", 100))
+GPU_WARMUP, GPU_MEASURED = 3, 6
+
+
+def gpu_grid() -> list[dict]:
+    """Held-out GPU configurations: quotas 10-100 %, other batches, unseen models,
+    micro-batches, colocated pairs (split: quotas sum <= 100 %; shared: > 100 %)."""
+    g = []
+
+    def single(cat, model, batch, seq, q, m=1):
+        g.append({"category": cat, "jobs": [{"model": model, "batch": batch, "seq": seq, "q": q, "m": m}]})
+
+    for q in (10, 20, 50, 70):
+        single("gpu_single_quota", "A", 16, 256, q)
+        single("gpu_single_quota", "B", 8, 256, q)
+    for model, b, s, q in (("C", 8, 256, 50), ("C", 8, 256, 100), ("E", 8, 128, 20), ("E", 8, 128, 100)):
+        single("gpu_single_model_size", model, b, s, q)
+    for model, b, s in (("A", 24, 192), ("B", 12, 128), ("B", 2, 256)):
+        single("gpu_single_batch_seq", model, b, s, 100)
+    single("gpu_single_microbatch", "A", 32, 256, 100, m=4)
+    single("gpu_single_microbatch", "C", 16, 128, 50, m=2)
+    for cat, pair in (("gpu_colocate_split", ((("A", 16, 256), 50), (("B", 8, 256), 50))),
+                      ("gpu_colocate_split", ((("C", 8, 256), 40), (("C", 8, 256), 60))),
+                      ("gpu_colocate_shared", ((("A", 16, 256), 100), (("B", 8, 256), 100)))):
+        g.append({"category": cat, "jobs": [{"model": m, "batch": b, "seq": s, "q": q, "m": 1}
+                                            for (m, b, s), q in pair]})
+    return g
+
+
+def gpu_workload(model: str, batch: int, seq: int, m: int, steps: int) -> dict:
+    layers, hidden, heads, vocab, _ = GPU_MODELS[model]
+    return {"model": {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "seq_len": seq},
+            "batch_size": batch, "steps": steps, "plan": {"dp": 1, "tp": 1, "pp": 1, "micro_batches": m}}
+
+
+def gpu_candidate(job: dict, colocated: int = 1, oversub: float = 1.0) -> Candidate:
+    layers, hidden, heads, vocab, _ = GPU_MODELS[job["model"]]
+    return Candidate(device_type="gpu", layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq_len=job["seq"],
+                     batch=job["batch"], seq=job["seq"], micro_batches=job["m"], quota=job["q"] / 100.0,
+                     module=job["model"], colocated=colocated, oversubscription=oversub)
+
+
+def main_cuda(args) -> int:
+    """The GPU variant (run by bench/gpu/run.sh with an MPS daemon up); see GPU_* above."""
+    import subprocess
+
+    probe = subprocess.run([sys.executable, "-c", "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"],
+                           capture_output=True)
+    if probe.returncode != 0:  # probed in a child: this process must not touch CUDA before spawning
+        print("--device cuda: no CUDA GPU here", file=sys.stderr)
+        return 2
+    if not os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+        print("warning: CUDA_MPS_PIPE_DIRECTORY unset; quotas only apply under an MPS daemon "
+              "(bench/gpu/run.sh starts one)", file=sys.stderr)
+    from bench._measure_gpu import run_groups
+
+    t0 = time.monotonic()
+    steps = GPU_WARMUP + GPU_MEASURED
+    cost = {"compute": 0.0, "colocation": 0.0}
+    alone: dict[tuple, float] = {}
+    for q in sorted({p[3] for p in GPU_PROFILE}):
+        pts = [p for p in GPU_PROFILE if p[3] == q]
+        r = run_groups([{"quota": q, "workloads": [gpu_workload(n, b, s, m, steps) for n, b, s, _, m in pts]}],
+                       GPU_WARMUP)[0]
+        cost["compute"] += r["device_s"]
+        for pt, x in zip(pts, r["results"]):
+            alone[pt] = x["step_s"]
+    samples = []
+    for (n, b, s, q, m), t in alone.items():
+        layers, hidden, heads, vocab, _ = GPU_MODELS[n]
+        samples.append(ComputeSample(module=n, rows=b, seq=s, layers=layers, hidden=hidden, heads=heads, vocab=vocab,
+                                     q=q / 100.0, seconds=t, micro_batches=m, seq_len=s))
+    pairs = []
+    for mode, q in GPU_COLO_PROFILE:
+        res = run_groups([{"quota": q, "workloads": [gpu_workload("A", 8, 256, 1, steps)]}] * 2, GPU_WARMUP)
+        cost["colocation"] += sum(r["device_s"] for r in res)
+        pairs.append({"mode": mode, "colocated": 2, "oversubscription": max(1.0, 2 * q / 100.0),
+                      "alone_s": alone[("A", 8, 256, q, 1)],
+                      "together_s": statistics.median(r["results"][0]["step_s"] for r in res)})
+    model = PerfModel(version=1, compute={"gpu": fit_compute("gpu", samples)}, interference={"gpu": fit_interference(pairs)})
+    fit = model.compute["gpu"]
+    print(f"gpu profiles: {len(samples)} points, fit {fit.status} rel_sigma={fit.rel_sigma:.3f} p={fit.p:.2f} "
+          f"q_sat={fit.q_sat} {fit.reason}", file=sys.stderr)
+    points = gpu_grid()
+    grid_cost = 0.0
+    singles = [pt for pt in points if len(pt["jobs"]) == 1]
+    for q in sorted({pt["jobs"][0]["q"] for pt in singles}):
+        mine = [pt for pt in singles if pt["jobs"][0]["q"] == q]
+        r = run_groups([{"quota": q, "workloads": [gpu_workload(j["model"], j["batch"], j["seq"], j["m"], steps)
+                                                   for pt in mine for j in pt["jobs"]]}], GPU_WARMUP)[0]
+        grid_cost += r["device_s"]
+        for pt, x in zip(mine, r["results"]):
+            pt["measured"] = [x["step_s"]]
+    for pt in points:
+        if len(pt["jobs"]) > 1:
+            res = run_groups([{"quota": j["q"], "workloads": [gpu_workload(j["model"], j["batch"], j["seq"], j["m"], steps)]}
+                              for j in pt["jobs"]], GPU_WARMUP)
+            grid_cost += sum(r["device_s"] for r in res)
+            pt["measured"] = [r["results"][0]["step_s"] for r in res]
+    cands, truth, cats = [], [], []
+    for pt in points:
+        over = sum(j["q"] for j in pt["jobs"]) / 100.0
+        for j, t in zip(pt["jobs"], pt["measured"]):
+            cands.append(gpu_candidate(j, len(pt["jobs"]), over if over > 1 else 1.0))
+            truth.append(t)
+            cats.append(pt["category"])
+    ests = model.estimate_batch(cands)
+    rows = [{"category": cat, "module": c.module, "batch": c.batch, "seq": c.seq, "quota": c.quota,
+             "micro_batches": c.micro_batches, "colocated": c.colocated, "measured_s": t,
+             "estimated_s": e.seconds if e.ok else None, "status": e.status, "confidence": e.confidence,
+             "ape": abs(e.seconds - t) / t * 100 if e.ok else None} for c, e, t, cat in zip(cands, ests, truth, cats)]
+    prof_cost = sum(cost.values())
+    out = {"device": "cuda", "mape_single": mape(rows), "profiling_cost_ratio": grid_cost / prof_cost,
+           "profile_device_s": prof_cost, "grid_device_s": grid_cost, "profile_cost": cost,
+           "categories": {c: {"mape": mape([r for r in rows if r["category"] == c]),
+                              "n": sum(r["category"] == c for r in rows)} for c in sorted(set(cats))},
+           "model": model.to_dict(), "rows": rows, "colocation_pairs": pairs,
+           "profile_samples": [dict(x.__dict__) for x in samples], "wall_s": time.monotonic() - t0}
+    print(f"{'category':<24} {'n':>3} {'MAPE %':>7}")
+    for c, v in out["categories"].items():
+        print(f"{c:<24} {v['n']:>3} {v['mape'] if v['mape'] is not None else float('nan'):>7.2f}")
+    print(f"{'single GPU (all)':<24} {len(rows):>3} {out['mape_single'] or float('nan'):>7.2f}")
+    print(f"profiling cost: {prof_cost:.1f} GPU-s vs {grid_cost:.1f} GPU-s for the grid: "
+          f"{out['profiling_cost_ratio']:.1f}x less; wall {out['wall_s']:.0f} s")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)
