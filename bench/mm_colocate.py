@@ -7,8 +7,9 @@ after another, each with the whole device (CUDA: the default stream; CPU: all co
 intra-op threads, and also one thread — the faster temporal run is the baseline, so a
 badly threaded baseline never inflates the speedup). Colocated:
 the same micro-batches pipelined with the encoder and the LLM on their own quota (CPU:
-disjoint core sets + per-thread intra-op budgets; CUDA: a stream each with priorities),
-for every quota split in the sweep; the best split is the plan's. Same samples, same
+disjoint core sets + per-thread intra-op budgets, pinned ("hard") or not ("soft");
+CUDA: a stream each with priorities), for every quota split in the sweep; the best
+split is the plan's. Same samples, same
 initial weights, same number of steps; variants interleave trial by trial in one run so
 machine noise hits them alike; median over trials of the mean step time after a warm-up
 step, timed around a device synchronize. JSON: ``speedup_vs_temporal`` (best plan vs
@@ -56,7 +57,7 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _run(mm, gpt, device, batches, quota, concurrent, micro, threads=None):
+def _run(mm, gpt, device, batches, quota, concurrent, micro, threads=None, pin=True):
     """Mean step seconds (after one warm-up step) and per-step losses of one variant,
     from fresh weights (seed 0). ``threads``: intra-op threads of the temporal run (CPU)."""
     torch.manual_seed(0)
@@ -67,7 +68,7 @@ def _run(mm, gpt, device, batches, quota, concurrent, micro, threads=None):
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        with ColocatedEngine(model, opt, quota, micro, concurrent=concurrent) as eng:
+        with ColocatedEngine(model, opt, quota, micro, concurrent=concurrent, pin=pin) as eng:
             for i, b in enumerate(batches):
                 _sync(device)
                 t0 = time.perf_counter()
@@ -89,6 +90,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=None, help="samples per step [16 on cpu, 32 on cuda]")
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--quotas", default="0.25,0.5,0.75")
+    ap.add_argument("--no-soft", action="store_true", help="CPU: sweep pinned (hard) quotas only")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     device = torch.device(a.device)
@@ -119,17 +121,20 @@ def main(argv=None) -> dict:
         temporal = {f"temporal {len(cpus)} threads": len(cpus)}
         if len(cpus) > 1:
             temporal["temporal 1 thread"] = 1
-    samples: dict[str, list[float]] = {k: [] for k in temporal}
+    # Colocated plans: (quota, pinned). CPU quotas come hard (pinned core sets) and soft
+    # (thread budgets only); on CUDA pinning means nothing, so only the quota varies.
+    plans = {f"colocated q={q}": (q, True) for q in quotas}
+    if device.type == "cpu" and not a.no_soft:
+        plans.update({f"colocated q={q} soft": (q, False) for q in quotas})
+    samples: dict[str, list[float]] = {k: [] for k in [*temporal, *plans]}
     losses: dict[str, list[float]] = {}
-    for q in quotas:
-        samples[f"colocated q={q}"] = []
     for _ in range(a.trials):
         for k, th in temporal.items():
             t, losses[k] = _run(mm, gpt, device, batches, 0.5, False, a.micro_batches, th)
             samples[k].append(t)
-        for q in quotas:
-            t, losses[f"colocated q={q}"] = _run(mm, gpt, device, batches, q, True, a.micro_batches)
-            samples[f"colocated q={q}"].append(t)
+        for k, (q, pin) in plans.items():
+            t, losses[k] = _run(mm, gpt, device, batches, q, True, a.micro_batches, pin=pin)
+            samples[k].append(t)
 
     med = {k: statistics.median(v) for k, v in samples.items() if v}
     base_name = min(temporal, key=med.get)
@@ -137,16 +142,20 @@ def main(argv=None) -> dict:
     best = min((k for k in med if k.startswith("colocated")), key=med.get)
     ref = losses[base_name]
     max_loss_diff = max(abs(x - y) for k in losses for x, y in zip(losses[k], ref))
-    print(f"mm_colocate on {a.device} ({len(cpus)} cpus), batch {a.batch}, {a.micro_batches} micro-batches, "
-          f"{a.steps} timed steps x {a.trials} trials (median of per-trial mean step time)")
+    load = os.getloadavg()[0]
+    print(f"mm_colocate on {a.device} ({len(cpus)} cpus, load average {load:.1f} at the end), batch {a.batch}, "
+          f"{a.micro_batches} micro-batches, {a.steps} timed steps x {a.trials} trials (median of per-trial mean step time)")
     print(f"{'variant':<24}{'enc/llm quota':<16}{'step ms':>10}{'samples/s':>12}{'speedup':>10}")
     for k, v in med.items():
         if k in temporal:
             quota = "whole device" if device.type == "cuda" else f"all cores, {temporal[k]} thr"
         else:
-            q = float(k.split("=")[1])
+            q, pin = plans[k]
             e, l_ = split_cpus(cpus, q)
-            quota = f"{e}/{l_}" if device.type == "cpu" else f"streams, prio {'enc' if q >= 0.5 else 'llm'}"
+            if device.type == "cuda":
+                quota = f"streams, prio {'enc' if q >= 0.5 else 'llm'}"
+            else:
+                quota = f"{e}/{l_}" if pin else f"{len(e)}/{len(l_)} thr"
         print(f"{k:<24}{quota:<16}{v * 1e3:>10.1f}{a.batch / v:>12.1f}{base / v:>9.2f}x")
     out = {
         "device": a.device,
@@ -155,6 +164,8 @@ def main(argv=None) -> dict:
         "micro_batches": a.micro_batches,
         "steps": a.steps,
         "trials": a.trials,
+        "load_average": load,
+        "step_s_trials": samples,
         "step_s": med,
         "baseline": base_name,
         "best_plan": best,

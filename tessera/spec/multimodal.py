@@ -15,7 +15,8 @@ Section (defaults in brackets)::
     data:    {max_images [4], max_audio [1], min_text [8], max_text [40], keys [8]}
     mix:     [{step: int >= 0, image_prob: 0..1, audio_prob: 0..1 [0]}, ...]  steps strictly
              increasing, first at step 0; linear in between, constant after the last  [[{step 0, image_prob 0.5}]]
-    colocated:     {encoder_quota: 0 < q < 1 [0.5]}           encoder's share of the device
+    colocated:     {encoder_quota: 0 < q < 1 [0.5], pin [true]}   encoder's share of the device;
+                   CPU: pin = hard quota (core sets), false = soft (thread budgets only)
     disaggregated: {encoder_ranks: int >= 1 | "auto" ["auto"], adaptive [true], allow_shared [true]}
     reorder:       {enabled [true], group_batches: int >= 1 [4]}
 """
@@ -65,6 +66,7 @@ _SUBSECTIONS: dict[str, dict[str, tuple[str, Any, Any]]] = {
     },
     "colocated": {
         "encoder_quota": ("float", 0.5, _open01),
+        "pin": ("bool", True, None),
     },
     "disaggregated": {
         # encoder_ranks is checked by hand: int or "auto".

@@ -41,14 +41,15 @@ def _batches(n):
     return [[data.sample(i) for i in range(s * B, s * B + B)] for s in range(n)]
 
 
-@pytest.mark.parametrize("concurrent", [True, False])
-def test_colocated_and_temporal_match_plain(concurrent):
+@pytest.mark.parametrize("concurrent,pin", [(True, True), (True, False), (False, True)],
+                         ids=["colocated-hard", "colocated-soft", "temporal"])
+def test_colocated_and_temporal_match_plain(concurrent, pin):
     bs = _batches(3)
     m, o = _fresh()
     ref = [plain_step(m, o, b).loss for b in bs]
     ref_params = [p.detach().clone() for p in m.parameters()]
     m2, o2 = _fresh()
-    with ColocatedEngine(m2, o2, encoder_quota=0.5, micro_batches=3, concurrent=concurrent) as eng:
+    with ColocatedEngine(m2, o2, encoder_quota=0.5, micro_batches=3, concurrent=concurrent, pin=pin) as eng:
         got = [eng.step(b) for b in bs]
     for a, b in zip([g.loss for g in got], ref):
         assert math.isclose(a, b, rel_tol=TOL)

@@ -12,6 +12,7 @@ def test_defaults_and_idempotence():
     out = validate_multimodal({})
     assert out["mode"] == "colocated"
     assert out["colocated"]["encoder_quota"] == 0.5
+    assert out["colocated"]["pin"] is True
     assert out["disaggregated"]["encoder_ranks"] == "auto"
     assert out["mix"] == [{"step": 0, "image_prob": 0.5, "audio_prob": 0.0}]
     assert validate_multimodal(out) == out
@@ -43,6 +44,7 @@ def test_defaults_and_idempotence():
         ({"mix": [{"step": 0, "image_prob": 0.2}, {"step": 0, "image_prob": 0.5}]}, "workload.multimodal.mix[1].step"),
         ({"mix": [{"step": 0, "image_prob": 0.2, "video_prob": 1}]}, "workload.multimodal.mix[0].video_prob"),
         ({"colocated": {"encoder_quota": 1.0}}, "workload.multimodal.colocated.encoder_quota"),
+        ({"colocated": {"pin": 1}}, "workload.multimodal.colocated.pin"),
         ({"colocated": {"encoder_quota": "half"}}, "workload.multimodal.colocated.encoder_quota"),
         ({"disaggregated": {"encoder_ranks": 0}}, "workload.multimodal.disaggregated.encoder_ranks"),
         ({"disaggregated": {"encoder_ranks": "many"}}, "workload.multimodal.disaggregated.encoder_ranks"),

@@ -81,8 +81,8 @@ class _Quota:
     thread budget (OpenMP's thread count is per calling thread, so the two budgets do
     not fight), or on CUDA its own stream."""
 
-    def __init__(self, name: str, cpus: list[int], device: torch.device, priority: int = 0) -> None:
-        self.name, self.cpus, self.device = name, cpus, device
+    def __init__(self, name: str, cpus: list[int], device: torch.device, priority: int = 0, pin: bool = True) -> None:
+        self.name, self.cpus, self.device, self.pin = name, cpus, device, pin
         self.stream = torch.cuda.Stream(device=device, priority=priority) if device.type == "cuda" else None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mm-{name}", initializer=self._init)
 
@@ -90,7 +90,7 @@ class _Quota:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the current device is per thread
         if self.device.type == "cpu" and self.cpus:
-            if hasattr(os, "sched_setaffinity"):
+            if self.pin and hasattr(os, "sched_setaffinity"):
                 os.sched_setaffinity(0, self.cpus)  # pid 0 = this thread on Linux
             torch.set_num_threads(len(self.cpus))
 
@@ -110,9 +110,12 @@ class _Quota:
 class ColocatedEngine:
     """Runs steps with the encoder and the LLM on separate quotas (see module doc).
 
-    ``encoder_quota`` is the encoder's share of the device (cores on CPU). With
-    ``concurrent=False`` the same micro-batch schedule runs serially on the calling
-    thread with every core: the temporal baseline.
+    ``encoder_quota`` is the encoder's share of the device (cores on CPU). On CPU the
+    quota is hard with ``pin=True`` (each worker pinned to its core set: isolation when
+    the executor owns its cores) or soft with ``pin=False`` (only the thread budgets
+    split; the OS places the threads, which copes better when other processes share
+    the cores). With ``concurrent=False`` the same micro-batch schedule runs serially on
+    the calling thread with every core: the temporal baseline.
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class ColocatedEngine:
         micro_batches: int = 4,
         concurrent: bool = True,
         cpus: list[int] | None = None,
+        pin: bool = True,
     ) -> None:
         self.model, self.opt, self.micro_batches, self.concurrent = model, opt, micro_batches, concurrent
         self.device = model.gpt.head.weight.device
@@ -131,8 +135,8 @@ class ColocatedEngine:
         self.enc = self.llm = None
         if concurrent:
             hi, lo = -1, 0  # CUDA: lower number = higher priority
-            self.enc = _Quota("encoder", self.enc_cpus, self.device, hi if encoder_quota >= 0.5 else lo)
-            self.llm = _Quota("llm", self.llm_cpus, self.device, lo if encoder_quota >= 0.5 else hi)
+            self.enc = _Quota("encoder", self.enc_cpus, self.device, hi if encoder_quota >= 0.5 else lo, pin)
+            self.llm = _Quota("llm", self.llm_cpus, self.device, lo if encoder_quota >= 0.5 else hi, pin)
 
     def close(self) -> None:
         for q in (self.enc, self.llm):

@@ -134,7 +134,8 @@ def _run(spec: dict, reporter: Reporter) -> int:
                      mm["reorder"]["enabled"], start_step=start)
     colo = dist_eng = None
     if mm["mode"] == "colocated":
-        colo = ColocatedEngine(model, opt, mm["colocated"]["encoder_quota"], mm["micro_batches"])
+        colo = ColocatedEngine(model, opt, mm["colocated"]["encoder_quota"], mm["micro_batches"],
+                               pin=mm["colocated"]["pin"])
     else:
         init_from_spec(d)
         dist_eng = DistEngine(model, opt, data, rank, world)
