@@ -1,0 +1,64 @@
+"""estimator/models.py: which measurements become profiles, and the profile fallback
+of the pure model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from estimator.models import MIN_MEASURED, WARMUP_STEPS, build_model, comm_row, profiles, run_key
+from tessera.api.v1 import profiler_pb2
+from tessera.perfmodel import Candidate, PerfModel
+
+LABELS = {"module": "gpt:l2-h64-a4-s32-v256", "workload_type": "gpt", "layers": "2", "hidden": "64", "heads": "4",
+          "vocab": "256", "seq_len": "32", "batch": "8", "dp": "1", "tp": "1", "pp": "1", "micro_batches": "1",
+          "threads": "1", "world_size": "1", "device_kind": "cpu", "rank": "0"}
+
+
+def step(job="j1", i=1, t=0.01, **labels):
+    return profiler_pb2.Measurement(kind="step", job_id=job, step=i, step_time_s=t, labels={**LABELS, **labels})
+
+
+def test_only_single_device_gpt_runs_with_labels_are_profiles():
+    assert run_key(step()) == ("j1", "cpu", LABELS["module"], 2, 64, 4, 256, 32, 8, 1, 1.0)
+    assert run_key(step(world_size="2")) is None          # a rank of a multi-rank plan
+    assert run_key(step(rank="1")) is None
+    assert run_key(step(workload_type="peft")) is None     # no feature functions for it
+    assert run_key(step(hidden="0")) is None
+    assert run_key(step(t=0.0)) is None
+    assert run_key(profiler_pb2.Measurement(kind="step", job_id="j", step=1, step_time_s=0.1)) is None  # old agent
+
+
+def test_profile_is_median_after_warmup_and_needs_enough_steps():
+    times = [1.0, 0.5] + [0.010, 0.012, 0.011, 0.013, 0.011]  # two slow warm-up steps
+    runs = {run_key(step()): {i + 1: t for i, t in enumerate(times)}}
+    (p,) = profiles(runs)
+    assert p.steps == len(times) - WARMUP_STEPS and p.median_s == pytest.approx(0.011)
+    assert 0 < p.spread < 0.3 and p.rows == 8 and p.quota == 1.0
+    short = {run_key(step()): {i + 1: 0.01 for i in range(WARMUP_STEPS + MIN_MEASURED - 1)}}
+    assert profiles(short) == []
+
+
+def test_malformed_comm_rows_are_ignored():
+    ok = profiler_pb2.Measurement(kind="comm", labels={"op": "all_reduce", "link": "lo"},
+                                  values={"bytes": 4096, "world": 2, "seconds": 1e-4})
+    assert comm_row(ok) == {"link": "lo", "op": "all_reduce", "bytes": 4096.0, "world": 2, "seconds": 1e-4}
+    bad = profiler_pb2.Measurement(kind="comm", labels={"op": "all_reduce", "link": "lo"}, values={"world": 1, "seconds": 1e-4})
+    assert comm_row(bad) is None
+
+
+def test_profile_points_answer_exactly_their_configuration_and_survive_the_snapshot():
+    runs = {run_key(step()): {i: 0.02 for i in range(1, 9)}}
+    model = PerfModel.from_dict(build_model(runs, [], [], version=4).to_dict())
+    assert model.version == 4 and model.compute["cpu"].status == "insufficient_data"
+    c = Candidate(device_type="cpu", layers=2, hidden=64, heads=4, vocab=256, seq_len=32, batch=8,
+                  module=LABELS["module"])
+    e = model.estimate(c)
+    assert e.ok and e.seconds == pytest.approx(0.02) and e.rel_std == pytest.approx(0.03)  # zero spread: the prior
+    assert e.confidence == pytest.approx(math.erf(0.1 / (math.sqrt(2) * 0.03)))
+    for other in (Candidate(**{**c.__dict__, "batch": 16}), Candidate(**{**c.__dict__, "quota": 2.0}),
+                  Candidate(**{**c.__dict__, "module": "other"}), Candidate(**{**c.__dict__, "colocated": 2}),
+                  Candidate(**{**c.__dict__, "dp": 2, "batch": 16, "link": "lo"})):
+        got = model.estimate(other)
+        assert got.status == "insufficient_data" and math.isnan(got.seconds)
