@@ -102,15 +102,15 @@ def main(argv=None) -> dict:
     batches = [[data.sample(i) for i in range(s * a.batch, (s + 1) * a.batch)] for s in range(a.steps + 1)]
     cpus = sorted(os.sched_getaffinity(0))
     quotas = [float(q) for q in a.quotas.split(",")]
-    if device.type == "cpu":
-        # On CPU a quota is a core split; quotas that round to the same split are one plan.
-        seen, uniq = set(), []
-        for q in quotas:
-            key = tuple(map(tuple, split_cpus(cpus, q)))
-            if key not in seen:
-                seen.add(key)
-                uniq.append(q)
-        quotas = uniq
+    # Quotas that give the same plan run once. CPU: a quota is a core split; CUDA:
+    # within one process it only decides which stream has the higher priority.
+    seen, uniq = set(), []
+    for q in quotas:
+        key = tuple(map(tuple, split_cpus(cpus, q))) if device.type == "cpu" else q >= 0.5
+        if key not in seen:
+            seen.add(key)
+            uniq.append(q)
+    quotas = uniq
 
     # Temporal baselines. On CUDA: the default stream. On CPU "the whole device" is every
     # core as intra-op threads, but on a small or shared machine one thread can be faster

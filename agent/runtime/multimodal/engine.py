@@ -238,7 +238,14 @@ class ColocatedEngine:
                 torch.cuda.synchronize(self.device)
         stats.loss = sum(float(v) for v in losses)
         t1 = time.perf_counter()
-        self.opt.step()
+        if self.llm is not None:
+            # On a quota'd worker, not the caller: the caller's intra-op pool may be the
+            # whole machine, and its threads would land on the modules' cores.
+            self.llm.submit(self.opt.step).result()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # next step's encoder stream reads these weights
+        else:
+            self.opt.step()
         stats.add("optimizer", "step", time.perf_counter() - t1)
         stats.wall_s = time.perf_counter() - t0
         return stats
