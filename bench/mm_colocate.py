@@ -148,7 +148,7 @@ def main(argv=None) -> dict:
     print(f"{'variant':<24}{'enc/llm quota':<16}{'step ms':>10}{'samples/s':>12}{'speedup':>10}")
     for k, v in med.items():
         if k in temporal:
-            quota = "whole device" if device.type == "cuda" else f"all cores, {temporal[k]} thr"
+            quota = "whole device" if device.type == "cuda" else f"serial, {temporal[k]} thr"
         else:
             q, pin = plans[k]
             e, l_ = split_cpus(cpus, q)
