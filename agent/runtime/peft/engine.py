@@ -15,6 +15,15 @@ its slot is freed (its final adapter kept on the :class:`TaskState`). Each
 
 The objective is the sum over stepping tasks of each task's own mean token loss, so
 every task's adapter gradient is exactly the gradient it would get training alone.
+
+A step's chunks go through the backbone in micro-batches of at most
+``micro_batch_tokens`` tokens (gradient accumulation; each token's loss is divided by
+its task's token count over the WHOLE step, so the gradient equals the one-pass
+gradient), so activation memory is that of one micro-batch, not of all K tasks' batches
+at once. Chunks are grouped by fill (real tokens, packed from column 0), fullest first,
+and each micro-batch is cut to its fullest chunk's width: the trailing pad columns that
+no chunk of it uses are never computed. The vocabulary head runs only on positions that
+have a target (no logits for pads).
 Pure compute: no files, no events (the workload runner does I/O).
 """
 
@@ -74,11 +83,16 @@ class StepReport:
 class MuxEngine:
     """Shared-backbone multi-task LoRA trainer; see module doc."""
 
-    def __init__(self, model: GPT, chunk_size: int, mode: str = "spatial", slots: int = 4) -> None:
+    def __init__(self, model: GPT, chunk_size: int, mode: str = "spatial", slots: int = 4,
+                 micro_batch_tokens: int = 1024) -> None:
         if mode not in ("spatial", "temporal"):
             raise ValueError(f"mode must be spatial or temporal, got {mode!r}")
         if not 2 <= chunk_size <= model.cfg.seq_len:
             raise ValueError(f"chunk_size must be in 2..{model.cfg.seq_len}, got {chunk_size}")
+        if micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+        # Whole chunks per micro-batch (at least one).
+        self.micro_chunks = max(1, micro_batch_tokens // chunk_size)
         self.model = model
         self.cfg = model.cfg
         self.chunk_size = chunk_size
@@ -92,6 +106,7 @@ class MuxEngine:
         self._rr = 0
         self.steps_done = 0
         self.pack_total = PackStats(chunk_size=chunk_size)
+        self.processed_tokens = 0  # token positions actually computed (real + pads left after trimming)
 
     # -- task lifecycle -------------------------------------------------------------
     def running(self) -> list[TaskState]:
@@ -178,17 +193,28 @@ class MuxEngine:
         batches = [(t.slot, t.dataset.batch(t.step, t.spec["batch_size"])) for t in tasks]
         p = pack(batches, self.chunk_size)
         dev = self.device
-        tokens, targets = p.tokens.to(dev), p.targets.to(dev)
-        losses_t, counts = self.task_losses(tokens, targets, p.positions.to(dev), p.mask.to(dev),
-                                            p.chunk_slot.to(dev), single=tasks[0].slot if len(tasks) == 1 else None)
-        active = torch.zeros(self._slots(), dtype=torch.bool, device=dev)
-        active[[t.slot for t in tasks]] = True
-        # Sum of per-task means: d(total)/d(adapter k) = d(loss_k)/d(adapter k).
-        total = torch.where(active, losses_t, torch.zeros_like(losses_t)).sum()
+        tokens, targets, positions, mask = p.tokens.to(dev), p.targets.to(dev), p.positions.to(dev), p.mask.to(dev)
+        chunk_slot = p.chunk_slot.to(dev)
+        single = tasks[0].slot if len(tasks) == 1 else None
+        s = self._slots()
+        # Each task's token count over the whole step: the denominators of its mean.
+        counts = torch.bincount(chunk_slot[:, None].expand_as(targets)[targets != -100], minlength=s)
+        denom = counts.clamp(min=1).to(torch.float32)
+        sums = torch.zeros(s, device=dev)
         self.opt.zero_grad()
-        total.backward()
+        fills = (p.token_slot >= 0).sum(1).tolist()
+        for idx, w in micro_batches(fills, self.micro_chunks):
+            i = torch.tensor(idx, device=dev)
+            mb_sums, _ = self.slot_loss_sums(tokens[i, :w], targets[i, :w], positions[i, :w], mask[i, :w, :w],
+                                             chunk_slot[i], single)
+            self.processed_tokens += len(idx) * w
+            # Sum of per-task means, accumulated: d(total)/d(adapter k) = d(loss_k)/d(adapter k).
+            (mb_sums / denom).sum().backward()
+            sums += mb_sums.detach()
+        active = torch.zeros(s, dtype=torch.bool, device=dev)
+        active[[t.slot for t in tasks]] = True
         self.opt.step(active)
-        losses = losses_t.detach().cpu().tolist()
+        losses = (sums / denom).cpu().tolist()
         wall = time.perf_counter() - t0
         self.steps_done += 1
         self.pack_total.add(p.stats)
@@ -212,20 +238,32 @@ class MuxEngine:
     def task_losses(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
                     mask: torch.Tensor, chunk_slot: torch.Tensor, single: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-slot mean next-token loss (S,) (0 where a slot has no token) and token counts (S,)."""
+        """Per-slot mean next-token loss (S,) (0 where a slot has no token) and token counts (S,),
+        in one forward over every chunk given."""
+        sums, counts = self.slot_loss_sums(tokens, targets, positions, mask, chunk_slot, single)
+        return sums / counts.clamp(min=1).to(sums.dtype), counts
+
+    def slot_loss_sums(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
+                       mask: torch.Tensor, chunk_slot: torch.Tensor, single: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-slot SUM of next-token losses (S,) and token counts (S,) of these chunks. The
+        head (and the cross-entropy) run only on positions with a target."""
+        m = self.model
         self.ctx.chunk_slot, self.ctx.single = chunk_slot, single
         try:
-            logits = self.model(tokens, attn_mask=mask, positions=positions)
+            x = m.embed(tokens, positions)
+            for blk in m.blocks:
+                x = blk(x, mask)
         finally:
             self.ctx.chunk_slot = self.ctx.single = None
         flat_t = targets.reshape(-1)
         valid = flat_t != -100
-        tok_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1])[valid], flat_t[valid], reduction="none")
+        h = m.ln_f(x.reshape(-1, x.shape[-1])[valid])
+        tok_loss = F.cross_entropy(m.head(h), flat_t[valid], reduction="none")
         slot_of = chunk_slot[:, None].expand_as(targets).reshape(-1)[valid]
         s = self._slots()
         sums = torch.zeros(s, device=tokens.device, dtype=tok_loss.dtype).index_add(0, slot_of, tok_loss)
-        counts = torch.bincount(slot_of, minlength=s)
-        return sums / counts.clamp(min=1).to(sums.dtype), counts
+        return sums, torch.bincount(slot_of, minlength=s)
 
     @torch.no_grad()
     def forward_task(self, name_or_slot: str | int, tokens: torch.Tensor) -> torch.Tensor:
@@ -280,6 +318,15 @@ class MuxEngine:
         t.step = int(state["adapter"]["step"])
         t.tokens = int(state.get("tokens", 0))
         t.first_loss = float(state.get("first_loss", float("nan")))
+
+
+def micro_batches(fills: list[int], per_batch: int) -> list[tuple[list[int], int]]:
+    """``(chunk indices, width)`` per micro-batch of at most ``per_batch`` chunks: chunks
+    sorted by fill (real tokens; a chunk's pads are its trailing columns), fullest first,
+    so that chunks of similar fill share a micro-batch; ``width`` is its fullest chunk's
+    fill (the columns worth computing). Every index appears exactly once."""
+    order = sorted(range(len(fills)), key=lambda i: (-fills[i], i))
+    return [(order[i:i + per_batch], fills[order[i]]) for i in range(0, len(order), per_batch)]
 
 
 def apply_adapter_to_slot(engine: MuxEngine, slot: int, adapter: dict) -> None:

@@ -134,7 +134,8 @@ class PeftRunner:
         self._control_line = 0
         torch.manual_seed(params["seed"])
         self.model = GPT(cfg).to(device)  # the shared, frozen backbone
-        self.engine = MuxEngine(self.model, section["chunk_size"], section["mode"], slots=max(1, len(section["tasks"])))
+        self.engine = MuxEngine(self.model, section["chunk_size"], section["mode"], slots=max(1, len(section["tasks"])),
+                                micro_batch_tokens=section.get("micro_batch_tokens", 1024))
         self._added = 0
         self.losses: list[float] = []
 
