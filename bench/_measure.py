@@ -35,6 +35,11 @@ import torch  # noqa: F401  - imported once here so that forked ranks start in m
 
 from agent.runtime.parallel.launch import free_port
 
+# The first AdamW constructed in a process imports torch._dynamo lazily (~2 s here, 5 s
+# under load). Done once in the parent, so that no forked rank — profile or grid
+# point — counts that import as device time or waits on it before its first step.
+torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+
 CORES = sorted(os.sched_getaffinity(0))
 
 
