@@ -585,7 +585,7 @@ class Controller:
                       decision_id=decision_id)
         ok, why = await self._launch(job, nodes)
         if not ok:
-            await self._requeue(job.id, alloc_id, f"launch failed: {why}")
+            await self._requeue(job.id, alloc_id, f"launch failed: {why}", transient=why.startswith("busy: "))
         return ok
 
     async def _resize(self, job: types_pb2.Job, rz: Resize, nodes: dict, decision_id: str) -> bool:
@@ -705,10 +705,16 @@ class Controller:
         for (name, _), res in zip(calls, results):
             if isinstance(res, Exception):
                 msg = res.details() if isinstance(res, grpc.aio.AioRpcError) else str(res)
+                if isinstance(res, grpc.aio.AioRpcError) and res.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    # The agent still holds the partition (an executor of a stopped allocation
+                    # not gone yet): transient, the job is requeued without counting a failure.
+                    return False, f"busy: {name}: {msg}"
                 return False, f"{name}: {msg}"
         return True, ""
 
-    async def _requeue(self, job_id: str, alloc_id: str, reason: str) -> None:
+    async def _requeue(self, job_id: str, alloc_id: str, reason: str, transient: bool = False) -> None:
+        """Return an active job to PENDING and stop its executors; ``transient`` (a
+        partition still busy at the agent) does not count toward ``max_attempts``."""
         now = self.clock()
         stop: list = []
 
@@ -718,6 +724,8 @@ class Controller:
             stop[:] = [(alloc_id, list(j.status.placement))]
             cmp, ops = await self.store.realloc_ops(drop=alloc_id, drop_keys=alloc_keys(j.status.placement))
             j.status.allocation_id = ""
+            if transient:
+                j.status.preemptions += 1
             transition(j, P.PENDING, f"requeued: {reason}"[:500], now)
             return cmp, ops
 
@@ -743,7 +751,9 @@ class Controller:
             try:
                 await self.agents.stub(n.agent_address).StopExecutor(
                     agent_pb2.StopExecutorRequest(allocation_id=alloc_id, fencing_token=self.store.fencing_token or 0, reason=reason),
-                    timeout=5,
+                    # The agent answers once its ranks are gone (SIGTERM, checkpoint, exit; SIGKILL
+                    # after its grace): waiting lets a relaunch on the same partitions find them free.
+                    timeout=60,
                 )
             except grpc.aio.AioRpcError as e:
                 self.log.warning("stop failed", node_id=s.node, allocation=alloc_id, error=e.details())

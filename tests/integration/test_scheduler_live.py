@@ -1,0 +1,206 @@
+"""The scheduling policy in the live controller, on the local testbed's parts: a real etcd,
+the controller and agents in-process on loopback gRPC, executors as real subprocesses
+training real models on CPU core-set partitions.
+
+- packing: two small jobs (``resources.share: 0.5``) packed by the Tessera policy on one
+  2-core partition (one core each, concurrently) finish sooner, measured as makespan, than
+  the same jobs placed exclusively (whole partition each, one after the other) by firstfit;
+- resize: a running job told by the policy to shrink is stopped with SIGTERM (the runtime
+  checkpoints), relaunched under a new plan on fewer partitions, continues from its
+  checkpoint (no step repeated from 0) and finishes with its loss falling;
+- preemption: a long job yields its partition to a much shorter one, resumes from its
+  checkpoint afterwards, and both succeed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from contextlib import asynccontextmanager
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from agent.config import AgentConfig
+from agent.main import serve as agent_serve
+from controller import main as cmain
+from controller.config import ControllerConfig
+from controller.policy import Placement, Resize, ScheduleReply, Shard, TesseraPolicy
+from tessera import manifest
+from tessera.api.v1 import controller_pb2 as cpb
+from tessera.api.v1 import controller_pb2_grpc as cgrpc
+from tessera.api.v1 import types_pb2 as tpb
+from tessera.etcdproc import free_port
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores for a 2-core partition")]
+
+SMALL = {"vocab": 64, "seq_len": 32, "layers": 2, "hidden": 64, "heads": 4}
+# Packed makespan must be below this fraction of the exclusive one. Measured on the 2-core
+# CI machine: ~0.55-0.65 (docs in notes/issue7-integration.md); the margin absorbs load.
+PACKING_MAX_RATIO = 0.85
+
+
+def spec(name: str, steps: int, devices: int = 1, share: float | None = None, **plan) -> tpb.JobSpec:
+    res = {"devices": devices, "device_kind": "cpu"}
+    if share is not None:
+        res["share"] = share
+    return manifest.to_proto(manifest.validate({
+        "apiVersion": "tessera/v1", "name": name, "tenant": "it",
+        "workload": {"type": "gpt", "model": SMALL, "steps": steps, "batch_size": 8, "learning_rate": 0.01,
+                     "checkpoint_every": 10, "plan": {"dp": 1, "tp": 1, "pp": 1, "micro_batches": 1, **plan}},
+        "resources": res,
+    }))
+
+
+@asynccontextmanager
+async def live_cluster(etcd: str, tmp, policy: str, prefix: str, agents: int = 1, cpu_devices: int = 1):
+    """A controller with ``policy`` and ``agents`` agents of ``cpu_devices`` partitions each."""
+    cfg = ControllerConfig(listen=f"127.0.0.1:{free_port()}", etcd=etcd, prefix=prefix, grace_s=5.0,
+                           heartbeat_interval_s=0.3, reconcile_interval_s=0.3, policy=policy,
+                           state_dir=str(tmp / f"{prefix}-ctl"), checkpoint_root=str(tmp / f"{prefix}-ckpt"))
+    cstop, ready = asyncio.Event(), asyncio.Event()
+    ctask = asyncio.create_task(cmain.serve(cfg, ready=ready, stop=cstop))
+    await asyncio.wait_for(ready.wait(), 20)
+    stops, tasks = [], []
+    for i in range(1, agents + 1):
+        acfg = AgentConfig(name=f"node-{i}", listen=f"127.0.0.1:{free_port()}", controller=cfg.listen,
+                           cpu_devices=cpu_devices, state_dir=str(tmp / f"{prefix}-agent{i}"), stop_grace_s=10,
+                           report_interval_s=0.2)
+        stops.append(asyncio.Event())
+        tasks.append(asyncio.create_task(agent_serve(acfg, stops[-1])))
+    ch = grpc.aio.insecure_channel(cfg.listen)
+    jobs, nodes = cgrpc.JobServiceStub(ch), cgrpc.NodeServiceStub(ch)
+    async with asyncio.timeout(30):
+        while True:
+            try:
+                ls = await nodes.ListNodes(cpb.ListNodesRequest())
+                if len([n for n in ls.nodes if n.state == tpb.READY]) == agents:
+                    break
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.05)
+    try:
+        yield jobs, nodes
+    finally:
+        for s in stops:
+            s.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await ch.close()
+        cstop.set()
+        await asyncio.wait_for(ctask, 30)
+
+
+async def watch_until(jobs, job_id: str, pred, timeout: float = 120.0, seen: list | None = None) -> tpb.Job:
+    async with asyncio.timeout(timeout):
+        async for ev in jobs.WatchJobs(cpb.WatchJobsRequest(job_id=job_id)):
+            if seen is not None:
+                seen.append(ev.job)
+            if pred(ev.job):
+                return ev.job
+    raise AssertionError("watch ended")
+
+
+def ended(j: tpb.Job) -> bool:
+    return j.status.phase in (tpb.SUCCEEDED, tpb.FAILED, tpb.CANCELLED)
+
+
+async def _two_small_jobs(jobs, steps: int) -> tuple[float, list[tpb.Job]]:
+    t0 = time.time()
+    ids = [(await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec(f"small-{i}", steps, share=0.5)))).job.id
+           for i in range(2)]
+    done = [await watch_until(jobs, i, ended, 240) for i in ids]
+    for j in done:
+        assert j.status.phase == tpb.SUCCEEDED, j.status.reason
+        assert j.status.loss < j.status.first_loss
+    end = max(h.time for j in done for h in j.status.history if h.phase == tpb.SUCCEEDED)
+    return end - t0, done
+
+
+async def test_packed_small_jobs_finish_sooner_than_exclusive(etcd_server, tmp_path):
+    steps = 80
+    async with live_cluster(etcd_server, tmp_path, "firstfit", "/excl") as (jobs, _):
+        exclusive, ex_jobs = await _two_small_jobs(jobs, steps)
+    async with live_cluster(etcd_server, tmp_path, "tessera", "/pack") as (jobs, _):
+        packed, pk_jobs = await _two_small_jobs(jobs, steps)
+    # Exclusive: each job held the whole partition, one after the other.
+    assert all(j.status.placement[0].units == 0 for j in ex_jobs)
+    first_end = min(h.time for j in ex_jobs for h in j.status.history if h.phase == tpb.SUCCEEDED)
+    last_start = max(h.time for j in ex_jobs for h in j.status.history if h.phase == tpb.SCHEDULED)
+    assert last_start >= first_end
+    # Packed: one core each, both on the partition at once, decided and recorded by the policy.
+    for j in pk_jobs:
+        assert j.status.placement[0].units == 1 and j.status.last_decision.action == "pack"
+        assert j.status.last_decision.policy == "tessera" and j.status.last_decision.quota == 0.5
+    starts = sorted(h.time for j in pk_jobs for h in j.status.history if h.phase == tpb.RUNNING)
+    assert starts[1] < min(h.time for j in pk_jobs for h in j.status.history if h.phase == tpb.SUCCEEDED)
+    ratio = packed / exclusive
+    print(f"\npacking: exclusive makespan {exclusive:.1f}s, packed {packed:.1f}s, ratio {ratio:.2f}")
+    assert ratio < PACKING_MAX_RATIO, (exclusive, packed)
+
+
+class ShrinkOnce:
+    """Tessera, plus one scripted decision: a running 2-rank job past step 20 is shrunk to
+    the first of its partitions. Scripted because the live policy shrinks only with an
+    estimator's grid; what is under test is the controller carrying a resize out."""
+
+    name = "shrink-once"
+
+    def __init__(self) -> None:
+        self.inner = TesseraPolicy()
+
+    def schedule(self, request):
+        reply = self.inner.schedule(request)
+        resizes = list(reply.resizes)
+        for r in request.running:
+            if r.placement.num_devices == 2 and r.job.done_iterations >= 20:
+                s = r.placement.shards[0]
+                p = Placement(r.job.job_id, (Shard(s.node, s.device_ids[:1]),), "scripted shrink", gpu_type="cpu")
+                resizes.append(Resize(r.job.job_id, p, "shrink", 60.0, "scripted: shrink to one partition"))
+        return ScheduleReply(placements=reply.placements, infeasible=reply.infeasible, resizes=tuple(resizes),
+                             preemptions=reply.preemptions)
+
+
+async def test_resize_checkpoints_and_relaunches_with_another_plan(etcd_server, tmp_path, monkeypatch):
+    monkeypatch.setitem(cmain.POLICIES, "shrink-once", ShrinkOnce)
+    async with live_cluster(etcd_server, tmp_path, "shrink-once", "/resize", cpu_devices=2) as (jobs, _):
+        r = await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec("elastic", 60, devices=2, dp=2)))
+        seen: list[tpb.Job] = []
+        final = await watch_until(jobs, r.job.id, ended, 240, seen)
+    st = final.status
+    assert st.phase == tpb.SUCCEEDED, st.reason
+    assert st.step == 60 and st.loss < st.first_loss
+    assert (st.plan.dp, st.plan.tp, st.plan.pp) == (1, 1, 1)
+    assert [len(s.partition_ids) for s in st.placement] == [1]
+    assert st.last_decision.action == "shrink" and "dp=1" in st.last_decision.reason
+    assert st.preemptions == 1 and st.attempts == 2
+    assert any(h.phase == tpb.SCHEDULED and h.reason.startswith("shrink: checkpoint and relaunch") for h in st.history)
+    # It continued from its checkpoint: after the relaunch no step below the checkpoint
+    # (taken at >= step 20) was reported again.
+    first_alloc = seen[0].status.allocation_id or next(j.status.allocation_id for j in seen if j.status.allocation_id)
+    after = [j.status.step for j in seen if j.status.allocation_id not in ("", first_alloc) and j.status.step]
+    before = [j.status.step for j in seen if j.status.allocation_id == first_alloc and j.status.step]
+    assert before and max(before) >= 20
+    assert after and min(after) >= 20
+
+
+async def test_short_job_preempts_long_one_which_resumes(etcd_server, tmp_path):
+    # Two 1-core partitions, both held by the long 2-rank job: the short one finds none free.
+    async with live_cluster(etcd_server, tmp_path, "tessera", "/preempt", cpu_devices=2) as (jobs, _):
+        long_id = (await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec("long", 80, devices=2, dp=2)))).job.id
+        await watch_until(jobs, long_id, lambda j: j.status.phase == tpb.RUNNING and j.status.step >= 20)
+        short_id = (await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec("short", 20)))).job.id
+        short = await watch_until(jobs, short_id, ended, 120)
+        seen: list[tpb.Job] = []
+        long = await watch_until(jobs, long_id, ended, 240, seen)
+    assert short.status.phase == tpb.SUCCEEDED, short.status.reason
+    st = long.status
+    assert st.phase == tpb.SUCCEEDED and st.step == 80, st.reason
+    assert st.preemptions >= 1
+    reasons = [h.reason for h in st.history if h.phase == tpb.PENDING]
+    assert any(r.startswith("preempted:") for r in reasons), reasons
+    # The short job ran while the long one waited: it ended before the long one resumed.
+    resumed = [h.time for h in st.history if h.phase == tpb.SCHEDULED][-1]
+    assert max(h.time for h in short.status.history if h.phase == tpb.SUCCEEDED) <= resumed + 1.0
