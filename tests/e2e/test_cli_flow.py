@@ -52,6 +52,25 @@ def test_submit_wait_succeeds(bed, tmp_path):
     assert "exited with code 0" in r.stdout
 
 
+def test_get_shows_the_estimate_next_to_the_measured_step_time(bed, tmp_path):
+    """The testbed runs the estimator: a model never profiled gets a profiling job, then an estimate."""
+    m = tiny_manifest(tmp_path / "est.yaml", "e2e-est", steps=15)
+    # a model no other test submits (hidden 48), so that its first profile is this one's
+    m.write_text(m.read_text().replace("hidden: 32", "hidden: 48"))
+    r = bed.run("submit", str(m), "--wait", "--timeout", "90", "-o", "json")
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    jid = json.loads(r.stdout)["id"]
+    job = bed.wait_for(jid, lambda j: j["status"].get("estimate", {}).get("status") == "ok", 90, "an estimate")
+    est = job["status"]["estimate"]
+    assert est["profile_job_id"] and float(est["step_time_s"]) > 0
+    pj = bed.job(est["profile_job_id"])
+    assert pj["spec"]["tenant"] == "tessera-system" and pj["spec"]["resources"]["devices"] == 1
+    r = bed.run("get", jid)
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if "step time" in ln)
+    assert "ms measured" in line and "ms estimated" in line and "confidence" in line
+
+
 def test_cancel_running_job(bed, tmp_path):
     m = tiny_manifest(tmp_path / "long.yaml", "e2e-long", steps=1_000_000, checkpoint_every=1000)
     r = bed.run("submit", str(m), "-o", "json")
