@@ -150,22 +150,40 @@ class PerfModel:
         return out  # type: ignore[return-value]
 
     def _from_profile(self, c: Candidate) -> Estimate | None:
-        """The measured profile of exactly this single-device configuration, or None.
-        Used only where the fitted curve cannot answer (too few profiles)."""
-        if c.world != 1 or c.colocated != 1 or min(c.batch, c.layers, c.micro_batches) < 1:
+        """From the measured profile of exactly this configuration's per-rank shape, or
+        None. Used only where the fitted curve cannot answer (too few profiles). A
+        single-device plan is the profile itself; a data-parallel plan (dp > 1, tp = pp
+        = 1) is the profile of its per-rank batch plus the gradient all-reduce (4 bytes
+        per parameter) and the loss all-reduce over the link's fitted table."""
+        if c.tp != 1 or c.pp != 1 or c.colocated != 1 or min(c.batch, c.layers, c.micro_batches, c.dp) < 1:
+            return None
+        if c.batch % c.dp:
+            return None
+        rows = c.batch // c.dp
+        comm = self.comm.get(c.link) if c.dp > 1 else None
+        if c.dp > 1 and (comm is None or not comm.has("all_reduce")):
             return None
         seq = c.seq or c.seq_len
         for p in self.profiles.get(c.device_type, ()):
-            if (p.module, p.rows, p.seq, p.micro_batches) == (c.module, c.batch, seq, c.micro_batches) \
+            if (p.module, p.rows, p.seq, p.micro_batches) == (c.module, rows, seq, c.micro_batches) \
                     and abs(p.q - c.quota) < 1e-9:
-                r = p.rel_std()
-                mem = 16.0 * F.stage_params(c.layers, c.hidden, c.vocab, c.seq_len, 1, 1) + F.activation_bytes(
-                    c.batch / c.micro_batches, seq, c.layers, c.hidden, c.heads, c.vocab, 1)
-                return Estimate(status="ok", seconds=p.seconds, memory_bytes=float(mem), rel_std=r,
+                params = F.stage_params(c.layers, c.hidden, c.vocab, c.seq_len, 1, 1)
+                seconds, r, breakdown = p.seconds, p.rel_std(), {"profile": p.seconds}
+                if comm is not None:
+                    grad = float(comm.time("all_reduce", c.dp, params * F.BYTES_PER_ELEM))
+                    loss = float(comm.time("all_reduce", c.dp, 16.0))
+                    seconds += grad + loss
+                    csig = comm.ops["all_reduce"].get("rel_sigma", 0.0)
+                    r = math.sqrt(r * r + (csig * (grad + loss) / seconds) ** 2)
+                    breakdown.update(grad_allreduce=grad, loss_allreduce=loss)
+                mem = 16.0 * params + F.activation_bytes(rows / c.micro_batches, seq, c.layers, c.hidden, c.heads,
+                                                         c.vocab, 1)
+                return Estimate(status="ok", seconds=seconds, memory_bytes=float(mem), rel_std=r,
                                 confidence=math.erf(CONF_TOLERANCE / (math.sqrt(2.0) * r)),
-                                reason=f"measured profile of this configuration ({p.steps} steps); "
-                                       f"no fitted curve for {c.device_type!r} yet",
-                                breakdown={"profile": p.seconds})
+                                reason=f"measured profile of the per-rank configuration ({p.steps} steps)"
+                                       + (f" + all-reduce over {c.link!r}" if comm is not None else "")
+                                       + f"; no fitted curve for {c.device_type!r} yet",
+                                breakdown=breakdown)
         return None
 
     def _why_not(self, c: Candidate) -> str:

@@ -62,3 +62,25 @@ def test_profile_points_answer_exactly_their_configuration_and_survive_the_snaps
                   Candidate(**{**c.__dict__, "dp": 2, "batch": 16, "link": "lo"})):
         got = model.estimate(other)
         assert got.status == "insufficient_data" and math.isnan(got.seconds)
+
+
+def test_data_parallel_plan_composes_the_per_rank_profile_and_the_allreduce():
+    from tessera.perfmodel.comm import steps_and_volume
+    from tessera.perfmodel.features import stage_params
+
+    alpha, beta = 100e-6, 1 / 1e9
+    rows = []
+    for nbytes in (4 << 10, 256 << 10, 4 << 20):
+        st, vol = steps_and_volume("all_reduce", 2, nbytes)
+        rows.append({"link": "lo", "op": "all_reduce", "bytes": nbytes, "world": 2, "seconds": alpha * st + beta * vol})
+    runs = {run_key(step()): {i: 0.02 for i in range(1, 9)}}  # the per-rank shape: 8 rows
+    model = build_model(runs, rows, [], version=1)
+    c = Candidate(device_type="cpu", layers=2, hidden=64, heads=4, vocab=256, seq_len=32, batch=16, dp=2, link="lo",
+                  module=LABELS["module"])
+    e = model.estimate(c)
+    grad_bytes = 4 * stage_params(2, 64, 256, 32, 1, 1)
+    expect = 0.02 + (2 * alpha + grad_bytes * beta) + (2 * alpha + 16 * beta)  # ring all-reduce over 2 ranks
+    assert e.ok and e.seconds == pytest.approx(expect, rel=1e-6)
+    assert e.breakdown["grad_allreduce"] > e.breakdown["loss_allreduce"] > 0
+    assert model.estimate(Candidate(**{**c.__dict__, "link": "other"})).status == "insufficient_data"
+    assert model.estimate(Candidate(**{**c.__dict__, "dp": 1, "pp": 2, "batch": 8})).status == "insufficient_data"
