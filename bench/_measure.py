@@ -239,79 +239,9 @@ def profile_points(workloads: list[dict], cores: list[int], threads: int, warmup
 # --------------------------------------------------------------------------- comm
 
 
-def _comm_rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str) -> None:
-    code = 1
-    try:
-        os.sched_setaffinity(0, [CORES[rank % len(CORES)]])
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        a = torch.randn(128, 128)
-
-        def work() -> None:
-            for _ in range(20):
-                a @ a
-
-        for _ in range(5):
-            work()
-        rows = []
-        for nbytes in sizes:
-            n = max(1, nbytes // 4)
-            x = torch.ones(n)
-            outs = [torch.empty(n) for _ in range(2)]
-
-            def ops():
-                yield "all_reduce", lambda: dist.all_reduce(x)
-                yield "all_gather", lambda: dist.all_gather(outs, x)
-                yield "broadcast", lambda: dist.broadcast(x, src=0)
-                yield "send_recv", lambda: dist.send(x, dst=1) if rank == 0 else dist.recv(x, src=0)
-
-            for op, fn in ops():
-                fn()  # warm-up (connection setup, buffers)
-                # In situ: each op right after ~1 ms of compute, the way the training loop
-                # issues it (no barrier: ranks arrive with their natural skew), less the
-                # compute alone. A barriered, idle-link figure is 2-10x too optimistic here.
-                ts, base = [], []
-                for _ in range(reps):
-                    t = time.perf_counter()
-                    work()
-                    base.append(time.perf_counter() - t)
-                    t = time.perf_counter()
-                    work()
-                    fn()
-                    ts.append(time.perf_counter() - t)
-                secs = max(1e-6, statistics.median(ts) - statistics.median(base))
-                rows.append({"op": op, "bytes": n * 4, "world": 2, "seconds": secs})
-        if rank == 0:
-            with open(out_path, "w", encoding="utf-8") as f:
-                json.dump(rows, f)
-        dist.destroy_process_group()
-        code = 0
-    finally:
-        os._exit(code)
-
-
 def comm_table(sizes: list[int] | None = None, reps: int = 7) -> tuple[list[dict], float]:
-    """Gloo loopback micro-benchmark over 2 processes; (rows, device-seconds)."""
-    sizes = sizes or [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20]
-    ctx = mp.get_context("fork")
-    port = free_port()
-    t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="tessera-comm-") as tmp:
-        path = os.path.join(tmp, "rows.json")
-        procs = [ctx.Process(target=_comm_rank, args=(r, port, sizes, reps, path), daemon=True) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"comm micro-benchmark failed: {[p.exitcode for p in procs]}")
-        with open(path, encoding="utf-8") as f:
-            rows = json.load(f)
-    return rows, (time.monotonic() - t0) * 2
+    """Gloo loopback micro-benchmark over 2 processes; (rows, device-seconds). The one
+    implementation lives in profilerd/commbench.py (profilerd runs it too)."""
+    from profilerd.commbench import table
+
+    return table(sizes or [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20], reps)

@@ -22,6 +22,8 @@ class ProfilerdConfig:
     reconnect_max_s: float = field(default=5.0, metadata={"help": "cap of the exponential reconnect backoff"})
     grace_s: float = field(default=3.0, metadata={"help": "seconds in-flight RPCs and the last flush get on SIGTERM"})
     disable_nvml: bool = field(default=False, metadata={"help": "do not sample NVIDIA GPUs even if NVML is present"})
+    comm_benchmark: bool = field(default=False, metadata={"help": "run the gloo loopback communication micro-benchmark once at start and report its table (kind comm)"})
+    comm_link: str = field(default="loopback-gloo", metadata={"help": "link type the micro-benchmark's rows are filed under"})
 
     def __post_init__(self) -> None:
         for name in ("node", "listen", "state_dir"):

@@ -5,6 +5,7 @@ to the estimator with a bounded buffer, per-source sequence numbers and reconnec
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 
 import structlog
@@ -94,8 +95,34 @@ class Profilerd:
                 except Exception as e:  # a flaky sensor must not kill the daemon
                     self.log.warning("sampling failed", sampler=type(s).__name__, error=str(e))
 
+    async def comm_benchmark(self) -> int:
+        """Run ``profilerd.commbench`` in a fresh process and buffer its rows as
+        ``kind="comm"`` measurements (labels op, link; values bytes, world, seconds).
+        Returns the rows reported; a failure is logged, never raised."""
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "profilerd.commbench",
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), timeout=300)
+        except (TimeoutError, asyncio.CancelledError):
+            proc.kill()
+            await proc.wait()
+            raise
+        if proc.returncode != 0:
+            self.log.warning("comm micro-benchmark failed", code=proc.returncode, stderr=err.decode()[-500:])
+            return 0
+        doc = json.loads(out)
+        for r in doc["rows"]:
+            self.add(profiler_pb2.Measurement(kind="comm", labels={"op": r["op"], "link": self.cfg.comm_link},
+                                              values={"bytes": float(r["bytes"]), "world": float(r["world"]),
+                                                      "seconds": float(r["seconds"])}))
+        self.log.info("comm micro-benchmark reported", rows=len(doc["rows"]), link=self.cfg.comm_link,
+                      device_s=round(doc["device_s"], 2))
+        return len(doc["rows"])
+
     def start(self) -> None:
         """Start sampling and streaming (call from the running loop)."""
+        if self.cfg.comm_benchmark:
+            self._tasks.append(asyncio.create_task(self.comm_benchmark()))
         if self.samplers and self.cfg.sample_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._sample_loop()))
         if self.streamer is not None:

@@ -250,7 +250,9 @@ class Testbed:
                         raise TestbedError("profilerd needs the estimator, which is not installed")
                     profs.append(self._spawn(f"{name}-profilerd", "profilerd",
                                              ["--node", name, "--listen", node["profilerd"], "--estimator", est_addr,
-                                              "--state-dir", self._state("nodes", name, "profilerd")], node["profilerd"]))
+                                              "--state-dir", self._state("nodes", name, "profilerd")]
+                                             # one loopback comm table per machine: node-1's profilerd measures it
+                                             + (["--comm-benchmark"] if i == 0 else []), node["profilerd"]))
                 self.info["addresses"]["nodes"][name] = node
             if profs:
                 self._wait_ready(profs, timeout)

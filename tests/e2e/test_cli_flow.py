@@ -69,6 +69,14 @@ def test_get_shows_the_estimate_next_to_the_measured_step_time(bed, tmp_path):
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if "step time" in ln)
     assert "ms measured" in line and "ms estimated" in line and "confidence" in line
+    # dp=2 of the same model: its per-rank profile plus node-1's loopback all-reduce table
+    m2 = tiny_manifest(tmp_path / "est2.yaml", "e2e-est-dp2", steps=5, devices=2)
+    m2.write_text(m2.read_text().replace("hidden: 32", "hidden: 48"))
+    r = bed.run("submit", str(m2), "-o", "json")
+    assert r.returncode == 0, r.stderr
+    j2 = bed.wait_for(json.loads(r.stdout)["id"], lambda j: j["status"].get("estimate", {}).get("status") == "ok",
+                      120, "a dp=2 estimate")
+    assert "all-reduce" in j2["status"]["estimate"]["reason"]
 
 
 def test_cancel_running_job(bed, tmp_path):

@@ -328,3 +328,26 @@ async def test_grpcserver_serve_stops_on_event_and_refuses_busy_port(tmp_path):
     stop.set()
     await asyncio.wait_for(task, 10)
     assert stopped == [True]
+
+
+async def test_comm_benchmark_reaches_the_estimator_model(tmp_path):
+    """profilerd --comm-benchmark: the gloo loopback table (real torch.distributed, 2
+    processes) streams to the estimator, which fits the link from it."""
+    import json as _json
+
+    from tessera.perfmodel import PerfModel
+
+    est = await Estimator(tmp_path / "est").start()
+    d, prun, pch, prof = await start_profilerd(tmp_path, est.address, sample_interval_s=0, comm_benchmark=True)
+    try:
+        await until(lambda: len(est.store.comm_rows) >= 16, timeout=180, what="comm rows persisted")
+        async with grpc.aio.insecure_channel(est.address) as ch:
+            snap = await estimator_pb2_grpc.EstimatorServiceStub(ch).GetModelSnapshot(
+                estimator_pb2.GetModelSnapshotRequest())
+        link = PerfModel.from_dict(_json.loads(snap.json)).comm["loopback-gloo"]
+        assert {"all_reduce", "send_recv"} <= set(link.ops)
+        assert link.time("all_reduce", 2, 1 << 20) > link.time("all_reduce", 2, 1 << 10) > 0
+        assert {r["link"] for r in est.store.comm_rows} == {"loopback-gloo"}
+    finally:
+        await stop_profilerd(d, prun, pch)
+        await est.stop()

@@ -1,0 +1,130 @@
+"""The communication micro-benchmark: torch.distributed gloo over loopback, 2 processes.
+
+``table(sizes, reps)`` returns rows ``{"op", "bytes", "world", "seconds"}`` for
+all_reduce, all_gather, broadcast and send/recv, plus the device-seconds it cost. Each
+op is timed *in situ*: right after ~1 ms of compute, without a barrier (ranks arrive
+with their natural skew, as in a training step), minus the compute alone; the median
+over ``reps``. A barriered, idle-link loop is 2-10x too optimistic on a busy host.
+
+Run as ``python -m profilerd.commbench [--sizes ...] [--reps N]`` it prints the rows as
+one JSON document: profilerd (``--comm-benchmark``) runs it that way, in a fresh
+process (forking the daemon, which has gRPC threads, would be unsafe), and reports
+the rows to the estimator as ``kind="comm"`` measurements. bench/_measure.py uses
+``table`` directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+DEFAULT_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str) -> None:
+    code = 1
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, [cores[rank % len(cores)]])
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        a = torch.randn(128, 128)
+
+        def work() -> None:
+            for _ in range(20):
+                a @ a
+
+        for _ in range(5):
+            work()
+        rows = []
+        for nbytes in sizes:
+            n = max(1, nbytes // 4)
+            x = torch.ones(n)
+            outs = [torch.empty(n) for _ in range(2)]
+
+            def ops():
+                yield "all_reduce", lambda: dist.all_reduce(x)
+                yield "all_gather", lambda: dist.all_gather(outs, x)
+                yield "broadcast", lambda: dist.broadcast(x, src=0)
+                yield "send_recv", lambda: dist.send(x, dst=1) if rank == 0 else dist.recv(x, src=0)
+
+            for op, fn in ops():
+                fn()  # warm-up (connection setup, buffers)
+                ts, base = [], []
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    work()
+                    base.append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    work()
+                    fn()
+                    ts.append(time.perf_counter() - t)
+                secs = max(1e-6, statistics.median(ts) - statistics.median(base))
+                rows.append({"op": op, "bytes": n * 4, "world": 2, "seconds": secs})
+        if rank == 0:
+            with open(out_path, "w", encoding="utf-8") as f:
+                json.dump(rows, f)
+        dist.destroy_process_group()
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def table(sizes: list[int] | tuple[int, ...] | None = None, reps: int = 7,
+          timeout_s: float = 120.0) -> tuple[list[dict], float]:
+    """Run the micro-benchmark (2 forked ranks); (rows, device-seconds). Raises
+    RuntimeError when a rank fails or times out. Call it from a process without
+    threads that must not be forked (not from a gRPC server)."""
+    sizes = list(sizes or DEFAULT_SIZES)
+    ctx = mp.get_context("fork")
+    port = _free_port()
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="tessera-comm-") as tmp:
+        path = os.path.join(tmp, "rows.json")
+        procs = [ctx.Process(target=_rank, args=(r, port, sizes, reps, path), daemon=True) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout_s)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"comm micro-benchmark failed: exit codes {[p.exitcode for p in procs]}")
+        with open(path, encoding="utf-8") as f:
+            rows = json.load(f)
+    return rows, (time.monotonic() - t0) * 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="gloo loopback communication micro-benchmark (JSON rows on stdout)")
+    ap.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="bytes per rank")
+    ap.add_argument("--reps", type=int, default=7)
+    a = ap.parse_args(argv)
+    if a.reps < 1 or any(s <= 0 for s in a.sizes):
+        print("--reps and --sizes must be positive", file=sys.stderr)
+        return 2
+    rows, dev_s = table(a.sizes, a.reps)
+    json.dump({"rows": rows, "device_s": dev_s}, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
