@@ -87,9 +87,20 @@ def to_status(e: Estimate, version: int, now: float, profile_job: str = "") -> t
                                  profile_job_id=profile_job, time=now)
 
 
+REWRITE_REL = 0.01  # an ok estimate is rewritten only when it moved by more than this
+
+
 def _same(a: types_pb2.JobEstimate, b: types_pb2.JobEstimate) -> bool:
-    return (a.status, a.step_time_s, a.rel_std, a.model_version, a.profile_job_id, a.reason) == \
-           (b.status, b.step_time_s, b.rel_std, b.model_version, b.profile_job_id, b.reason)
+    """Whether ``b`` says nothing new over ``a``: the model's version moves with every
+    refit (each running job's steps refine its profile), so an ok estimate is kept
+    unless its seconds or uncertainty moved materially; one etcd write per job per
+    refit would not scale."""
+    if (a.status, a.profile_job_id) != (b.status, b.profile_job_id):
+        return False
+    if a.status != "ok":
+        return a.reason == b.reason
+    return (abs(a.step_time_s - b.step_time_s) <= REWRITE_REL * max(a.step_time_s, 1e-12)
+            and abs(a.rel_std - b.rel_std) <= REWRITE_REL / 2)
 
 
 class EstimatorLink:
@@ -161,8 +172,8 @@ class Profiling:
             if is_profile_job(job) or job.spec.workload.type != "gpt":
                 continue
             cur = job.status.estimate
-            if job.status.phase in TERMINAL and cur.status == "ok" and cur.model_version == model.version:
-                continue
+            if job.status.phase in TERMINAL and cur.status == "ok":
+                continue  # frozen: the estimate it ran with
             doc = manifest.validate(manifest.from_proto(job.spec))
             module = arch_key(doc["workload"])
             if module not in known:

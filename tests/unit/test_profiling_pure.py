@@ -53,3 +53,15 @@ def test_step_time_line_shows_estimate_next_to_measured():
     assert "profiling job j-abc" in _step_time(s)
     s.estimate.CopyFrom(types_pb2.JobEstimate(status="insufficient_data", reason="no communication table"))
     assert "no communication table" in _step_time(s)
+
+
+def test_estimate_rewritten_only_when_it_moved():
+    from controller.profiling import _same
+
+    a = types_pb2.JobEstimate(status="ok", step_time_s=0.100, rel_std=0.05, model_version=3)
+    assert _same(a, types_pb2.JobEstimate(status="ok", step_time_s=0.1005, rel_std=0.051, model_version=9))
+    assert not _same(a, types_pb2.JobEstimate(status="ok", step_time_s=0.103, rel_std=0.05, model_version=9))
+    assert not _same(a, types_pb2.JobEstimate(status="ok", step_time_s=0.100, rel_std=0.07, model_version=3))
+    p = types_pb2.JobEstimate(status="profiling", profile_job_id="j-1", reason="x")
+    assert _same(p, types_pb2.JobEstimate(status="profiling", profile_job_id="j-1", reason="x", time=5))
+    assert not _same(p, types_pb2.JobEstimate(status="insufficient_data", profile_job_id="j-1", reason="x"))
