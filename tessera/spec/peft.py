@@ -10,7 +10,7 @@ Section (defaults in brackets)::
 
     mode: spatial | temporal                 [spatial]
     chunk_size: int >= 2 | null              [null = model.seq_len]  tokens per packed chunk
-    micro_batch_tokens: int >= 1             [1024]  tokens per forward/backward within a step
+    micro_batch_tokens: int >= 1             [512]  tokens per forward/backward within a step
                                              (whole chunks, at least one; bounds activation memory)
     tasks: non-empty list, unique names, each:
       name: str (lower-case, digits, '-', '_'), required
@@ -173,7 +173,7 @@ def validate_peft(section: Any, path: str = "workload.peft", defaults: dict | No
     out: dict[str, Any] = {
         "mode": _choice(s.get("mode", "spatial"), f"{path}.mode", MODES),
         "chunk_size": _int(s.get("chunk_size"), f"{path}.chunk_size", 2, nullable=True),
-        "micro_batch_tokens": _int(s.get("micro_batch_tokens", 1024), f"{path}.micro_batch_tokens", 1),
+        "micro_batch_tokens": _int(s.get("micro_batch_tokens", 512), f"{path}.micro_batch_tokens", 1),
     }
     tasks = s.get("tasks")
     if tasks is None:

@@ -84,7 +84,7 @@ class MuxEngine:
     """Shared-backbone multi-task LoRA trainer; see module doc."""
 
     def __init__(self, model: GPT, chunk_size: int, mode: str = "spatial", slots: int = 4,
-                 micro_batch_tokens: int = 1024) -> None:
+                 micro_batch_tokens: int = 512) -> None:
         if mode not in ("spatial", "temporal"):
             raise ValueError(f"mode must be spatial or temporal, got {mode!r}")
         if not 2 <= chunk_size <= model.cfg.seq_len:

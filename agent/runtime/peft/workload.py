@@ -135,7 +135,7 @@ class PeftRunner:
         torch.manual_seed(params["seed"])
         self.model = GPT(cfg).to(device)  # the shared, frozen backbone
         self.engine = MuxEngine(self.model, section["chunk_size"], section["mode"], slots=max(1, len(section["tasks"])),
-                                micro_batch_tokens=section.get("micro_batch_tokens", 1024))
+                                micro_batch_tokens=section.get("micro_batch_tokens", 512))
         self._added = 0
         self.losses: list[float] = []
 
