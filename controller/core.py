@@ -532,6 +532,9 @@ class Controller:
         dlog.info("decision cycle", policy=self.policy.name, nodes=len(nodes), pending=len(pending), running=len(active),
                   placements=[(p.job_id, p.reason) for p in reply.placements],
                   resizes=[(r.job_id, r.kind) for r in reply.resizes], preemptions=[p.job_id for p in reply.preemptions],
+                  # Decided but not carried out by this controller yet (see docs/scheduler.md).
+                  reshards=[(r.job_id, r.encoder_ranks, r.llm_ranks) for r in reply.reshards],
+                  repartitions=[(r.group_id, r.quotas) for r in reply.repartitions], starving=list(reply.starving),
                   ms=round(dt, 2), **out)
         return out
 

@@ -28,3 +28,14 @@ def test_example_succeeds_with_loss_falling(bed, example, ranks):
     # tessera get shows the decision and its reason
     g = bed.run("get", job["id"])
     assert g.returncode == 0 and "place:" in g.stdout and "tessera" in g.stdout
+
+
+def test_nodes_show_partitions(bed):
+    r = bed.run("nodes", "-o", "json")
+    assert r.returncode == 0, r.stderr
+    for n in json.loads(r.stdout)["nodes"]:
+        assert [(p["id"], p["kind"], p["unit"]) for p in n["partitions"]] == [("cpu0", "cpuset", "cores"),
+                                                                              ("cpu1", "cpuset", "cores")]
+        assert all(p["capacity_units"] >= 1 for p in n["partitions"])
+    r = bed.run("nodes")
+    assert r.returncode == 0 and "cpuset" in r.stdout and "cores" in r.stdout
