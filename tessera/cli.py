@@ -468,7 +468,10 @@ def cmd_demo(a, client_for, out: Console, err: Console) -> int:
             emit_json(out, {"ok": ok, "wall_s": round(total, 2), "jobs": [
                 {"job": j.spec.name, "id": j.id, "phase": phase_name(j.status.phase), "placement": _placement(j),
                  "steps": j.status.step, "first_loss": j.status.first_loss, "final_loss": j.status.loss,
-                 "wall_s": round(wall_time(j), 2), "reason": j.status.reason} for j in jobs]})
+                 "wall_s": round(wall_time(j), 2), "reason": j.status.reason,
+                 **({"tasks": [{"task": k.name, "phase": phase_name(k.phase), "steps": k.step, "first_loss": k.first_loss,
+                                "final_loss": k.loss, "tokens_per_s": round(k.tokens_per_s, 1)} for k in j.status.tasks]}
+                    if j.status.tasks else {})} for j in jobs]})
         else:
             t = Table(title=f"tessera demo: {sum(j.status.phase == types_pb2.SUCCEEDED for j in jobs)}/{len(jobs)} "
                             f"succeeded in {total:.1f}s", header_style="bold", box=None)
@@ -478,6 +481,10 @@ def cmd_demo(a, client_for, out: Console, err: Console) -> int:
                 _row(t, j.spec.name, j.id, _phase(j), _nodes_of(j), _devices_of(j), _steps(j),
                           f"{_loss(j.status.first_loss)} → {_loss(j.status.loss)}", f"{wall_time(j):.1f}s")
             out.print(t)
+            for j in jobs:
+                if j.status.tasks:
+                    out.print(Text(f"{j.spec.name}: {len(j.status.tasks)} tasks on one shared backbone", style="bold"))
+                    out.print(tasks_table(j))
             for j in jobs:
                 if j.status.phase != types_pb2.SUCCEEDED:
                     err.print(f"[red]{j.spec.name}[/] {phase_name(j.status.phase)}: {j.status.reason}", highlight=False)
