@@ -11,6 +11,10 @@ writes and the agent RPCs around it.
   and each rank's quota in units (what the etcd allocation and the agents get).
 - :func:`replan` — the parallelism plan of a job moved to another device count.
 - :func:`quota_units` — a quota in (0, 1] of a partition -> whole units.
+- :func:`job_shape` / :func:`device_classes` — what the live estimator
+  (``controller.policy.snapshot_estimator``) needs: a ``gpt`` job's model, batch and plan
+  (its policy model key is ``job_key`` of that), and per device type the perf model's
+  kind, per-partition quota and memory.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import math
 
 from controller.policy import DeviceView, JobView, NodeView, Placement, RunningJob, ScheduleRequest, Shard
+from controller.policy.snapshot_estimator import DeviceClass, JobShape, job_key, plan_for
+from tessera.modelkey import arch_key
 from tessera.api.v1 import types_pb2
 
 P = types_pb2.JobPhase
@@ -33,6 +39,33 @@ def node_partitions(node: types_pb2.Node) -> list[types_pb2.Partition]:
     return [types_pb2.Partition(id=d.id, kind="device", device_id=d.id, capacity_units=max(d.capacity, 1),
                                 unit="cores" if d.kind == "cpu" else "sm_percent", memory_bytes=d.memory_bytes)
             for d in node.devices]
+
+
+def hide_unreleased(nodes: list[types_pb2.Node], holders: dict, reports: dict) -> list[types_pb2.Node]:
+    """``nodes`` without the partitions that no allocation holds in etcd but whose agent
+    still reported units granted (``free_units`` < capacity at its last report): an
+    executor of a stopped or cancelled allocation that has not exited yet. The policy
+    must not hand such a partition out (the launch would be refused as busy); it comes
+    back with the agent's next report. ``holders``: (node, partition id) -> {allocation:
+    units}; ``reports``: node -> {partition id: reported Partition}. A node left with
+    no partition is shown not ready. Copies; the inputs are not modified."""
+    out = []
+    for n in nodes:
+        rep = reports.get(n.name, {})
+        hide = {p.id for p in node_partitions(n)
+                if not holders.get((n.name, p.id)) and p.id in rep and rep[p.id].free_units < p.capacity_units}
+        if not hide:
+            out.append(n)
+            continue
+        c = types_pb2.Node()
+        c.CopyFrom(n)
+        keep = [p for p in node_partitions(n) if p.id not in hide]
+        del c.partitions[:]
+        c.partitions.extend(keep)
+        if not keep:
+            c.state = types_pb2.NOT_READY
+        out.append(c)
+    return out
 
 
 def device_type(dev: types_pb2.Device) -> str:
@@ -60,12 +93,59 @@ def _job_kind(job: types_pb2.Job, types_by_kind: dict[str, set[str]]) -> str:
     return "" if models else k  # several models of that kind: any; none: a kind nothing matches
 
 
+def job_shape(job: types_pb2.Job) -> JobShape | None:
+    """The perf model's view of a ``gpt`` job (module key ``tessera.modelkey.arch_key``,
+    global batch, asked plan and device count); None for other workloads or an
+    incomplete model."""
+    w = job.spec.workload
+    m = w.model
+    if w.type != "gpt" or min(m.layers, m.hidden, m.heads, m.vocab, m.seq_len, w.batch_size) <= 0:
+        return None
+    module = arch_key({"type": "gpt", "model": {"layers": m.layers, "hidden": m.hidden, "heads": m.heads,
+                                                "seq_len": m.seq_len, "vocab": m.vocab}})
+    p = w.plan
+    return JobShape(module, m.layers, m.hidden, m.heads, m.vocab, m.seq_len, w.batch_size, max(p.micro_batches, 1),
+                    max(p.tp, 1), max(p.pp, 1), max(job.spec.resources.devices, 1))
+
+
+def model_key(job: types_pb2.Job) -> str:
+    """The policy's model key: ``job_key`` of a gpt job's shape (grids and estimates are
+    per model, batch and plan), else the workload type."""
+    s = job_shape(job)
+    return job_key(s) if s is not None else (job.spec.workload.type or "gpt")
+
+
+def device_classes(nodes: list[types_pb2.Node]) -> dict[str, DeviceClass]:
+    """Per policy device type of the READY nodes: the perf model's kind, the quota of one
+    partition (cores of the smallest CPU core set; the SM share of the smallest GPU
+    partition) and the least partition memory (0 = unknown)."""
+    out: dict[str, DeviceClass] = {}
+    for n in nodes:
+        if n.state != types_pb2.READY:
+            continue
+        devs = {d.id: d for d in n.devices}
+        for p in node_partitions(n):
+            d = devs.get(p.device_id)
+            kind = d.kind if d is not None else "cpu"
+            t = device_type(d) if d is not None else "cpu"
+            q = float(p.capacity_units) if kind == "cpu" else p.capacity_units / 100.0
+            mem = float(p.memory_bytes or (d.memory_bytes if d else 0))
+            cur = out.get(t)
+            if cur is None:
+                out[t] = DeviceClass(kind, q, mem)
+            else:
+                m2 = min(cur.memory_bytes, mem) if cur.memory_bytes and mem else (cur.memory_bytes or mem)
+                out[t] = DeviceClass(kind, min(cur.quota, q), m2)
+    return out
+
+
 def job_view(job: types_pb2.Job, types_by_kind: dict[str, set[str]]) -> JobView:
-    """A job as the policy sees it: its devices, share, total and done steps."""
+    """A job as the policy sees it: its devices, share, total and done steps, and its
+    model key (``model_key``)."""
     share = job.spec.resources.share
     return JobView(
         job.id, job.spec.tenant or "default", max(job.spec.resources.devices, 1), _job_kind(job, types_by_kind),
-        job.created, model=job.spec.workload.type, workload=job.spec.workload.type,
+        job.created, model=model_key(job), workload=job.spec.workload.type,
         iterations=int(job.status.total_steps or job.spec.workload.steps), done_iterations=float(job.status.step),
         gpu_fraction=share if 0 < share < 1 else 1.0,
     )
@@ -156,19 +236,9 @@ def replan(plan: types_pb2.ParallelPlan, model: types_pb2.ModelConfig, batch_siz
     divide ``n`` (pipeline degree ``stages`` first when the policy named one), else drop
     them; data parallelism takes the rest. None when no candidate fits the model (heads
     divisible by tp, layers >= pp, batch divisible by dp x micro-batches)."""
-    tp0, pp0, mb0 = max(plan.tp, 1), max(plan.pp, 1), max(plan.micro_batches, 1)
-    cands = []
-    for pp in ([stages] if stages > 0 else []) + [pp0, 1]:
-        for tp in (tp0, 1):
-            if (tp, pp) not in cands:
-                cands.append((tp, pp))
-    for tp, pp in cands:
-        if n % (tp * pp):
-            continue
-        dp = n // (tp * pp)
-        if model.heads % tp or (4 * model.hidden) % tp or model.layers < pp:
-            continue
-        for mb in (mb0, 1):
-            if batch_size % (dp * mb) == 0:
-                return types_pb2.ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batches=mb)
-    return None
+    got = plan_for(plan.tp, plan.pp, plan.micro_batches, model.heads, model.hidden, model.layers, batch_size, n,
+                   stages)
+    if got is None:
+        return None
+    dp, tp, pp, mb = got
+    return types_pb2.ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batches=mb)

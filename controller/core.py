@@ -21,9 +21,11 @@ from dataclasses import dataclass
 import grpc
 
 from controller.policy import Placement, Resize
+from controller.policy.snapshot_estimator import SnapshotEstimator, job_key
 from tessera import log, manifest
 from tessera.api.v1 import agent_pb2, agent_pb2_grpc, controller_pb2, types_pb2
 from tessera.errors import SpecError
+from tessera.perfmodel import PerfModel
 
 from . import tasks as peft_tasks
 from . import adapter
@@ -120,9 +122,13 @@ class Controller:
         self.heartbeats: dict[str, float] = {}
         # The agents' last partition reports (free amounts), in memory like heartbeats.
         self.part_reports: dict[str, dict[str, types_pb2.Partition]] = {}
-        # What the policy may ask for estimates (controller.policy.estimator.Estimator), or
-        # None: policies fall back to the requested resources.
+        # What the policy may ask for estimates (controller.policy.estimator.Estimator): a
+        # fixed one when set (tests, simulations), else the live one built each round from
+        # ``snapshot`` (the estimator's cached model, see ``round_estimator``); neither:
+        # policies fall back to the requested resources.
         self.estimator: object | None = None
+        self.snapshot: Callable[[], PerfModel | None] | None = None
+        self._live: SnapshotEstimator | None = None
         self.elected_at = 0.0
         self.leading = False
         self.kick = asyncio.Event()  # set on events that warrant an early reconcile
@@ -506,7 +512,11 @@ class Controller:
             return {"placed": 0, "lost_nodes": lost}
         decision_id = "d-" + secrets.token_hex(4)
         dlog = self.log.bind(decision_id=decision_id)
-        req = adapter.build_request(nodes, jobs, now, self.estimator)
+        # Partitions an agent still holds for an allocation that etcd no longer has (a
+        # stopped executor not gone yet) are not offered this round.
+        nodes = adapter.hide_unreleased(nodes, await self.store.list_holders(), self.part_reports)
+        est = self.round_estimator(nodes, pending + active)
+        req = adapter.build_request(nodes, jobs, now, est)
         reply = self.policy.schedule(req)
         by_id = {j.id: j for j in jobs}
         node_map = {n.name: n for n in nodes}
@@ -538,6 +548,36 @@ class Controller:
                   ms=round(dt, 2), **out)
         return out
 
+    def round_estimator(self, nodes: list[types_pb2.Node], jobs: list[types_pb2.Job]) -> object | None:
+        """The estimator of this round: ``self.estimator`` when set; else a
+        ``SnapshotEstimator`` over the newest cached snapshot (kept across rounds while the
+        snapshot and the device classes are the same, so the policy's grids stay cached)
+        with every gpt job of ``jobs`` registered; None without a fitted snapshot."""
+        if self.estimator is not None:
+            return self.estimator
+        model = self.snapshot() if self.snapshot is not None else None
+        if model is None or model.version <= 0:
+            return None
+        classes = adapter.device_classes(nodes)
+        live = self._live
+        if live is None or live.model is not model or live.classes != classes:
+            live = self._live = SnapshotEstimator(model, classes)
+            self.log.info("live estimator", model_version=model.version,
+                          classes={t: (c.kind, c.quota) for t, c in classes.items()})
+        for j in jobs:
+            s = adapter.job_shape(j)
+            if s is not None:
+                live.register(job_key(s), s)
+        return live
+
+    def _estimate_note(self, job: types_pb2.Job) -> str:
+        """" [estimates: perf model vN]" when the live estimator answered for ``job``."""
+        live = self._live
+        if live is None or self.estimator is not None:
+            return ""
+        key = adapter.model_key(job)
+        return f" [estimates: perf model v{live.version}]" if live.knows(key) else ""
+
     def _capacity(self, nodes: dict) -> dict[tuple[str, str], int]:
         return {(n.name, p.id): p.capacity_units for n in nodes.values() for p in adapter.node_partitions(n)}
 
@@ -553,9 +593,24 @@ class Controller:
         except KeyError as e:
             self.log.warning("placement names an unknown partition", job_id=job.id, error=str(e))
             return False
+        # A placement on another count than the job's plan asks for (the policy shrank or
+        # expanded it at placement, or it resumes on another count after a resize): run it
+        # under a plan for that count, like a resize.
+        n = sum(len(s.device_ids) for s in shards)
+        sp = job.spec.workload.plan
+        plan = None
+        if job.spec.workload.type == "gpt" and n != max(sp.dp, 1) * max(sp.tp, 1) * max(sp.pp, 1):
+            stages = p.plan.stages if p.plan is not None else 0
+            plan = adapter.replan(sp, job.spec.workload.model, job.spec.workload.batch_size, n, stages)
+            if plan is None:
+                self.log.info("placement skipped: no plan fits", job_id=job.id, devices=n)
+                return False
         want = adapter.shard_units(shards, nodes)
         caps = self._capacity(nodes)
         action = "pack" if p.quota < 1.0 else "place"
+        note = self._estimate_note(job)
+        if plan is not None:
+            note = f"; plan dp={plan.dp} tp={plan.tp} pp={plan.pp}{note}"
 
         async def fn(j):
             if j.status.phase != P.PENDING:
@@ -572,9 +627,11 @@ class Controller:
             j.status.allocation_id = alloc_id
             j.status.attempts += 1
             j.status.ClearField("plan")
+            if plan is not None:
+                j.status.plan.CopyFrom(plan)
             where = ", ".join(f"{s.node}[{','.join(s.partition_ids)}]" + (f" {s.units} units" if s.units else "")
                               for s in shards)
-            decide(j, self.policy.name, action, f"{p.reason or 'placed'} ({where})", now, decision_id, p.quota)
+            decide(j, self.policy.name, action, f"{p.reason or 'placed'} ({where}){note}", now, decision_id, p.quota)
             transition(j, P.SCHEDULED, f"placed on {', '.join(s.node for s in shards)}", now)
             return cmp, ops
 
@@ -618,6 +675,7 @@ class Controller:
         alloc_id = "a-" + secrets.token_hex(6)
         want = adapter.shard_units(shards, nodes)
         caps = self._capacity(nodes)
+        note = self._estimate_note(job)
 
         async def fn(j):
             if j.status.allocation_id != old_alloc or j.status.phase not in ACTIVE:
@@ -636,7 +694,8 @@ class Controller:
             if plan is not None:
                 j.status.plan.CopyFrom(plan)
             ptxt = f"; plan dp={plan.dp} tp={plan.tp} pp={plan.pp}" if plan is not None else ""
-            decide(j, self.policy.name, rz.kind, f"{rz.reason or rz.kind}{ptxt}", now, decision_id, rz.placement.quota)
+            decide(j, self.policy.name, rz.kind, f"{rz.reason or rz.kind}{ptxt}{note}", now, decision_id,
+                   rz.placement.quota)
             transition(j, P.SCHEDULED, f"{rz.kind}: checkpoint and relaunch on "
                                        f"{', '.join(s.node for s in shards)}{ptxt}", now)
             return cmp, ops

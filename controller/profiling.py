@@ -34,6 +34,7 @@ from tessera.modelkey import arch_key
 from tessera.perfmodel import Candidate, Estimate, PerfModel
 
 from .core import NotFound
+from .policy.snapshot_estimator import link_for  # noqa: F401 - one definition for the policy and here
 
 PROFILE_TENANT = "tessera-system"
 PROFILE_PREFIX = "profile-"
@@ -59,13 +60,6 @@ def profile_doc(doc: dict, steps: int) -> tuple[dict, str]:
               plan={"dp": 1, "tp": 1, "pp": 1, "micro_batches": p["micro_batches"]})
     return ({"apiVersion": manifest.API_VERSION, "name": PROFILE_PREFIX + digest, "tenant": PROFILE_TENANT,
              "workload": pw, "resources": {"devices": 1, "device_kind": dev}}, PROFILE_PREFIX + digest)
-
-
-def link_for(device_type: str, nodes: int) -> str:
-    """Link type of a plan's collectives (the names the communication tables use)."""
-    if device_type == "gpu":
-        return "nccl-local" if nodes <= 1 else "nccl-net"
-    return "loopback-gloo" if nodes <= 1 else "tcp-gloo"
 
 
 def candidate(doc: dict, device_type: str, quota: float, nodes: int) -> Candidate:

@@ -173,8 +173,12 @@ def run_round(request: ScheduleRequest, s: Strategy, cache: GridCache) -> Schedu
     rd = _Round(request, s, pool, shape, {t: q for t, q in request.tenant_quotas if q > 0})
     est = request.estimator
 
+    knows = getattr(est, "knows", None)
+
     def grid_of(job: JobView) -> tuple[Cell, ...]:
-        if est is None:
+        # No estimator, or one that cannot estimate this job's requested shape (too
+        # little data): the requested shapes only, as asked.
+        if est is None or (knows is not None and not knows(job.model)):
             return requested_cells(job, shape)
         return cache.get(est, job.model, shape)
 
@@ -478,7 +482,10 @@ def _expand(rd: _Round, items: list[_Item]) -> None:
             continue
         c, sh = got
         _charge(rd, it.job, c.count - cur.count)
-        p = _placement(it, c, sh, f"expanded on idle devices to {c.label()} ~{c.iter_time:.3g} s/iter")
+        p = _placement(it, c, sh, f"expanded on idle devices to {c.label()}: estimated {c.iter_time:.3g} s/iter vs "
+                                  f"{cur.iter_time:.3g} on {cur.label()}, {it.rem_iters:.0f} iters left: "
+                                  f"~{it.rem_iters * c.iter_time:.0f}s + {cost:g}s restart vs "
+                                  f"~{cur_rem:.0f}s staying")
         if it.running:
             # A running job moved in an earlier step of this round already has a resize.
             rd.resizes = [x for x in rd.resizes if x.job_id != it.job.job_id]

@@ -9,7 +9,10 @@ training real models on CPU core-set partitions.
   checkpoints), relaunched under a new plan on fewer partitions, continues from its
   checkpoint (no step repeated from 0) and finishes with its loss falling;
 - preemption: a long job yields its partition to a much shorter one, resumes from its
-  checkpoint afterwards, and both succeed.
+  checkpoint afterwards, and both succeed;
+- estimates: with an estimator service whose snapshot says two ranks finish the job
+  sooner even after the restart, the Tessera policy itself expands a running job onto a
+  partition that became idle; it resumes from its checkpoint under dp=2 and succeeds.
 """
 
 from __future__ import annotations
@@ -22,17 +25,23 @@ from dataclasses import replace
 
 import grpc
 import pytest
+from rich.console import Console
 
 from agent.config import AgentConfig
 from agent.main import serve as agent_serve
 from controller import main as cmain
 from controller.config import ControllerConfig
 from controller.policy import Placement, Resize, ScheduleReply, Shard, TesseraPolicy
+from estimator import main as emain
+from estimator.config import EstimatorConfig
 from tessera import manifest
 from tessera.api.v1 import controller_pb2 as cpb
 from tessera.api.v1 import controller_pb2_grpc as cgrpc
+from tessera.api.v1 import estimator_pb2, estimator_pb2_grpc, profiler_pb2
 from tessera.api.v1 import types_pb2 as tpb
+from tessera.cli import job_view
 from tessera.etcdproc import free_port
+from tessera.modelkey import arch_key
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores for a 2-core partition")]
@@ -43,23 +52,26 @@ SMALL = {"vocab": 64, "seq_len": 32, "layers": 2, "hidden": 64, "heads": 4}
 PACKING_MAX_RATIO = 0.85
 
 
-def spec(name: str, steps: int, devices: int = 1, share: float | None = None, **plan) -> tpb.JobSpec:
+def spec(name: str, steps: int, devices: int = 1, share: float | None = None, batch: int = 8,
+         **plan) -> tpb.JobSpec:
     res = {"devices": devices, "device_kind": "cpu"}
     if share is not None:
         res["share"] = share
     return manifest.to_proto(manifest.validate({
         "apiVersion": "tessera/v1", "name": name, "tenant": "it",
-        "workload": {"type": "gpt", "model": SMALL, "steps": steps, "batch_size": 8, "learning_rate": 0.01,
+        "workload": {"type": "gpt", "model": SMALL, "steps": steps, "batch_size": batch, "learning_rate": 0.01,
                      "checkpoint_every": 10, "plan": {"dp": 1, "tp": 1, "pp": 1, "micro_batches": 1, **plan}},
         "resources": res,
     }))
 
 
 @asynccontextmanager
-async def live_cluster(etcd: str, tmp, policy: str, prefix: str, agents: int = 1, cpu_devices: int = 1):
-    """A controller with ``policy`` and ``agents`` agents of ``cpu_devices`` partitions each."""
+async def live_cluster(etcd: str, tmp, policy: str, prefix: str, agents: int = 1, cpu_devices: int = 1,
+                       estimator: str = ""):
+    """A controller with ``policy`` and ``agents`` agents of ``cpu_devices`` partitions each
+    (and the estimator at ``estimator``, when given: profiling loop and live estimates)."""
     cfg = ControllerConfig(listen=f"127.0.0.1:{free_port()}", etcd=etcd, prefix=prefix, grace_s=5.0,
-                           heartbeat_interval_s=0.3, reconcile_interval_s=0.3, policy=policy,
+                           heartbeat_interval_s=0.3, reconcile_interval_s=0.3, policy=policy, estimator=estimator,
                            state_dir=str(tmp / f"{prefix}-ctl"), checkpoint_root=str(tmp / f"{prefix}-ckpt"))
     cstop, ready = asyncio.Event(), asyncio.Event()
     ctask = asyncio.create_task(cmain.serve(cfg, ready=ready, stop=cstop))
@@ -204,3 +216,82 @@ async def test_short_job_preempts_long_one_which_resumes(etcd_server, tmp_path):
     # The short job ran while the long one waited: it ended before the long one resumed.
     resumed = [h.time for h in st.history if h.phase == tpb.SCHEDULED][-1]
     assert max(h.time for h in short.status.history if h.phase == tpb.SUCCEEDED) <= resumed + 1.0
+
+
+# Seeded step times (s) of single-core runs of SMALL at per-rank batch 8 and 4. Synthetic
+# but valid measurements: they go through the estimator's real ReportMeasurements ->
+# store -> refit -> GetModelSnapshot path and the controller's local evaluation. Chosen so
+# that two ranks (batch 4 each + all-reduce) beat one (batch 8) by more than the policy's
+# 60 s restart charge once more than ~40 steps remain; the real runs are much faster.
+SEED_STEP_S = {8: 2.0, 4: 0.2}
+
+
+def seed_measurements() -> list[profiler_pb2.Measurement]:
+    out, seq = [], 0
+    for rows, t in SEED_STEP_S.items():
+        labels = {"module": arch_key({"type": "gpt", "model": SMALL}), "workload_type": "gpt", **SMALL,
+                  "batch": rows, "dp": 1, "tp": 1, "pp": 1, "micro_batches": 1, "threads": 1, "world_size": 1,
+                  "device_kind": "cpu", "rank": 0}
+        for step in range(1, 9):
+            seq += 1
+            out.append(profiler_pb2.Measurement(source="seed", seq=seq, kind="step", job_id=f"seed-b{rows}", step=step,
+                                                step_time_s=t * (1.0 + 0.01 * (step % 3)),
+                                                labels={k: str(v) for k, v in labels.items()}))
+    for nbytes in (4 << 10, 256 << 10, 4 << 20):  # gloo all-reduce over loopback, 2 ranks
+        seq += 1
+        out.append(profiler_pb2.Measurement(source="seed", seq=seq, kind="comm",
+                                            labels={"op": "all_reduce", "link": "loopback-gloo"},
+                                            values={"bytes": nbytes, "world": 2, "seconds": 2e-4 + nbytes / 1e9}))
+    return out
+
+
+async def test_policy_expands_job_on_idle_partition_when_estimates_say_sooner(etcd_server, tmp_path):
+    ecfg = EstimatorConfig(listen="127.0.0.1:0", state_dir=str(tmp_path / "est"), grace_s=0, min_refit_interval_s=0)
+    erun, estore = await emain.start(ecfg)
+    est_addr = f"127.0.0.1:{erun.port}"
+    ech = grpc.aio.insecure_channel(est_addr)
+    try:
+        est = estimator_pb2_grpc.EstimatorServiceStub(ech)
+        ms = seed_measurements()
+        ack = await est.ReportMeasurements(iter([estimator_pb2.MeasurementBatch(measurements=ms)]))
+        assert ack.accepted == len(ms)
+        async with live_cluster(etcd_server, tmp_path, "tessera", "/expand", cpu_devices=2,
+                                estimator=est_addr) as (jobs, _):
+            # A long job at per-rank batch 4: the snapshot knows it on one rank only (batch 2
+            # was never profiled), so it holds exactly one partition.
+            other = (await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec("other", 100000, batch=4)))).job.id
+            await watch_until(jobs, other, lambda j: j.status.phase == tpb.RUNNING, 60)
+            r = await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec("elastic", 300)))
+            await watch_until(jobs, r.job.id, lambda j: j.status.phase == tpb.RUNNING and j.status.step >= 20, 60)
+            # The other partition becomes idle: the policy's estimate decides the expansion.
+            await jobs.CancelJob(cpb.CancelJobRequest(job_id=other, reason="free the partition"))
+            seen: list[tpb.Job] = []
+            final = await watch_until(jobs, r.job.id, ended, 120, seen)
+    finally:
+        await ech.close()
+        await erun.stop(0)
+        estore.close()
+    st = final.status
+    assert st.phase == tpb.SUCCEEDED, st.reason
+    assert st.step == 300 and st.loss < st.first_loss
+    d = st.last_decision
+    assert (d.policy, d.action) == ("tessera", "expand"), d
+    assert "estimated 0.2" in d.reason and "vs 2.0" in d.reason and "on cpu:1x1" in d.reason, d.reason
+    assert "s restart" in d.reason and "[estimates: perf model v" in d.reason, d.reason
+    assert (st.plan.dp, st.plan.tp, st.plan.pp) == (2, 1, 1)
+    assert sum(len(s.partition_ids) for s in st.placement) == 2
+    assert st.preemptions == 1 and st.attempts == 2
+    assert st.estimate.status == "ok" and st.estimate.model_version >= 1
+    # Resumed from its checkpoint: after the relaunch no step below the first run's last
+    # checkpoint (every 10 steps, and on SIGTERM) was reported again.
+    first_alloc = next(j.status.allocation_id for j in seen if j.status.allocation_id)
+    before = [j.status.step for j in seen if j.status.allocation_id == first_alloc and j.status.step]
+    after = [j.status.step for j in seen if j.status.allocation_id not in ("", first_alloc) and j.status.step]
+    assert before and max(before) >= 20
+    assert after and min(after) >= (max(before) // 10) * 10
+    # `tessera get` shows the decision with the estimate behind it.
+    con = Console(record=True, width=400)
+    con.print(job_view(final))
+    text = con.export_text()
+    assert "expand: expanded on idle devices to cpu:1x2: estimated" in text, text
+    print(f"\nexpand decision: {d.reason}")
