@@ -2,7 +2,9 @@
 
 Codes: FAILED_PRECONDITION for a stale fencing token or incarnation; RESOURCE_EXHAUSTED
 when the quota asked exceeds the partition's free capacity (the reason names the
-partition, the amounts and the holders); INVALID_ARGUMENT for a bad request;
+partition, the amounts and the holders), at launch and at a live UpdateGrant;
+FAILED_PRECONDITION also for an UpdateGrant on a partition that cannot change live
+(MPS, MIG: checkpoint and relaunch instead); INVALID_ARGUMENT for a bad request;
 NOT_FOUND for logs of a job this node never ran.
 """
 
@@ -14,7 +16,8 @@ import grpc
 
 from tessera.api.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 
-from .executors import BadRequest, CapacityError, ExecutorManager
+from .executors import BadRequest, CapacityError, ExecutorManager, NotRunning
+from .partitions import NotLive
 
 
 class NodeState:
@@ -127,6 +130,27 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         except KeyError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
         return agent_pb2.ControlTaskResponse(control_file=path)
+
+    async def UpdateGrant(self, request, context):
+        why = self.node.check_token(request.fencing_token)
+        if why:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+        if not request.allocation_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "allocation_id: is required")
+        if request.units < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"units: must be >= 1, got {request.units}")
+        try:
+            ex, g, old = self.mgr.update_grant(request.allocation_id, request.rank, request.units)
+        except NotRunning as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except CapacityError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except NotLive as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except BadRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return agent_pb2.UpdateGrantResponse(partition_id=g.partition_id, units=g.units, cores=list(g.cores),
+                                             pid=ex.proc.pid, old_units=old)
 
 
 def partitions_proto(parts) -> list[types_pb2.Partition]:

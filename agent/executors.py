@@ -25,7 +25,7 @@ from tessera import log
 from tessera.modelkey import model_key, profile_labels
 
 from .devices import LocalDevice
-from .partitions import BadGrant, CapacityRefused, Grant, MpsBackend, Partitions, UnknownPartition
+from .partitions import BadGrant, CapacityRefused, Grant, MpsBackend, NotLive, Partitions, UnknownPartition
 
 
 class CapacityError(Exception):
@@ -34,6 +34,10 @@ class CapacityError(Exception):
 
 class BadRequest(Exception):
     """Unknown device, malformed spec."""
+
+
+class NotRunning(Exception):
+    """No running executor of that allocation and rank on this node."""
 
 
 @dataclass
@@ -289,6 +293,41 @@ class ExecutorManager:
             await self.on_report(ex, {"kind": "PROGRESS", "step": ex.step, "total_steps": int(ev.get("total", 0) or 0),
                                       "loss": ex.loss, "step_time_s": float(ev.get("step_time_s", 0.0))})
 
+    # -- live repartition -------------------------------------------------------------
+    def update_grant(self, allocation_id: str, rank: int, units: int) -> tuple[Executor, Grant, int]:
+        """Change the quota of running rank ``rank`` of ``allocation_id`` to ``units`` without
+        restarting it: the grant is re-taken through the partition ledger, then every thread
+        of the process is re-pinned to the grant's cores. Returns (executor, new grant, old
+        units). Raises NotRunning, BadRequest (units < 1, no partitions), NotLive (the
+        backend cannot do it in place) or CapacityError (the reason names the partition, the
+        free amount and the holders); a refusal changes nothing.
+
+        The runtime's torch/OpenMP thread count is fixed at start: after a shrink its
+        threads share fewer cores, after a grow some cores may stay idle until a relaunch."""
+        if units < 1:
+            raise BadRequest(f"units: must be >= 1, got {units}")
+        ex = self.executors.get((allocation_id, rank))
+        if ex is None or not ex.running or ex.proc is None:
+            raise NotRunning(f"no running executor of allocation {allocation_id} rank {rank} on this node")
+        if self.parts is None or ex.grant is None:
+            raise BadRequest(f"allocation_id: rank {rank} of {allocation_id} runs without a partition grant")
+        old = ex.grant
+        try:
+            g = self.parts.regrant(ex.grant_id, units)
+        except CapacityRefused as e:
+            holders = sorted({h.grant_id.rsplit("/", 1)[0] for h in self.parts.grants()
+                              if h.partition_id == old.partition_id and h.grant_id != ex.grant_id})
+            raise CapacityError(f"{e} (held by allocation {', '.join(holders)})" if holders else str(e)) from None
+        except BadGrant as e:
+            raise BadRequest(f"units: {e}") from None
+        ex.grant = g
+        if g.cores:
+            pin_process(ex.proc.pid, g.cores)
+        self.log.info("executor repartitioned live", job_id=ex.job_id, allocation=allocation_id, rank=rank,
+                      pid=ex.proc.pid, partition=g.partition_id, old_units=old.units, units=g.units,
+                      cores=list(g.cores))
+        return ex, g, old.units
+
     # -- stop -------------------------------------------------------------------------
     async def stop(self, allocation_id: str, grace_s: float = 10.0) -> int:
         """SIGTERM every running rank of ``allocation_id``, SIGKILL after ``grace_s``;
@@ -341,6 +380,22 @@ class ExecutorManager:
         allocs = self.running_allocations()
         counts = await asyncio.gather(*(self.stop(a, grace_s) for a in allocs))
         return sum(counts)
+
+
+def pin_process(pid: int, cores) -> None:
+    """Pin every thread of running process ``pid`` to ``cores``: sched_setaffinity on a pid
+    moves only that thread, and torch's pools were started with the old mask. Threads
+    that end meanwhile are skipped; threads created later inherit the caller's mask."""
+    cores = set(cores)
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except ProcessLookupError:
+            pass
 
 
 def _signal(e: Executor, sig: int) -> None:

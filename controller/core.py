@@ -28,7 +28,7 @@ from tessera.errors import SpecError
 from tessera.perfmodel import PerfModel
 
 from . import tasks as peft_tasks
-from . import adapter
+from . import actions, adapter
 from .config import ControllerConfig
 from .store import CapacityExceeded, Conflict, Fenced, Store
 
@@ -528,6 +528,14 @@ class Controller:
         for rz in reply.resizes:
             if rz.job_id in by_id and await self._resize(by_id[rz.job_id], rz, node_map, decision_id):
                 out["resized"] += 1
+        # Reshards (checkpoint + relaunch under a new encoder:LLM split) and repartitions
+        # (live for CPU core sets, else checkpoint + relaunch): controller/actions.py.
+        out["resharded"] = out["repartitioned"] = 0
+        for rs in reply.reshards:
+            if rs.job_id in by_id and await actions.reshard(self, by_id[rs.job_id], rs, node_map, decision_id):
+                out["resharded"] += 1
+        for rp in reply.repartitions:
+            out["repartitioned"] += await actions.repartition(self, rp, by_id, node_map, decision_id)
         for p in reply.placements:
             if p.job_id in by_id and await self._place(by_id[p.job_id], p, node_map, decision_id):
                 out["placed"] += 1
@@ -542,7 +550,6 @@ class Controller:
         dlog.info("decision cycle", policy=self.policy.name, nodes=len(nodes), pending=len(pending), running=len(active),
                   placements=[(p.job_id, p.reason) for p in reply.placements],
                   resizes=[(r.job_id, r.kind) for r in reply.resizes], preemptions=[p.job_id for p in reply.preemptions],
-                  # Decided but not carried out by this controller yet (see docs/scheduler.md).
                   reshards=[(r.job_id, r.encoder_ranks, r.llm_ranks) for r in reply.reshards],
                   repartitions=[(r.group_id, r.quotas) for r in reply.repartitions], starving=list(reply.starving),
                   ms=round(dt, 2), **out)
@@ -745,6 +752,7 @@ class Controller:
         if job.status.HasField("plan"):  # resized: the plan of the current allocation
             pl = job.status.plan
             doc["workload"]["plan"] = {"dp": pl.dp, "tp": pl.tp, "pp": pl.pp, "micro_batches": pl.micro_batches}
+        actions.apply_overrides(job, doc)  # a reshard's encoder:LLM split
         spec_json = json.dumps({"job_id": job.id, "workload": doc["workload"]})
         shards = list(job.status.placement)
         world = sum(len(s.device_ids) for s in shards)

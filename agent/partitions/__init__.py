@@ -5,7 +5,7 @@ shares of partitions (a second capacity check after the controller's) and report
 partition's capacity. ``fake_nvml`` is a test double, never imported from here.
 """
 
-from .base import (BadGrant, CapacityRefused, Grant, Ledger, PartitionBackend, PartitionError, PartitionInfo,
+from .base import (BadGrant, CapacityRefused, Grant, Ledger, NotLive, PartitionBackend, PartitionError, PartitionInfo,
                    UnknownPartition)
 from .cpuset import CpusetBackend, pick_cores
 from .mig import MigBackend, MigError, MigInstance, MigManager, MigProfile, MigReadOnly, MigState
@@ -15,7 +15,7 @@ from .timeslice import TimeSliceBackend
 
 __all__ = [
     "BadGrant", "CapacityRefused", "CpusetBackend", "Grant", "Ledger", "MODES", "MigBackend", "MigError",
-    "MigInstance", "MigManager", "MigProfile", "MigReadOnly", "MigState", "MpsBackend", "MpsDaemon", "MpsError",
+    "MigInstance", "MigManager", "MigProfile", "MigReadOnly", "MigState", "NotLive", "MpsBackend", "MpsDaemon", "MpsError",
     "PartitionBackend", "PartitionError", "PartitionInfo", "Partitions", "TimeSliceBackend", "UnknownPartition",
     "fatal_log_lines", "is_fatal_client_message", "make_backend", "pick_cores", "select_kind",
 ]

@@ -16,6 +16,9 @@ Contract of every backend (:class:`PartitionBackend`):
   controller's, so an allocation is never applied beyond capacity even if the
   controller's view was stale.
 - ``release(grant_id)`` frees the units; unknown ids are ignored (release is retried).
+- ``regrant(grant_id, units)`` changes a held grant's units in place when the backend is
+  ``live_regrant`` (CPU core sets); same refusals as ``grant`` (the grant's own units count
+  as free), :class:`NotLive` otherwise, and a refusal changes nothing.
 
 The accounting (:class:`Ledger`) is pure: no I/O, no clock, so it is tested exhaustively
 and every backend shares the same refusal rules and messages.
@@ -52,6 +55,11 @@ class UnknownPartition(PartitionError):
 
 class BadGrant(PartitionError):
     """A malformed request: non-positive units, a grant id reused with other amounts."""
+
+
+class NotLive(PartitionError):
+    """The partition's mechanism cannot change a running grant's quota in place (MPS, MIG,
+    time slices): the caller checkpoints and relaunches with the new quota instead."""
 
 
 @dataclass(frozen=True)
@@ -267,6 +275,39 @@ class LedgerBackend:
 
     def _make_grant(self, grant_id: str, partition_id: str, units: int, memory_bytes: int) -> Grant:
         raise NotImplementedError
+
+    # Whether a held grant's units can change while its process runs (see ``regrant``).
+    live_regrant = False
+
+    def regrant(self, grant_id: str, units: int) -> Grant:
+        """Change held grant ``grant_id`` to ``units`` (memory unchanged) and return the new
+        grant. Raises KeyError when not held, :class:`NotLive` when this backend cannot do
+        it in place, :class:`BadGrant` for units < 1, :class:`CapacityRefused` when the
+        partition's free units plus the grant's own do not cover ``units``; any refusal
+        leaves the ledger and the grant as they were."""
+        old = self._grants.get(grant_id)
+        if old is None:
+            raise KeyError(f"grant {grant_id} is not held on {self.device_id}")
+        if not self.live_regrant:
+            raise NotLive(f"partition {old.partition_id} ({self.kind}) cannot change a running grant's quota in "
+                          f"place; checkpoint and relaunch with the new quota")
+        led = self.ledgers[old.partition_id]
+        held = led.held.pop(grant_id)
+        del self._grants[grant_id]
+        try:
+            led.check(grant_id, units, held.memory_bytes)
+            g = self._remake_grant(old, units)
+        except BaseException:
+            led.held[grant_id] = held
+            self._grants[grant_id] = old
+            raise
+        led.take(grant_id, units, held.memory_bytes)
+        self._grants[grant_id] = g
+        return g
+
+    def _remake_grant(self, old: Grant, units: int) -> Grant:
+        """The grant ``old`` becomes with ``units`` (``old`` is already out of the books)."""
+        return self._make_grant(old.grant_id, old.partition_id, units, old.memory_bytes)
 
     def release(self, grant_id: str) -> Grant | None:
         g = self._grants.pop(grant_id, None)

@@ -48,11 +48,30 @@ class CpusetBackend(LedgerBackend):
     def _attributes(self, partition_id: str) -> dict[str, str]:
         return {"cores": ",".join(map(str, self.cores))}
 
+    # Core sets change live: the agent re-pins the running process (sched_setaffinity).
+    live_regrant = True
+
     def _make_grant(self, grant_id: str, partition_id: str, units: int, memory_bytes: int) -> Grant:
         used = {c for g in self._grants.values() for c in g.cores}
         cores = pick_cores(self.cores, used, units)
         self.log.info("cpuset granted", grant_id=grant_id, cores=list(cores))
+        return self._grant_of(grant_id, partition_id, units, memory_bytes, cores)
+
+    def _grant_of(self, grant_id: str, partition_id: str, units: int, memory_bytes: int,
+                  cores: tuple[int, ...]) -> Grant:
         return Grant(grant_id, partition_id, self.kind, self.device_id, units, memory_bytes,
                      env={"OMP_NUM_THREADS": str(units), "TESSERA_CPU_CORES": ",".join(map(str, cores)),
                           "CUDA_VISIBLE_DEVICES": ""},
                      threads=units, cores=cores)
+
+    def _remake_grant(self, old: Grant, units: int) -> Grant:
+        """Keep the grant's lowest cores when it shrinks, add the lowest free ones when it
+        grows: the running process keeps the caches it warmed. ``threads`` is the new core
+        count, but a running process keeps the thread pool it started with."""
+        if units <= len(old.cores):
+            cores = tuple(sorted(old.cores)[:units])
+        else:
+            used = {c for g in self._grants.values() for c in g.cores} | set(old.cores)
+            cores = tuple(sorted(set(old.cores) | set(pick_cores(self.cores, used, units - len(old.cores)))))
+        self.log.info("cpuset regranted", grant_id=old.grant_id, old_cores=list(old.cores), cores=list(cores))
+        return self._grant_of(old.grant_id, old.partition_id, units, old.memory_bytes, cores)

@@ -121,6 +121,18 @@ class Partitions:
                 return g
         return None
 
+    def regrant(self, grant_id: str, units: int) -> Grant:
+        """Change held grant ``grant_id`` to ``units`` in place (see ``LedgerBackend.regrant``:
+        KeyError when not held, NotLive, BadGrant, CapacityRefused; a refusal changes nothing)."""
+        for b in self.backends.values():
+            if any(g.grant_id == grant_id for g in b.grants()):
+                old = self.find(grant_id)
+                g = b.regrant(grant_id, units)
+                self.log.info("partition regranted", grant_id=grant_id, partition_id=g.partition_id, kind=g.kind,
+                              old_units=old.units if old else 0, units=units)
+                return g
+        raise KeyError(f"grant {grant_id} is not held on this node")
+
     def find(self, grant_id: str) -> Grant | None:
         for b in self.backends.values():
             for g in b.grants():

@@ -11,7 +11,10 @@ choosing each step's encoder:LLM split from the measured cost model unless
 ``llm``) whose phases (forward, backward, communication, idle: time waiting on the other
 module) are this process's in colocated mode and summed over all ranks in disaggregated
 mode (``ranks`` says over how many); the agent forwards them to profilerd; ``checkpoint``;
-``done``. A checkpoint in ``checkpoint_dir`` (written atomically) is resumed from.
+``done``. A checkpoint in ``checkpoint_dir`` (written atomically) is resumed from. On
+SIGTERM (``agent.runtime.train.STOP``) every rank leaves after the same step, rank 0
+checkpoints, an ``error`` event says so and the exit code is 143 (the controller's
+resize / reshard / preempt path relaunches from that checkpoint).
 """
 
 from __future__ import annotations
@@ -34,6 +37,21 @@ from tessera.errors import SpecError
 from tessera.spec.multimodal import media_tokens_max, validate_multimodal
 
 CKPT_NAME = "multimodal.pt"
+EXIT_TERM = 143  # stopped by SIGTERM after a checkpoint (as agent.runtime.train)
+
+
+def _stop_agreed(distributed: bool) -> bool:
+    """Whether any rank got SIGTERM (``agent.runtime.train.STOP``, set by the entry
+    point). Distributed ranks agree in one all-reduce per step, so that every rank leaves
+    after the same step and no collective is left waiting."""
+    from agent.runtime.train import STOP
+    stop = STOP.is_set()
+    if not distributed:
+        return stop
+    import torch.distributed as dist
+    t = torch.tensor([1.0 if stop else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t[0] > 0)
 
 
 def _int(wl: dict, name: str, default: int, minimum: int = 1) -> int:
@@ -142,6 +160,7 @@ def _run(spec: dict, reporter: Reporter) -> int:
     dg = mm["disaggregated"]
     pinned = None if dg["encoder_ranks"] == "auto" else dg["encoder_ranks"]
     loss = float("nan")
+    stopped_at = 0
     try:
         for step, ids in enumerate(loader, start=start):
             extra: dict[str, Any] = {}
@@ -169,12 +188,21 @@ def _run(spec: dict, reporter: Reporter) -> int:
                     reporter.event("progress", step=step + 1, total=p["steps"], step_time_s=st.wall_s,
                                    phases={"idle": 0.0, **per_mod[mod]}, module=mod, ranks=world)
             every = p["checkpoint_every"]
-            if ckpt and rank == 0 and every and (step + 1) % every == 0 and step + 1 < p["steps"]:
+            stop = _stop_agreed(dist_eng is not None and world > 1)
+            if ckpt and rank == 0 and step + 1 < p["steps"] and (stop or (every and (step + 1) % every == 0)):
                 _save(ckpt, model, opt, step + 1)
                 reporter.event("checkpoint", path=ckpt, step=step + 1)
+            if stop and step + 1 < p["steps"]:
+                stopped_at = step + 1
+                break
     finally:
         if colo is not None:
             colo.close()
+    if stopped_at:
+        saved = f"checkpoint at step {stopped_at}" if ckpt else "no checkpoint"
+        reporter.event("error", message=f"stopped by SIGTERM after step {stopped_at} ({saved})", rank=rank,
+                       signal="SIGTERM")
+        return EXIT_TERM
     if ckpt and rank == 0:
         _save(ckpt, model, opt, p["steps"])
         reporter.event("checkpoint", path=ckpt, step=p["steps"])

@@ -7,6 +7,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class UpdateGrantRequest(_message.Message):
+    __slots__ = ("allocation_id", "rank", "units", "fencing_token")
+    ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    UNITS_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    allocation_id: str
+    rank: int
+    units: int
+    fencing_token: int
+    def __init__(self, allocation_id: _Optional[str] = ..., rank: _Optional[int] = ..., units: _Optional[int] = ..., fencing_token: _Optional[int] = ...) -> None: ...
+
+class UpdateGrantResponse(_message.Message):
+    __slots__ = ("partition_id", "units", "cores", "pid", "old_units")
+    PARTITION_ID_FIELD_NUMBER: _ClassVar[int]
+    UNITS_FIELD_NUMBER: _ClassVar[int]
+    CORES_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    OLD_UNITS_FIELD_NUMBER: _ClassVar[int]
+    partition_id: str
+    units: int
+    cores: _containers.RepeatedScalarFieldContainer[int]
+    pid: int
+    old_units: int
+    def __init__(self, partition_id: _Optional[str] = ..., units: _Optional[int] = ..., cores: _Optional[_Iterable[int]] = ..., pid: _Optional[int] = ..., old_units: _Optional[int] = ...) -> None: ...
+
 class ControlTaskRequest(_message.Message):
     __slots__ = ("allocation_id", "fencing_token", "op", "task")
     ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -59,6 +59,11 @@ class AgentServiceStub:
                 request_serializer=tessera_dot_api_dot_v1_dot_agent__pb2.ControlTaskRequest.SerializeToString,
                 response_deserializer=tessera_dot_api_dot_v1_dot_agent__pb2.ControlTaskResponse.FromString,
                 _registered_method=True)
+        self.UpdateGrant = channel.unary_unary(
+                '/tessera.api.v1.AgentService/UpdateGrant',
+                request_serializer=tessera_dot_api_dot_v1_dot_agent__pb2.UpdateGrantRequest.SerializeToString,
+                response_deserializer=tessera_dot_api_dot_v1_dot_agent__pb2.UpdateGrantResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -109,6 +114,20 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateGrant(self, request, context):
+        """Changes a running executor's quota in its partition live, without restarting it
+        (repartitioning a colocated group). Only partitions whose mechanism allows it (CPU
+        core sets: the grant is re-taken through the partition ledger and the process, every
+        thread of it, is re-pinned with sched_setaffinity; its torch thread count stays);
+        others (MPS, MIG, time slices) answer FAILED_PRECONDITION: checkpoint and relaunch.
+        RESOURCE_EXHAUSTED, naming the partition and the free amount, when the new quota does
+        not fit; NOT_FOUND when the rank is not running here; INVALID_ARGUMENT for units < 1;
+        FAILED_PRECONDITION for a stale fencing token. A refusal changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -136,6 +155,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.ControlTask,
                     request_deserializer=tessera_dot_api_dot_v1_dot_agent__pb2.ControlTaskRequest.FromString,
                     response_serializer=tessera_dot_api_dot_v1_dot_agent__pb2.ControlTaskResponse.SerializeToString,
+            ),
+            'UpdateGrant': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateGrant,
+                    request_deserializer=tessera_dot_api_dot_v1_dot_agent__pb2.UpdateGrantRequest.FromString,
+                    response_serializer=tessera_dot_api_dot_v1_dot_agent__pb2.UpdateGrantResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -273,6 +297,33 @@ class AgentService:
             '/tessera.api.v1.AgentService/ControlTask',
             tessera_dot_api_dot_v1_dot_agent__pb2.ControlTaskRequest.SerializeToString,
             tessera_dot_api_dot_v1_dot_agent__pb2.ControlTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateGrant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.api.v1.AgentService/UpdateGrant',
+            tessera_dot_api_dot_v1_dot_agent__pb2.UpdateGrantRequest.SerializeToString,
+            tessera_dot_api_dot_v1_dot_agent__pb2.UpdateGrantResponse.FromString,
             options,
             channel_credentials,
             insecure,

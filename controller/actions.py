@@ -1,0 +1,257 @@
+"""Carrying out the policy's reshard and repartition decisions (the decision logic is in
+``controller.policy.multiplex``; this module is the I/O around it).
+
+Contracts (each change of a job is one fenced etcd transaction, then agent RPCs):
+
+- ``reshard(ctl, job, rs, nodes, decision_id)``: a running *disaggregated multimodal* job
+  gets the encoder:LLM split ``rs.encoder_ranks : rs.llm_ranks`` (their sum must be its
+  rank count). One transaction writes ``status.encoder_ranks`` (what ``apply_overrides``
+  puts into the runtime spec's ``multimodal.disaggregated.encoder_ranks``) with a new
+  allocation on the same partitions and units, the decision and SCHEDULED; then the old
+  ranks get SIGTERM (the runtime checkpoints) and the new ones launch and resume from the
+  checkpoint under the new split — the resize path, with the same partitions.
+- ``repartition(ctl, rp, jobs, nodes, decision_id)``: new quotas inside a colocated group
+  (members: running jobs, each on one partition, all the same). Units per member =
+  ``adapter.quota_units(quota, capacity)``; members that shrink are changed before those
+  that grow, so that each step fits. Per member one transaction writes the new units in
+  the job's placement *and* in the partition's allocation record (capacity checked
+  there) with the decision. CPU core sets (``cpuset``) then change live: the agent's
+  ``UpdateGrant`` re-grants through its ledger and re-pins the running process, which
+  is not restarted; an agent refusal writes the old units back with the refusal as the
+  decision. Other partition kinds (MPS, MIG, time slices): checkpoint and relaunch with
+  the new units, as ``reshard``.
+
+Decisions that do not apply (wrong job type, a rank count that does not add up, members
+not on one partition, nothing to change) are logged and skipped: nothing is written.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+
+import grpc
+
+from controller.policy import Repartition, Reshard
+from tessera import manifest
+from tessera.api.v1 import agent_pb2, types_pb2
+
+from . import adapter
+from .store import CapacityExceeded
+
+P = types_pb2.JobPhase
+ACTIVE = (P.SCHEDULED, P.RUNNING)
+LIVE_KINDS = ("cpuset",)  # partition kinds whose quotas change in place
+
+
+def apply_overrides(job: types_pb2.Job, doc: dict) -> None:
+    """Put what the controller decided for the current allocation into the runtime spec
+    ``doc`` (a validated manifest): the reshard's encoder ranks. Pure."""
+    world = sum(len(s.device_ids) for s in job.status.placement)
+    # Only while it fits the allocation (a later placement on fewer ranks drops it).
+    if job.status.encoder_ranks and job.spec.workload.type == "multimodal" and job.status.encoder_ranks < world:
+        mm = doc["workload"].setdefault("multimodal", {})
+        mm.setdefault("disaggregated", {})["encoder_ranks"] = int(job.status.encoder_ranks)
+
+
+def reshard_problem(job: types_pb2.Job, rs: Reshard) -> str:
+    """Why ``rs`` cannot be carried out on ``job`` ("" when it can). Pure."""
+    if job.spec.workload.type != "multimodal":
+        return f"workload type {job.spec.workload.type!r} is not multimodal"
+    mode = manifest.from_proto(job.spec)["workload"].get("multimodal", {}).get("mode", "colocated")
+    if mode != "disaggregated":
+        return f"multimodal mode {mode!r} has no encoder:LLM rank split"
+    world = sum(len(s.device_ids) for s in job.status.placement)
+    if rs.encoder_ranks < 1 or rs.llm_ranks < 1 or rs.encoder_ranks + rs.llm_ranks != world:
+        return f"split {rs.encoder_ranks}:{rs.llm_ranks} does not cover the job's {world} ranks with both sides"
+    if job.status.encoder_ranks == rs.encoder_ranks:
+        return f"already runs with {rs.encoder_ranks} encoder ranks"
+    return ""
+
+
+async def reshard(ctl, job: types_pb2.Job, rs: Reshard, nodes: dict, decision_id: str) -> bool:
+    """See the module docstring. True when the job was relaunched under the new split."""
+    why = reshard_problem(job, rs)
+    if why or job.status.phase not in ACTIVE:
+        ctl.log.info("reshard skipped", job_id=job.id, why=why or "not running", decision_id=decision_id)
+        return False
+    split = f"{rs.encoder_ranks}:{rs.llm_ranks}"
+
+    def mutate(j: types_pb2.Job) -> None:
+        j.status.encoder_ranks = rs.encoder_ranks
+
+    return await relaunch(ctl, job, "reshard", f"{rs.reason or 'reshard'}; encoder:LLM ranks {split}", nodes,
+                          decision_id, mutate=mutate)
+
+
+async def relaunch(ctl, job: types_pb2.Job, action: str, reason: str, nodes: dict, decision_id: str,
+                   units: dict[tuple[str, str], int] | None = None,
+                   mutate: Callable[[types_pb2.Job], None] | None = None, quota: float | None = None) -> bool:
+    """Checkpoint and relaunch ``job`` on its partitions: one fenced transaction moves it
+    to a new allocation (``units`` overrides the units per (node, partition id)), applies
+    ``mutate`` and records the decision; then SIGTERM to the old ranks and a launch of the
+    new ones, which resume from the checkpoint. A launch refused requeues the job."""
+    now = ctl.clock()
+    old_alloc, old_shards = job.status.allocation_id, list(job.status.placement)
+    shards = []
+    for s in old_shards:
+        n = types_pb2.Shard()
+        n.CopyFrom(s)
+        for pid in s.partition_ids:
+            if units and (s.node, pid) in units:
+                n.units = units[(s.node, pid)]
+        shards.append(n)
+    alloc_id = "a-" + secrets.token_hex(6)
+    want = adapter.shard_units(shards, nodes)
+    caps = ctl._capacity(nodes)
+    q = quota if quota is not None else job.status.last_decision.quota or 1.0
+
+    async def fn(j):
+        if j.status.allocation_id != old_alloc or j.status.phase not in ACTIVE:
+            return None
+        try:
+            cmp, ops = await ctl.store.realloc_ops(drop=old_alloc, drop_keys=_alloc_keys(j.status.placement),
+                                                   add=alloc_id, add_units=want, capacity=caps)
+        except CapacityExceeded as e:
+            ctl.log.info(f"{action} skipped: partition full", job_id=j.id, error=str(e), decision_id=decision_id)
+            return None
+        del j.status.placement[:]
+        j.status.placement.extend(shards)
+        j.status.allocation_id = alloc_id
+        j.status.attempts += 1
+        j.status.preemptions += 1
+        if mutate is not None:
+            mutate(j)
+        _decide(j, ctl.policy.name, action, f"{reason}; checkpoint and relaunch", now, decision_id, q)
+        _transition(j, P.SCHEDULED, f"{action}: checkpoint and relaunch ({reason})"[:500], now)
+        return cmp, ops
+
+    job = await ctl._rmw(job.id, fn)
+    if job.status.allocation_id != alloc_id:
+        return False
+    ctl.log.info(f"job {action} by relaunch", job_id=job.id, allocation=alloc_id, old_allocation=old_alloc,
+                 reason=reason, decision_id=decision_id)
+    await ctl._stop_alloc(old_alloc, old_shards, f"{action}: checkpoint for a relaunch")
+    ok, why = await ctl._launch(job, nodes)
+    if not ok:
+        await ctl._requeue(job.id, alloc_id, f"relaunch after {action} failed: {why}", transient=why.startswith("busy: "))
+    return ok
+
+
+def repartition_plan(rp: Repartition, jobs: dict[str, types_pb2.Job], nodes: dict
+                     ) -> tuple[str, list[tuple[str, int, int]], types_pb2.Partition | None, str]:
+    """Pure: (problem, [(job id, old units, new units)] shrinks first, the partition, node)
+    for ``rp`` over the active ``jobs``; problem is "" when it can be carried out."""
+    members = [(jid, q) for jid, q in rp.quotas if jid in jobs and jobs[jid].status.phase in ACTIVE]
+    if not members:
+        return "no running member", [], None, ""
+    where = set()
+    for jid, _ in members:
+        pl = jobs[jid].status.placement
+        if len(pl) != 1 or len(pl[0].partition_ids) != 1:
+            return f"member {jid} is not on exactly one partition", [], None, ""
+        where.add((pl[0].node, pl[0].partition_ids[0]))
+    if len(where) != 1:
+        return f"members are on different partitions ({sorted(where)})", [], None, ""
+    ((node, pid),) = where
+    part = next((p for p in adapter.node_partitions(nodes[node]) if p.id == pid), None) if node in nodes else None
+    if part is None:
+        return f"partition {pid} on {node} is unknown", [], None, ""
+    if not all(0.0 < q <= 1.0 for _, q in members):
+        return f"quotas must be in (0, 1]: {members}", [], None, ""
+    steps = []
+    for jid, q in members:
+        old = jobs[jid].status.placement[0].units or part.capacity_units
+        new = adapter.quota_units(q, part.capacity_units)
+        if new != old:
+            steps.append((jid, old, new))
+    if not steps:
+        return "the quotas already hold", [], part, node
+    steps.sort(key=lambda s: s[2] - s[1])  # shrinks first: they free what the grows take
+    return "", steps, part, node
+
+
+async def repartition(ctl, rp: Repartition, jobs: dict[str, types_pb2.Job], nodes: dict, decision_id: str) -> int:
+    """See the module docstring. Returns how many members got their new quota."""
+    why, steps, part, node = repartition_plan(rp, jobs, nodes)
+    if why:
+        ctl.log.info("repartition skipped", group=rp.group_id, why=why, decision_id=decision_id)
+        return 0
+    live = part.kind in LIVE_KINDS
+    done = 0
+    for jid, old, new in steps:
+        reason = f"{rp.reason or 'repartition'}: {part.id} on {node} {old} -> {new} {part.unit}"
+        quota = new / part.capacity_units
+        if not live:
+            ok = await relaunch(ctl, jobs[jid], "repartition", f"{reason} ({part.kind}: not live)", nodes,
+                                decision_id, units={(node, part.id): new}, quota=quota)
+        else:
+            ok = await _repartition_live(ctl, jobs[jid], node, part, old, new, f"{reason}, live", quota, decision_id)
+        done += ok
+        if not ok and new < old:
+            break  # a shrink not done: the grows after it would not fit
+    return done
+
+
+async def _set_units(ctl, job_id: str, alloc_id: str, node: str, part: types_pb2.Partition, new: int,
+                     action: str, reason: str, quota: float, decision_id: str, caps: dict) -> bool:
+    """One fenced transaction: the job's shard units and the partition's allocation record."""
+    now = ctl.clock()
+    wrote = [False]
+
+    async def fn(j):
+        if j.status.allocation_id != alloc_id or j.status.phase not in ACTIVE:
+            return None
+        try:
+            cmp, ops = await ctl.store.realloc_ops(add=alloc_id, add_units={(node, part.id): new}, capacity=caps)
+        except CapacityExceeded as e:
+            ctl.log.info("repartition skipped: partition full", job_id=j.id, error=str(e), decision_id=decision_id)
+            return None
+        j.status.placement[0].units = new
+        _decide(j, ctl.policy.name, action, reason, now, decision_id, quota)
+        wrote[0] = True
+        return cmp, ops
+
+    await ctl._rmw(job_id, fn)
+    return wrote[0]
+
+
+async def _repartition_live(ctl, job: types_pb2.Job, node: str, part: types_pb2.Partition, old: int, new: int,
+                            reason: str, quota: float, decision_id: str) -> bool:
+    alloc_id = job.status.allocation_id
+    caps = {(node, part.id): part.capacity_units}
+    if not await _set_units(ctl, job.id, alloc_id, node, part, new, "repartition", reason, quota, decision_id, caps):
+        return False
+    n = await ctl.store.get_node(node)
+    address = n.value.agent_address if n is not None else ""
+    rank = job.status.placement[0].first_rank  # one partition id: one rank
+    err = ""
+    try:
+        r = await ctl.agents.stub(address).UpdateGrant(agent_pb2.UpdateGrantRequest(
+            allocation_id=alloc_id, rank=rank, units=new, fencing_token=ctl.store.fencing_token or 0), timeout=10)
+        ctl.log.info("executor re-pinned", job_id=job.id, allocation=alloc_id, rank=rank, pid=r.pid,
+                     cores=list(r.cores), old_units=r.old_units, units=r.units, decision_id=decision_id)
+    except grpc.aio.AioRpcError as e:
+        err = f"{e.code().name}: {e.details()}"
+    if not err:
+        return True
+    # The agent refused (its own check): the records go back to what the agent holds.
+    ctl.log.warning("live repartition refused by the agent", job_id=job.id, error=err, decision_id=decision_id)
+    await _set_units(ctl, job.id, alloc_id, node, part, old, "repartition",
+                     f"repartition refused by the agent ({err}); keeps {old} {part.unit}", old / part.capacity_units,
+                     decision_id, caps)
+    return False
+
+
+def _alloc_keys(shards) -> list[tuple[str, str]]:
+    return [(s.node, pid) for s in shards for pid in (list(s.partition_ids) or list(s.device_ids))]
+
+
+def _decide(job, policy, action, reason, now, decision_id, quota) -> None:
+    from .core import decide
+    decide(job, policy, action, reason, now, decision_id, quota)
+
+
+def _transition(job, phase, reason, now) -> None:
+    from .core import transition
+    transition(job, phase, reason, now)
