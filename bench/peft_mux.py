@@ -11,7 +11,8 @@ LoRA ranks/targets/learning rates; the same sequences, so the same effective tok
   On CPU each process gets cores/K threads so that together they use the machine once.
 * ``hf_peft_sequential`` (b): the same processes one after another, each with all cores.
 * ``tessera_temporal`` (c) and ``tessera_spatial`` (d): one process, one backbone,
-  chunk-packed sequences (agent/runtime/peft).
+  chunk-packed sequences (agent/runtime/peft); on CPU its micro-batches run on one
+  worker thread per core, each with one intra-op thread (``--workers``).
 
 Timing covers the training loops only (every process first builds its model and runs
 one untimed warm-up forward/backward, then waits at a barrier); (a) is timed from the
@@ -164,18 +165,27 @@ def worker_tessera(args: dict) -> dict:
     cfg = GPTConfig(**args["model"])
     torch.manual_seed(args["seed"])
     model = GPT(cfg).to(dev)
-    eng = MuxEngine(model, args["chunk_size"], args["mode"], slots=len(args["tasks"]))
+    eng = MuxEngine(model, args["chunk_size"], args["mode"], slots=len(args["tasks"]), workers=args["workers"])
     for t in args["tasks"]:
         eng.add_task(t, _dataset(t, cfg.vocab))
-    # Warm-up forward/backward on step 0's data (its first micro-batch, as a step runs it),
-    # without an optimizer update.
+    # Warm-up forward/backward on step 0's data (its first micro-batch, as a step runs it;
+    # with micro-batch workers, its first `workers` micro-batches on the worker pool, which
+    # starts it), without an optimizer update.
     run = eng.running()
     p = pack([(t.slot, t.dataset.batch(0, t.spec["batch_size"])) for t in run], eng.chunk_size)
-    idx, w = micro_batches((p.token_slot >= 0).sum(1).tolist(), eng.micro_chunks)[0]
-    i = torch.tensor(idx)
-    sums, _ = eng.slot_loss_sums(p.tokens[i, :w].to(dev), p.targets[i, :w].to(dev), p.positions[i, :w].to(dev),
-                                 p.mask[i, :w, :w].to(dev), p.chunk_slot[i].to(dev))
-    sums.sum().backward()
+    mbs = micro_batches((p.token_slot >= 0).sum(1).tolist(), eng.micro_chunks)
+
+    def warm(mb: tuple[list[int], int]) -> None:
+        idx, w = mb
+        i = torch.tensor(idx)
+        sums, _ = eng.slot_loss_sums(p.tokens[i, :w].to(dev), p.targets[i, :w].to(dev), p.positions[i, :w].to(dev),
+                                     p.mask[i, :w, :w].to(dev), p.chunk_slot[i].to(dev))
+        sums.sum().backward()
+
+    if eng.workers > 1 and len(mbs) > 1:
+        eng._run_threaded(warm, mbs[:eng.workers])
+    else:
+        warm(mbs[0])
     eng.opt.zero_grad()
     eng.processed_tokens = 0
     _sync(dev)
@@ -286,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="steps per task")
     ap.add_argument("--quick", action="store_true", help="tiny backbone (smoke test, not a measurement)")
     ap.add_argument("--rows", default="a,b,c,d", help="which rows to run (a,b,c,d)")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="Tessera micro-batch worker threads (default: one per core on CPU, 1 on GPU)")
     ap.add_argument("--worker", nargs=2, metavar=("KIND", "ARGS"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
@@ -305,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     common = {"model": model, "seed": 0, "device": a.device}
     rows: list[dict] = []
     per_proc = max(1, cores // len(tasks)) if a.device == "cpu" else cores
+    # Tessera's micro-batch workers: on CPU one per core (each with one intra-op thread);
+    # on GPU one (the kernels already fill the device).
+    workers = a.workers or (cores if a.device == "cpu" else 1)
     if "a" in want:
         res, peak = _run_group([("hf", {**common, "task": t, "threads": per_proc}) for t in tasks], True)
         rows.append(_row("hf_peft_concurrent", len(tasks), res, True, peak, a.device))
@@ -313,11 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(_row("hf_peft_sequential", len(tasks), res, False, peak, a.device))
     for key, mode in (("c", "temporal"), ("d", "spatial")):
         if key in want:
-            args = {**common, "tasks": tasks, "threads": cores, "mode": mode, "chunk_size": model["seq_len"]}
+            args = {**common, "tasks": tasks, "threads": cores, "mode": mode, "chunk_size": model["seq_len"],
+                    "workers": workers}
             res, peak = _run_group([("tessera", args)], False)
             rows.append(_row(f"tessera_{mode}", 1, res, False, peak, a.device))
 
-    out: dict = {"device": a.device, "cores": cores, "model": model, "tasks": len(tasks), "steps_per_task": a.steps,
+    out: dict = {"device": a.device, "cores": cores, "tessera_workers": workers, "model": model, "tasks": len(tasks), "steps_per_task": a.steps,
                  "rows": rows, **{r["row"]: r for r in rows}}
     hf = [r for r in rows if r["row"].startswith("hf")]
     tess = {r["row"]: r for r in rows if r["row"].startswith("tessera")}

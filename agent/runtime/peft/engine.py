@@ -24,12 +24,26 @@ at once. Chunks are grouped by fill (real tokens, packed from column 0), fullest
 and each micro-batch is cut to its fullest chunk's width: the trailing pad columns that
 no chunk of it uses are never computed. The vocabulary head runs only on positions that
 have a target (no logits for pads).
+
+With ``workers`` W > 1 the micro-batches of a step run concurrently on a pool of W
+threads, each running forward + backward of whole micro-batches (taken fullest first
+from a shared queue) with ONE intra-op thread; the process's intra-op thread count is
+set to 1 for the duration of that phase and restored afterwards (the optimizer update
+runs with it). Autograd accumulates the micro-batches' adapter gradients into the shared
+bank leaves under its per-leaf lock, so :class:`lora.BankAdam` sees the same summed
+gradients as the serial loop, up to float summation order (the losses themselves are
+summed on the calling thread in micro-batch order, so they are order-independent).
+Independent single-threaded workers need no barrier per kernel, so W cores are used
+more fully than by W intra-op threads, and a core taken by another process slows one
+worker instead of stalling every op. Cost: up to W micro-batches' activations alive at
+once. The :class:`lora.MuxContext` is thread-local, which is what makes this safe.
 Pure compute: no files, no events (the workload runner does I/O).
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,13 +98,17 @@ class MuxEngine:
     """Shared-backbone multi-task LoRA trainer; see module doc."""
 
     def __init__(self, model: GPT, chunk_size: int, mode: str = "spatial", slots: int = 4,
-                 micro_batch_tokens: int = 512) -> None:
+                 micro_batch_tokens: int = 512, workers: int = 1) -> None:
         if mode not in ("spatial", "temporal"):
             raise ValueError(f"mode must be spatial or temporal, got {mode!r}")
         if not 2 <= chunk_size <= model.cfg.seq_len:
             raise ValueError(f"chunk_size must be in 2..{model.cfg.seq_len}, got {chunk_size}")
         if micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.workers = workers
+        self._pool: ThreadPoolExecutor | None = None
         # Whole chunks per micro-batch (at least one).
         self.micro_chunks = max(1, micro_batch_tokens // chunk_size)
         self.model = model
@@ -203,14 +221,24 @@ class MuxEngine:
         sums = torch.zeros(s, device=dev)
         self.opt.zero_grad()
         fills = (p.token_slot >= 0).sum(1).tolist()
-        for idx, w in micro_batches(fills, self.micro_chunks):
+        mbs = micro_batches(fills, self.micro_chunks)
+
+        def run_mb(mb: tuple[list[int], int]) -> torch.Tensor:
+            idx, w = mb
             i = torch.tensor(idx, device=dev)
             mb_sums, _ = self.slot_loss_sums(tokens[i, :w], targets[i, :w], positions[i, :w], mask[i, :w, :w],
                                              chunk_slot[i], single)
-            self.processed_tokens += len(idx) * w
             # Sum of per-task means, accumulated: d(total)/d(adapter k) = d(loss_k)/d(adapter k).
             (mb_sums / denom).sum().backward()
-            sums += mb_sums.detach()
+            return mb_sums.detach()
+
+        if self.workers > 1 and len(mbs) > 1:
+            for mb_sums in self._run_threaded(run_mb, mbs):
+                sums += mb_sums
+        else:
+            for mb in mbs:
+                sums += run_mb(mb)
+        self.processed_tokens += sum(len(idx) * w for idx, w in mbs)
         active = torch.zeros(s, dtype=torch.bool, device=dev)
         active[[t.slot for t in tasks]] = True
         self.opt.step(active)
@@ -234,6 +262,28 @@ class MuxEngine:
                 self._end(t, "succeeded")
                 rep.finished.append(t)
         return rep
+
+    def _run_threaded(self, fn, mbs: list) -> list[torch.Tensor]:
+        """``fn`` over ``mbs`` on the worker pool (one intra-op thread each), results in
+        ``mbs`` order; the process's intra-op thread count is restored afterwards."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="mux-mb",
+                                            initializer=torch.set_num_threads, initargs=(1,))
+        old = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            futures = [self._pool.submit(fn, mb) for mb in mbs]
+            wait(futures)  # all done (or failed) before the thread count is restored
+            return [f.result() for f in futures]
+        finally:
+            torch.set_num_threads(old)
+
+    def close(self) -> None:
+        """Stop the micro-batch worker pool (if any); the engine stays usable (a later
+        threaded step starts a new pool)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def task_losses(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
                     mask: torch.Tensor, chunk_slot: torch.Tensor, single: int | None = None

@@ -21,6 +21,7 @@ Contract:
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -30,8 +31,12 @@ TARGETS = ("qkv", "proj", "fc", "out")
 
 
 @dataclass
-class MuxContext:
-    """What the current forward runs: the slot of each chunk, or one slot for all."""
+class MuxContext(threading.local):
+    """What the current forward runs: the slot of each chunk, or one slot for all.
+
+    Thread-local: every thread sees its own fields (fresh defaults in a new thread), so
+    several threads can run forwards of different micro-batches through the same
+    wrapped backbone at once (:class:`engine.MuxEngine` with ``workers > 1``)."""
 
     chunk_slot: torch.Tensor | None = None  # (N,) int64
     single: int | None = None  # temporal fusion: every chunk is this slot (no gather)

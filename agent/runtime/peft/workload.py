@@ -5,7 +5,10 @@ frozen GPT backbone (``workload.model``, initialised from ``workload.seed``) and
 0 when no task is left running, 2 on a bad spec (``error`` event naming the field), 143
 when :data:`agent.runtime.train.STOP` is set (every running task checkpointed first), 1
 otherwise. ``spec`` is ``{"job_id", "workload", "dist", "checkpoint_dir", "threads"}``
-and optionally ``"control_file"``.
+and optionally ``"control_file"``. ``threads`` (the executor's thread budget) is both
+the intra-op thread count and the engine's micro-batch worker count (``MuxEngine``
+``workers``: that many micro-batches run at once, one intra-op thread each); absent,
+one worker.
 
 Events: ``start``; ``task`` per task (``task``, ``phase``: running | succeeded |
 cancelled, ``step``, ``steps``, ``loss``, ``tokens_per_s``) when it starts, every
@@ -125,7 +128,7 @@ class PeftRunner:
 
     def __init__(self, cfg: GPTConfig, section: dict, params: dict, reporter: Reporter,
                  checkpoint_dir: str | None = None, control_file: str | None = None, device: str = "cpu",
-                 job_id: str | None = None) -> None:
+                 job_id: str | None = None, workers: int = 1) -> None:
         self.log = log.get(job_id=job_id, workload="peft")
         self.cfg, self.section, self.params, self.rep = cfg, section, params, reporter
         self.ckpt_dir = checkpoint_dir
@@ -135,7 +138,7 @@ class PeftRunner:
         torch.manual_seed(params["seed"])
         self.model = GPT(cfg).to(device)  # the shared, frozen backbone
         self.engine = MuxEngine(self.model, section["chunk_size"], section["mode"], slots=max(1, len(section["tasks"])),
-                                micro_batch_tokens=section.get("micro_batch_tokens", 512))
+                                micro_batch_tokens=section.get("micro_batch_tokens", 512), workers=workers)
         self._added = 0
         self.losses: list[float] = []
 
@@ -284,7 +287,7 @@ def _run(spec: dict, reporter: Reporter) -> int:
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     runner = PeftRunner(cfg, sec, params, reporter, spec.get("checkpoint_dir"), spec.get("control_file"),
-                        job_id=spec.get("job_id"))
+                        job_id=spec.get("job_id"), workers=max(1, int(spec.get("threads") or 1)))
     reporter.event("start", job_id=spec.get("job_id"), workload="peft", mode=sec["mode"],
                    chunk_size=sec["chunk_size"], tasks=[t["name"] for t in sec["tasks"]],
                    backbone_params=sum(p.numel() for p in runner.model.parameters() if not p.requires_grad))
