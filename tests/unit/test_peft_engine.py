@@ -309,3 +309,19 @@ def test_threaded_step_gradients_equal_serial_gradients():
     for k in g1:
         torch.testing.assert_close(g2[k][0], g1[k][0], rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(g2[k][1], g1[k][1], rtol=RTOL, atol=ATOL)
+
+
+def test_bank_adam_touches_only_targeted_modules_of_active_slots():
+    """A module a task does not target keeps its slot (zero factors, zero moments) through
+    steps, even when handed a non-zero gradient there; a targeted one moves."""
+    e = engine(THREE[:1])  # task a targets qkv and out only
+    s = e.tasks["a"].slot
+    for b in e.banks.values():
+        b.A.grad, b.B.grad = torch.ones_like(b.A), torch.ones_like(b.B)
+    active = torch.zeros(e._slots(), dtype=torch.bool)
+    active[s] = True
+    e.opt.step(active)
+    proj, qkv = "blocks.0.attn.proj", "blocks.0.attn.qkv"
+    assert not e.banks[proj].A[s].any() and not e.opt.state[proj]["Am"][s].any()
+    assert e.opt.state[qkv]["Am"][s].any() and e.opt.state[qkv]["Bv"][s].any()
+    assert not e.opt.state[qkv]["Am"][s + 1].any()  # inactive slot untouched

@@ -199,25 +199,50 @@ class BankAdam:
 
     @torch.no_grad()
     def step(self, active: torch.Tensor) -> None:
-        """One Adam step for the slots where ``active`` (S,) bool is True; others unchanged."""
+        """One Adam step for the slots where ``active`` (S,) bool is True; others unchanged.
+
+        Only the (slot, module) pairs that train are touched: an active slot's factors in
+        a module its task targets (``host_scale`` non-zero). Every other pair has an exactly
+        zero gradient and zero moments, so Adam would leave it unchanged anyway; skipping
+        it saves the work. The update is a handful of ``torch._foreach_*`` calls over the
+        per-slot views (per-slot step sizes as scalar lists), in place, no full-bank
+        temporaries."""
         self.steps += active.to(self.steps.dtype)
-        t = self.steps.clamp(min=1)
-        bc1 = (1 - self.b1 ** t).to(self.lr.dtype)
-        bc2_sqrt = (1 - self.b2 ** t).sqrt().to(self.lr.dtype)
-        step_size = torch.where(active, self.lr / bc1, torch.zeros_like(self.lr))
+        slots = active.nonzero().flatten().tolist()
+        if not slots:
+            return
+        steps = self.steps.tolist()
+        lrs = self.lr.tolist()
+        params, grads, ms, vs, step_size, bc2_sqrt = [], [], [], [], [], []
         for name, bank in self.banks.items():
             st = self.state[name]
             for p in ("A", "B"):
                 param = getattr(bank, p)
-                if param.grad is None:
-                    continue
                 g = param.grad
+                if g is None:
+                    continue
                 m, v = st[p + "m"], st[p + "v"]
-                keep = active.view(-1, 1, 1)
-                m.copy_(torch.where(keep, m * self.b1 + g * (1 - self.b1), m))
-                v.copy_(torch.where(keep, v * self.b2 + g * g * (1 - self.b2), v))
-                denom = v.sqrt() / bc2_sqrt.view(-1, 1, 1) + self.eps
-                param.sub_(step_size.view(-1, 1, 1) * m / denom)
+                for s in slots:
+                    if bank.host_scale[s] == 0.0:
+                        continue
+                    t = max(steps[s], 1.0)
+                    params.append(param[s])
+                    grads.append(g[s])
+                    ms.append(m[s])
+                    vs.append(v[s])
+                    # Same scalars as torch.optim.Adam: lr / (1 - b1^t) and sqrt(1 - b2^t).
+                    step_size.append(-(lrs[s] / (1 - self.b1 ** t)))
+                    bc2_sqrt.append(math.sqrt(1 - self.b2 ** t))
+        if not params:
+            return
+        torch._foreach_mul_(ms, self.b1)
+        torch._foreach_add_(ms, grads, alpha=1 - self.b1)
+        torch._foreach_mul_(vs, self.b2)
+        torch._foreach_addcmul_(vs, grads, grads, value=1 - self.b2)
+        denom = torch._foreach_sqrt(vs)
+        torch._foreach_div_(denom, bc2_sqrt)
+        torch._foreach_add_(denom, self.eps)
+        torch._foreach_addcdiv_(params, ms, denom, step_size)
 
     def zero_grad(self) -> None:
         for bank in self.banks.values():
