@@ -28,8 +28,8 @@ have a target (no logits for pads).
 With ``workers`` W > 1 the micro-batches of a step run concurrently on a pool of W
 threads, each running forward + backward of whole micro-batches (taken fullest first
 from a shared queue) with ONE intra-op thread; the process's intra-op thread count is
-set to 1 for the duration of that phase and restored afterwards (the optimizer update
-runs with it). Autograd accumulates the micro-batches' adapter gradients into the shared
+set to 1 for the whole step (the optimizer update, a few ``foreach`` calls, needs no
+more) and restored afterwards. Autograd accumulates the micro-batches' adapter gradients into the shared
 bank leaves under its per-leaf lock, so :class:`lora.BankAdam` sees the same summed
 gradients as the serial loop, up to float summation order (the losses themselves are
 summed on the calling thread in micro-batch order, so they are order-independent).
@@ -203,10 +203,22 @@ class MuxEngine:
         return [t]
 
     def step(self) -> StepReport | None:
-        """One fused step (see module doc); None when no task is running."""
+        """One fused step (see module doc); None when no task is running. With ``workers``
+        > 1 the whole step (packing and the optimizer update too) runs with one intra-op
+        thread; the process's count is restored when it returns."""
         tasks = self._pick()
         if not tasks:
             return None
+        if self.workers == 1:
+            return self._step(tasks)
+        old = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._step(tasks)
+        finally:
+            torch.set_num_threads(old)
+
+    def _step(self, tasks: list[TaskState]) -> StepReport:
         t0 = time.perf_counter()
         batches = [(t.slot, t.dataset.batch(t.step, t.spec["batch_size"])) for t in tasks]
         p = pack(batches, self.chunk_size)
