@@ -58,6 +58,9 @@ class Executor:
     labels: dict = field(default_factory=dict)  # tessera.modelkey.profile_labels of the run
     grant: Grant | None = None      # its partition share; released when it exits
     fault: str = ""                 # set when a device-wide fault (MPS) took it down
+    # Latest per-module phases (seconds) of the runtime's ``module: encoder|llm`` progress
+    # events, by module; sent with every PROGRESS report (``modules``).
+    modules: dict = field(default_factory=dict)
 
     @property
     def grant_id(self) -> str:
@@ -69,6 +72,10 @@ class Executor:
 
 
 Report = dict  # {"kind": "STARTED"|"PROGRESS"|"EXITED", ...}
+# Modules a runtime breaks a step into (multimodal: ``module: encoder|llm`` progress events
+# with forward/backward/communication/idle seconds); a PROGRESS report carries the latest
+# phases of each as ``"modules": {name: {phase: seconds}}``.
+BREAKDOWN_MODULES = ("encoder", "llm")
 
 
 def grant_id(allocation_id: str, rank: int) -> str:
@@ -282,6 +289,8 @@ class ExecutorManager:
             return
         if ev["event"] != "progress":
             return
+        if ev.get("module") in BREAKDOWN_MODULES:
+            ex.modules[ev["module"]] = {k: float(v) for k, v in (ev.get("phases") or {}).items()}
         ex.step = int(ev.get("step", ex.step))
         ex.loss = float(ev.get("loss", ex.loss))
         if self.on_step is not None:
@@ -291,7 +300,8 @@ class ExecutorManager:
         if now - ex.last_report >= self.report_interval_s or final or ex.last_report == 0:
             ex.last_report = now
             await self.on_report(ex, {"kind": "PROGRESS", "step": ex.step, "total_steps": int(ev.get("total", 0) or 0),
-                                      "loss": ex.loss, "step_time_s": float(ev.get("step_time_s", 0.0))})
+                                      "loss": ex.loss, "step_time_s": float(ev.get("step_time_s", 0.0)),
+                                      "modules": {m: dict(ph) for m, ph in ex.modules.items()}})
 
     # -- live repartition -------------------------------------------------------------
     def update_grant(self, allocation_id: str, rank: int, units: int) -> tuple[Executor, Grant, int]:

@@ -28,6 +28,14 @@ from .partitions import MODES, Partitions
 K = controller_pb2.ExecutorReport
 
 
+def module_time(phases: dict) -> controller_pb2.ModuleTime:
+    """A runtime's per-module phases ``{"forward"|"backward"|"communication"|"idle":
+    seconds}`` (other keys ignored, missing ones 0) as the report's ``ModuleTime``."""
+    return controller_pb2.ModuleTime(
+        forward_s=float(phases.get("forward", 0.0)), backward_s=float(phases.get("backward", 0.0)),
+        communication_s=float(phases.get("communication", 0.0)), idle_s=float(phases.get("idle", 0.0)))
+
+
 class Agent:
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
@@ -60,6 +68,8 @@ class Agent:
                 loss=r.get("loss", 0.0), step_time_s=r.get("step_time_s", 0.0), exit_code=r.get("exit_code", 0),
                 message=r.get("message", ""), task=r.get("task", ""), task_phase=r.get("task_phase", ""),
                 tokens_per_s=r.get("tokens_per_s", 0.0))
+        for name, ph in (r.get("modules") or {}).items():
+            msg.modules[name].CopyFrom(module_time(ph))
         await self.reports.put(msg)
 
     async def _send_reports(self) -> None:

@@ -6,7 +6,11 @@ writes and the agent RPCs around it.
 - :func:`node_partitions` — a node's partitions (an agent that reported none: one whole
   partition per device).
 - :func:`build_request` — nodes (one ``DeviceView`` per partition), pending jobs, and
-  running jobs with their placements and quotas -> ``ScheduleRequest``.
+  running jobs with their placements and quotas -> ``ScheduleRequest``; measured inputs:
+  a multimodal job's ``encoder_share`` (``status.encoder_share``, ``controller.measured``),
+  a disaggregated one's current split as its placement's ``plan.encoder_ranks``
+  (:func:`encoder_ranks_now`), and ``groups`` for partitions several running jobs share
+  (:func:`groups_of`).
 - :func:`shards_for` — a policy ``Placement`` -> ``Shard`` messages naming partitions
   and each rank's quota in units (what the etcd allocation and the agents get).
 - :func:`replan` — the parallelism plan of a job moved to another device count.
@@ -22,7 +26,9 @@ from __future__ import annotations
 import math
 
 from controller.policy import DeviceView, JobView, NodeView, Placement, RunningJob, ScheduleRequest, Shard
+from controller.policy.types import ColocationGroup, Plan
 from controller.policy.snapshot_estimator import DeviceClass, JobShape, job_key, plan_for
+from tessera import manifest
 from tessera.modelkey import arch_key
 from tessera.api.v1 import types_pb2
 
@@ -148,7 +154,48 @@ def job_view(job: types_pb2.Job, types_by_kind: dict[str, set[str]]) -> JobView:
         job.created, model=model_key(job), workload=job.spec.workload.type,
         iterations=int(job.status.total_steps or job.spec.workload.steps), done_iterations=float(job.status.step),
         gpu_fraction=share if 0 < share < 1 else 1.0,
+        encoder_share=job.status.encoder_share if job.spec.workload.type == "multimodal" else 0.0,
     )
+
+
+def encoder_ranks_now(job: types_pb2.Job) -> int:
+    """The encoder ranks a running *disaggregated multimodal* job runs with: the split a
+    reshard decided (``status.encoder_ranks``), else the spec's pinned
+    ``multimodal.disaggregated.encoder_ranks``; 0 when unknown ("auto": the runtime picks
+    its own layout) or the job is not disaggregated multimodal."""
+    if job.spec.workload.type != "multimodal":
+        return 0
+    mm = manifest.from_proto(job.spec)["workload"].get("multimodal", {}) or {}
+    if mm.get("mode", "colocated") != "disaggregated":
+        return 0
+    if job.status.encoder_ranks:
+        return int(job.status.encoder_ranks)
+    pinned = (mm.get("disaggregated") or {}).get("encoder_ranks", "auto")
+    return int(pinned) if isinstance(pinned, (int, float)) and not isinstance(pinned, bool) else 0
+
+
+def groups_of(running: list[RunningJob], kinds: dict[tuple[str, str], str]) -> tuple[ColocationGroup, ...]:
+    """Colocation groups of the running jobs: one per partition that several running jobs
+    share (each on that one partition at quota < 1), members = (job id, its current quota),
+    sorted by job id. ``mode`` is the partition's mechanism: "cpuset" for CPU core sets
+    (quotas change live), "mig" / "timeslice" for those partition kinds, else "mps".
+    The policy (``multiplex.repartition_action``) compares these quotas with each member's
+    demand, ``JobView.gpu_fraction``. ``kinds``: (node, partition id) -> partition kind."""
+    by_part: dict[tuple[str, str], list[tuple[str, float]]] = {}
+    for r in running:
+        p = r.placement
+        if p.quota < 1.0 and len(p.shards) == 1 and len(p.shards[0].device_ids) == 1:
+            key = (p.shards[0].node, p.shards[0].device_ids[0])
+            by_part.setdefault(key, []).append((r.job.job_id, p.quota))
+    out = []
+    for (node, pid), members in sorted(by_part.items()):
+        if len(members) < 2:
+            continue
+        kind = kinds.get((node, pid), "")
+        mode = "cpuset" if kind in ("cpu", "cpuset") else (kind if kind in ("mig", "timeslice") else "mps")
+        out.append(ColocationGroup(f"share:{node}/{pid}", node, (pid,), tuple(sorted(members)), mode,
+                                   f"{len(members)} running jobs share {pid} on {node}"))
+    return tuple(out)
 
 
 def placement_of(job: types_pb2.Job, capacity: dict[tuple[str, str], int], types: dict[tuple[str, str], str]) -> Placement:
@@ -165,14 +212,21 @@ def placement_of(job: types_pb2.Job, capacity: dict[tuple[str, str], int], types
     group = ""
     if quota < 1.0 and len(shards) == 1 and len(shards[0].device_ids) == 1:
         group = f"share:{shards[0].node}/{shards[0].device_ids[0]}"
-    return Placement(job.id, tuple(shards), job.status.decision, gpu_type=gtype, quota=quota, group=group)
+    plan = None
+    enc = encoder_ranks_now(job)
+    if enc:
+        # The policy's reshard rule needs the current split and the rank count.
+        world = sum(len(s.device_ids) for s in shards)
+        even = len({len(s.device_ids) for s in shards}) == 1
+        plan = Plan(len(shards), len(shards[0].device_ids), encoder_ranks=enc) if even else Plan(1, world, encoder_ranks=enc)
+    return Placement(job.id, tuple(shards), job.status.decision, gpu_type=gtype, quota=quota, group=group, plan=plan)
 
 
 def build_request(nodes: list[types_pb2.Node], jobs: list[types_pb2.Job], now: float,
                   estimator: object | None = None) -> ScheduleRequest:
     """The policy's request: every node with one ``DeviceView`` per partition (only READY
     nodes take placements), pending jobs, and active jobs as running with their quota."""
-    nv, capacity, types, by_kind = [], {}, {}, {}
+    nv, capacity, types, by_kind, kinds = [], {}, {}, {}, {}
     for n in nodes:
         devs = {d.id: d for d in n.devices}
         views = []
@@ -183,6 +237,7 @@ def build_request(nodes: list[types_pb2.Node], jobs: list[types_pb2.Job], now: f
             views.append(DeviceView(p.id, kind, t, p.memory_bytes or (d.memory_bytes if d else 0), p.capacity_units))
             capacity[(n.name, p.id)] = p.capacity_units
             types[(n.name, p.id)] = t
+            kinds[(n.name, p.id)] = "cpu" if kind == "cpu" else p.kind
             if n.state == types_pb2.READY:
                 by_kind.setdefault(kind, set()).add(t)
         nv.append(NodeView(n.name, tuple(views), n.state == types_pb2.READY))
@@ -193,7 +248,8 @@ def build_request(nodes: list[types_pb2.Node], jobs: list[types_pb2.Job], now: f
         if j.status.phase in ACTIVE and j.status.placement:
             since = next((h.time for h in reversed(j.status.history) if h.phase == P.SCHEDULED), j.created)
             running.append(RunningJob(job_view(j, by_kind), placement_of(j, capacity, types), since))
-    return ScheduleRequest(nodes=tuple(nv), pending=pending, running=tuple(running), now=now, estimator=estimator)
+    return ScheduleRequest(nodes=tuple(nv), pending=pending, running=tuple(running), now=now, estimator=estimator,
+                           groups=groups_of(running, kinds))
 
 
 def shards_for(p: Placement, nodes: dict[str, types_pb2.Node]) -> list[types_pb2.Shard]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from controller import measured
 from controller.policy import Placement, Resize
 from controller.policy.snapshot_estimator import SnapshotEstimator, job_key
 from tessera import log, manifest
@@ -435,6 +436,8 @@ class Controller:
                 transition(job, P.RUNNING, f"executors started on {', '.join(s.node for s in st.placement)}", now)
             if r.kind == K.PROGRESS:
                 st.step, st.loss, st.step_time_s = r.step, r.loss, r.step_time_s
+                if r.modules:
+                    st.encoder_share = measured.fold_encoder_share(st.encoder_share, r.modules)
                 if r.total_steps:
                     st.total_steps = r.total_steps
                 if st.first_loss == 0:

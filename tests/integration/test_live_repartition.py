@@ -241,9 +241,9 @@ MM = {"mode": "disaggregated", "micro_batches": 2, "image": {"size": 16, "patch"
 
 class ReshardOnce:
     """Tessera, plus one scripted reshard: the 3-rank multimodal job past step 8 goes from
-    1:2 to 2:1 encoder:LLM ranks. Scripted because the live request carries no measured
-    modality mix yet (``JobView.encoder_share``); under test is the controller carrying
-    the decision out."""
+    1:2 to 2:1 encoder:LLM ranks. Scripted so that the decision comes at a known step
+    (the measured ``JobView.encoder_share`` never makes a 2-rank job reshard: 1:1 is its
+    only split); under test is the controller carrying the decision out."""
 
     name = "reshard-once"
 
@@ -281,6 +281,9 @@ async def test_controller_reshards_multimodal_job_by_checkpoint_and_relaunch(etc
     assert st.step == 120 and st.loss < st.first_loss
     # Persisted with the decision, carried out by one checkpoint-and-relaunch.
     assert st.encoder_ranks == 1
+    # The runtime's per-module times reached the controller (PROGRESS ``modules``) and were
+    # folded into the measured encoder share the live policy reads.
+    assert 0.0 < st.encoder_share < 1.0
     assert st.last_decision.action == "reshard" and "encoder:LLM ranks 1:1" in st.last_decision.reason
     assert st.attempts == 2 and st.preemptions == 1
     assert any(h.phase == tpb.SCHEDULED and h.reason.startswith("reshard: checkpoint and relaunch") for h in st.history)

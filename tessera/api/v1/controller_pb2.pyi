@@ -161,7 +161,7 @@ class ListNodesResponse(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[_types_pb2.Node, _Mapping]]] = ...) -> None: ...
 
 class ExecutorReport(_message.Message):
-    __slots__ = ("node", "incarnation", "job_id", "allocation_id", "rank", "kind", "step", "total_steps", "loss", "step_time_s", "exit_code", "message", "task", "task_phase", "tokens_per_s")
+    __slots__ = ("node", "incarnation", "job_id", "allocation_id", "rank", "kind", "step", "total_steps", "loss", "step_time_s", "exit_code", "message", "task", "task_phase", "tokens_per_s", "modules")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[ExecutorReport.Kind]
@@ -174,6 +174,13 @@ class ExecutorReport(_message.Message):
     PROGRESS: ExecutorReport.Kind
     EXITED: ExecutorReport.Kind
     TASK: ExecutorReport.Kind
+    class ModulesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ModuleTime
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ModuleTime, _Mapping]] = ...) -> None: ...
     NODE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +196,7 @@ class ExecutorReport(_message.Message):
     TASK_FIELD_NUMBER: _ClassVar[int]
     TASK_PHASE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    MODULES_FIELD_NUMBER: _ClassVar[int]
     node: str
     incarnation: str
     job_id: str
@@ -204,7 +212,20 @@ class ExecutorReport(_message.Message):
     task: str
     task_phase: str
     tokens_per_s: float
-    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[str] = ..., job_id: _Optional[str] = ..., allocation_id: _Optional[str] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[ExecutorReport.Kind, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., task: _Optional[str] = ..., task_phase: _Optional[str] = ..., tokens_per_s: _Optional[float] = ...) -> None: ...
+    modules: _containers.MessageMap[str, ModuleTime]
+    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[str] = ..., job_id: _Optional[str] = ..., allocation_id: _Optional[str] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[ExecutorReport.Kind, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., task: _Optional[str] = ..., task_phase: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., modules: _Optional[_Mapping[str, ModuleTime]] = ...) -> None: ...
+
+class ModuleTime(_message.Message):
+    __slots__ = ("forward_s", "backward_s", "communication_s", "idle_s")
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_S_FIELD_NUMBER: _ClassVar[int]
+    COMMUNICATION_S_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    forward_s: float
+    backward_s: float
+    communication_s: float
+    idle_s: float
+    def __init__(self, forward_s: _Optional[float] = ..., backward_s: _Optional[float] = ..., communication_s: _Optional[float] = ..., idle_s: _Optional[float] = ...) -> None: ...
 
 class ReportExecutorResponse(_message.Message):
     __slots__ = ("stale",)
