@@ -61,6 +61,10 @@ class Executor:
     # Latest per-module phases (seconds) of the runtime's ``module: encoder|llm`` progress
     # events, by module; sent with every PROGRESS report (``modules``).
     modules: dict = field(default_factory=dict)
+    # CPU busy measurement: cores of its CPU grant (0 = not a CPU executor: not measured)
+    # and the (process CPU seconds, monotonic time) mark of the last PROGRESS report.
+    cores: int = 0
+    cpu_mark: tuple[float, float] | None = None
 
     @property
     def grant_id(self) -> str:
@@ -76,6 +80,28 @@ Report = dict  # {"kind": "STARTED"|"PROGRESS"|"EXITED", ...}
 # with forward/backward/communication/idle seconds); a PROGRESS report carries the latest
 # phases of each as ``"modules": {name: {phase: seconds}}``.
 BREAKDOWN_MODULES = ("encoder", "llm")
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (utime + stime) process ``pid`` has used so far, all its threads (the
+    process totals of ``/proc/<pid>/stat``; its children are not counted), or None when
+    the file cannot be read or parsed (the process exited, no procfs)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+        # The command name (field 2) may hold spaces and parentheses: split after its ")".
+        rest = raw[raw.rindex(")") + 2:].split()
+        return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")  # fields 14, 15
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def busy_fraction(cpu_s: float, wall_s: float, cores: int) -> float | None:
+    """CPU busy fraction of a quota of ``cores`` over an interval: ``cpu_s`` CPU seconds
+    used in ``wall_s`` seconds, / (wall_s x cores), clamped to [0, 1]; None when the
+    interval or the core count is not positive."""
+    if wall_s <= 0.0 or cores < 1:
+        return None
+    return min(max(cpu_s / (wall_s * cores), 0.0), 1.0)
 
 
 def grant_id(allocation_id: str, rank: int) -> str:
@@ -231,6 +257,9 @@ class ExecutorManager:
                 os.sched_setaffinity(ex_proc.pid, cores)
             except ProcessLookupError:
                 pass
+        if devs[0].kind == "cpu" and cores:
+            ex.cores = len(cores)
+            ex.cpu_mark = (0.0, time.monotonic())  # a fresh process: no CPU time used yet
         self.executors[key] = ex
         self.log.info("executor started", job_id=job_id, allocation=allocation_id, rank=rank, pid=ex.proc.pid,
                       devices=device_ids, cores=cores, partition=grant.partition_id if grant else "",
@@ -299,9 +328,32 @@ class ExecutorManager:
         final = ev.get("total") is not None and ex.step >= int(ev["total"])
         if now - ex.last_report >= self.report_interval_s or final or ex.last_report == 0:
             ex.last_report = now
-            await self.on_report(ex, {"kind": "PROGRESS", "step": ex.step, "total_steps": int(ev.get("total", 0) or 0),
-                                      "loss": ex.loss, "step_time_s": float(ev.get("step_time_s", 0.0)),
-                                      "modules": {m: dict(ph) for m, ph in ex.modules.items()}})
+            r = {"kind": "PROGRESS", "step": ex.step, "total_steps": int(ev.get("total", 0) or 0),
+                 "loss": ex.loss, "step_time_s": float(ev.get("step_time_s", 0.0)),
+                 "modules": {m: dict(ph) for m, ph in ex.modules.items()}}
+            busy = self.measure_busy(ex, now)
+            if busy is not None:
+                r["busy"] = busy
+            await self.on_report(ex, r)
+
+    def measure_busy(self, ex: Executor, now: float) -> float | None:
+        """``ex``'s CPU busy fraction of its quota since its last mark (its previous PROGRESS
+        report, or its start), and a new mark at ``now``: ``busy_fraction`` of the
+        process's CPU seconds delta over the wall delta and its grant's current cores. None
+        when not measured: no process, not a CPU executor, /proc unreadable, or no interval.
+        After a live quota change the interval straddles two core counts; the current one
+        is used (one report off, the EWMA in the controller smooths it).
+        TODO(gpu): GPU executors — NVML per-process utilisation
+        (nvmlDeviceGetProcessUtilization, SM % of the process / the grant's SM share) into
+        the same ``busy`` report field; not measured today (``cores`` stays 0)."""
+        if ex.proc is None or ex.cores < 1 or ex.cpu_mark is None:
+            return None
+        cpu = process_cpu_s(ex.proc.pid)
+        if cpu is None:
+            return None
+        prev_cpu, prev_t = ex.cpu_mark
+        ex.cpu_mark = (cpu, now)
+        return busy_fraction(cpu - prev_cpu, now - prev_t, ex.cores)
 
     # -- live repartition -------------------------------------------------------------
     def update_grant(self, allocation_id: str, rank: int, units: int) -> tuple[Executor, Grant, int]:
@@ -333,6 +385,7 @@ class ExecutorManager:
         ex.grant = g
         if g.cores:
             pin_process(ex.proc.pid, g.cores)
+            ex.cores = len(g.cores)
         self.log.info("executor repartitioned live", job_id=ex.job_id, allocation=allocation_id, rank=rank,
                       pid=ex.proc.pid, partition=g.partition_id, old_units=old.units, units=g.units,
                       cores=list(g.cores))

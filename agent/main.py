@@ -70,6 +70,8 @@ class Agent:
                 tokens_per_s=r.get("tokens_per_s", 0.0))
         for name, ph in (r.get("modules") or {}).items():
             msg.modules[name].CopyFrom(module_time(ph))
+        if r.get("busy") is not None:
+            msg.busy = float(r["busy"])
         await self.reports.put(msg)
 
     async def _send_reports(self) -> None:

@@ -9,8 +9,9 @@ writes and the agent RPCs around it.
   running jobs with their placements and quotas -> ``ScheduleRequest``; measured inputs:
   a multimodal job's ``encoder_share`` (``status.encoder_share``, ``controller.measured``),
   a disaggregated one's current split as its placement's ``plan.encoder_ranks``
-  (:func:`encoder_ranks_now`), and ``groups`` for partitions several running jobs share
-  (:func:`groups_of`).
+  (:func:`encoder_ranks_now`), ``groups`` for partitions several running jobs share
+  (:func:`groups_of`), and those members' demand from their measured CPU busy fraction
+  (``status.busy``, :func:`with_measured_demand`).
 - :func:`shards_for` — a policy ``Placement`` -> ``Shard`` messages naming partitions
   and each rank's quota in units (what the etcd allocation and the agents get).
 - :func:`replan` — the parallelism plan of a job moved to another device count.
@@ -24,7 +25,9 @@ writes and the agent RPCs around it.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
+from controller import measured
 from controller.policy import DeviceView, JobView, NodeView, Placement, RunningJob, ScheduleRequest, Shard
 from controller.policy.types import ColocationGroup, Plan
 from controller.policy.snapshot_estimator import DeviceClass, JobShape, job_key, plan_for
@@ -180,7 +183,8 @@ def groups_of(running: list[RunningJob], kinds: dict[tuple[str, str], str]) -> t
     sorted by job id. ``mode`` is the partition's mechanism: "cpuset" for CPU core sets
     (quotas change live), "mig" / "timeslice" for those partition kinds, else "mps".
     The policy (``multiplex.repartition_action``) compares these quotas with each member's
-    demand, ``JobView.gpu_fraction``. ``kinds``: (node, partition id) -> partition kind."""
+    demand, ``JobView.gpu_fraction``, which ``build_request`` sets to the measured demand
+    (:func:`with_measured_demand`). ``kinds``: (node, partition id) -> partition kind."""
     by_part: dict[tuple[str, str], list[tuple[str, float]]] = {}
     for r in running:
         p = r.placement
@@ -248,8 +252,26 @@ def build_request(nodes: list[types_pb2.Node], jobs: list[types_pb2.Job], now: f
         if j.status.phase in ACTIVE and j.status.placement:
             since = next((h.time for h in reversed(j.status.history) if h.phase == P.SCHEDULED), j.created)
             running.append(RunningJob(job_view(j, by_kind), placement_of(j, capacity, types), since))
-    return ScheduleRequest(nodes=tuple(nv), pending=pending, running=tuple(running), now=now, estimator=estimator,
-                           groups=groups_of(running, kinds))
+    groups = groups_of(running, kinds)
+    busy = {j.id: j.status.busy for j in jobs}
+    return ScheduleRequest(nodes=tuple(nv), pending=pending, running=with_measured_demand(running, groups, busy),
+                           now=now, estimator=estimator, groups=groups)
+
+
+def with_measured_demand(running: list[RunningJob], groups: tuple[ColocationGroup, ...],
+                         busy: dict[str, float]) -> tuple[RunningJob, ...]:
+    """``running`` with each colocation-group member's ``JobView.gpu_fraction`` set to its
+    measured demand (``controller.measured.group_demands``: busy x current quota when
+    ``busy`` — ``JobStatus.busy``, 0 = not measured — says so, else the requested share;
+    saturated members take the slack). Jobs outside a group are returned unchanged."""
+    want: dict[str, float] = {}
+    views = {r.job.job_id: r.job for r in running}
+    for g in groups:
+        members = {j: (q, busy.get(j, 0.0), views[j].gpu_fraction) for j, q in g.members if j in views}
+        for j, d in measured.group_demands(members).items():
+            want[j] = min(max(d, 0.01), 1.0)
+    return tuple(replace(r, job=replace(r.job, gpu_fraction=want[r.job.job_id])) if r.job.job_id in want else r
+                 for r in running)
 
 
 def shards_for(p: Placement, nodes: dict[str, types_pb2.Node]) -> list[types_pb2.Shard]:

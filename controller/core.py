@@ -438,6 +438,8 @@ class Controller:
                 st.step, st.loss, st.step_time_s = r.step, r.loss, r.step_time_s
                 if r.modules:
                     st.encoder_share = measured.fold_encoder_share(st.encoder_share, r.modules)
+                if r.HasField("busy"):  # CPU busy fraction of the quota (agent, /proc)
+                    st.busy = measured.fold_busy(st.busy, r.busy)
                 if r.total_steps:
                     st.total_steps = r.total_steps
                 if st.first_loss == 0:

@@ -13,6 +13,21 @@ Contract (pure functions over protos and floats; no etcd, gRPC or clock):
   without a usable sample leaves the value unchanged. The result lies in (0, 1] once
   measured (a true share of exactly 0 reads as "not measured", which is harmless: the
   policy then keeps the current split).
+* :func:`fold_busy` — EWMA (same ``alpha``; first sample taken as is) of an executor's
+  PROGRESS ``busy`` (CPU busy fraction of its quota, [0, 1]) into ``JobStatus.busy``;
+  floored at :data:`MIN_BUSY` so that 0 keeps meaning "not measured". A report without
+  ``busy`` (None) leaves the value unchanged.
+* :func:`group_demands` — the members' demand in a colocation group (what
+  ``multiplex.repartition_action`` reads as ``JobView.gpu_fraction``). Rule:
+
+  - a measured member (busy > 0) demands what it uses: ``busy x quota`` (a share of the
+    partition); an unmeasured one demands its requested share;
+  - the slack ``1 - sum(demands)``, when positive, goes to the *saturated* measured
+    members (busy >= :data:`SATURATED`), in proportion to their demand — a member that
+    uses all its cores may need more, and cores another member leaves idle are free.
+
+  So a member that leaves its cores idle gives them up and a saturated one grows; with
+  nothing measured the demands are the requested shares (the previous behaviour).
 """
 
 from __future__ import annotations
@@ -45,3 +60,31 @@ def fold_encoder_share(prev: float, modules: Mapping, alpha: float = ALPHA) -> f
     if prev <= 0.0:
         return s
     return alpha * s + (1.0 - alpha) * prev
+
+
+MIN_BUSY = 0.001  # a measured busy fraction is stored at least this (0 = not measured)
+SATURATED = 0.9   # busy fraction from which a member is taken to want more than its quota
+
+
+def fold_busy(prev: float, sample: float | None, alpha: float = ALPHA) -> float:
+    """``prev`` (``JobStatus.busy``; 0 = not measured) updated with one report's ``busy``
+    sample (None: no sample, unchanged). Samples are clamped to [0, 1]."""
+    if sample is None:
+        return prev
+    s = min(max(float(sample), 0.0), 1.0)
+    v = s if prev <= 0.0 else alpha * s + (1.0 - alpha) * prev
+    return max(v, MIN_BUSY)
+
+
+def group_demands(members: Mapping[str, tuple[float, float, float]]) -> dict[str, float]:
+    """Demand (share of the partition) of each member of one colocation group, by the rule
+    in the module docstring. ``members``: job id -> (current quota, busy, requested share),
+    busy 0 = not measured."""
+    d = {j: (busy * q if busy > 0.0 else req) for j, (q, busy, req) in members.items()}
+    slack = 1.0 - sum(d.values())
+    hot = {j: d[j] for j, (_, busy, _) in members.items() if busy >= SATURATED}
+    base = sum(hot.values())
+    if slack > 0.0 and base > 0.0:
+        for j, v in hot.items():
+            d[j] = v + slack * v / base
+    return d

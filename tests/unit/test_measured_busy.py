@@ -1,0 +1,151 @@
+"""Measured group demand: the agent's CPU busy fraction (/proc), its fold into
+``JobStatus.busy``, the adapter's measured member demand, and the policy's repartition."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from agent.executors import Executor, ExecutorManager, busy_fraction, process_cpu_s
+from controller import adapter, measured
+from controller.policy import TesseraPolicy
+from tessera.api.v1 import controller_pb2 as cpb
+from tessera.api.v1 import types_pb2 as tpb
+
+
+def spin(seconds: float) -> float:
+    """Busy-loop a thread for ``seconds`` of wall time; return that wall time."""
+    def loop():
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+    t0 = time.perf_counter()
+    th = threading.Thread(target=loop)
+    th.start()
+    th.join()
+    return time.perf_counter() - t0
+
+
+def test_proc_reader_counts_a_busy_thread_of_this_process():
+    c0 = process_cpu_s(os.getpid())
+    wall = spin(0.4)
+    c1 = process_cpu_s(os.getpid())
+    assert c0 is not None and c1 is not None
+    busy = busy_fraction(c1 - c0, wall, 1)
+    assert busy is not None and busy > 0.2   # a CPU-bound 0.4 s: most of one core even on a loaded box
+    assert process_cpu_s(2 ** 31 - 1) is None                     # no such process
+    assert busy_fraction(1.0, 0.0, 1) is None and busy_fraction(1.0, 1.0, 0) is None
+    assert busy_fraction(5.0, 1.0, 2) == 1.0 and busy_fraction(-1.0, 1.0, 2) == 0.0
+
+
+def test_executor_progress_report_carries_busy_on_cpu(tmp_path):
+    from agent.main import K
+
+    reports = []
+
+    async def on_report(ex, r):
+        reports.append(r)
+
+    mgr = ExecutorManager(tmp_path, [], on_report, report_interval_s=0.0)
+    ex = Executor("a1", "j", 0, [], tmp_path / "j.log", cores=1)
+    ex.proc = SimpleNamespace(pid=os.getpid())
+    ex.cpu_mark = (process_cpu_s(os.getpid()), time.monotonic())
+    spin(0.3)
+    asyncio.run(mgr._event(ex, {"event": "progress", "step": 1, "total": 5, "loss": 1.0}))
+    assert 0.0 < reports[-1]["busy"] <= 1.0
+    # Not a CPU executor (cores 0): no measurement, no field.
+    ex2 = Executor("a2", "j", 0, [], tmp_path / "j.log")
+    ex2.proc = SimpleNamespace(pid=os.getpid())
+    asyncio.run(mgr._event(ex2, {"event": "progress", "step": 1, "total": 5}))
+    assert "busy" not in reports[-1]
+    msg = K(kind=K.PROGRESS)
+    assert not msg.HasField("busy")
+    msg.busy = 0.0
+    assert msg.HasField("busy")       # a measured 0 (idle) is distinguishable from unset
+
+
+def test_fold_busy_takes_first_sample_smooths_and_keeps_zero_for_unmeasured():
+    assert measured.fold_busy(0.0, None) == 0.0
+    assert measured.fold_busy(0.4, None) == 0.4
+    assert measured.fold_busy(0.0, 0.8) == pytest.approx(0.8)
+    assert measured.fold_busy(0.0, 0.0) == measured.MIN_BUSY   # measured idle is not "unmeasured"
+    assert measured.fold_busy(0.5, 1.0) == pytest.approx(0.3 * 1.0 + 0.7 * 0.5)
+    assert measured.fold_busy(0.5, 7.0) == pytest.approx(0.3 + 0.35)   # sample clamped to 1
+    v = 1.0
+    for _ in range(40):
+        v = measured.fold_busy(v, 0.1)
+    assert v == pytest.approx(0.1, abs=1e-4)
+
+
+def test_group_demands_rule():
+    # Nothing measured: the requested shares.
+    assert measured.group_demands({"a": (0.5, 0.0, 0.3), "b": (0.5, 0.0, 0.6)}) == {"a": 0.3, "b": 0.6}
+    # a idle at 20 % of its half, b saturated: a keeps 0.1, b takes the rest.
+    d = measured.group_demands({"a": (0.5, 0.2, 0.5), "b": (0.5, 0.95, 0.5)})
+    assert d["a"] == pytest.approx(0.1) and d["b"] == pytest.approx(0.9)
+    # Nobody saturated: measured use only, the idle cores are given up.
+    d = measured.group_demands({"a": (0.5, 0.2, 0.5), "b": (0.5, 0.6, 0.5)})
+    assert d == pytest.approx({"a": 0.1, "b": 0.3})
+    # Unmeasured member keeps its ask; the saturated measured one takes the slack.
+    d = measured.group_demands({"a": (0.5, 0.0, 0.25), "b": (0.5, 1.0, 0.5)})
+    assert d == pytest.approx({"a": 0.25, "b": 0.75})
+
+
+def cpu_node(cores: int = 4) -> tpb.Node:
+    n = tpb.Node(name="n1", state=tpb.READY)
+    n.devices.add(id="cpu0", kind="cpu", model="Xeon", capacity=cores)
+    n.partitions.add(id="cpu0", kind="cpuset", device_id="cpu0", capacity_units=cores, unit="cores")
+    return n
+
+
+def gpt_job(jid: str, share: float, units: int, busy: float = 0.0, created: float = 0.0) -> tpb.Job:
+    j = tpb.Job(id=jid, created=created)
+    j.spec.tenant = "t"
+    j.spec.workload.type = "gpt"
+    j.spec.workload.steps = 1000
+    j.spec.resources.devices = 1
+    j.spec.resources.device_kind = "cpu"
+    j.spec.resources.share = share
+    j.status.phase = tpb.RUNNING
+    j.status.busy = busy
+    j.status.placement.add(node="n1", device_ids=["cpu0"], partition_ids=["cpu0"], units=units)
+    return j
+
+
+def test_build_request_sets_group_members_demand_from_measured_busy():
+    alone = gpt_job("c", 0.5, 2, busy=0.1)
+    alone.status.placement[0].partition_ids[:] = ["cpu1"]
+    alone.status.placement[0].device_ids[:] = ["cpu1"]
+    node = cpu_node()
+    node.devices.add(id="cpu1", kind="cpu", model="Xeon", capacity=4)
+    node.partitions.add(id="cpu1", kind="cpuset", device_id="cpu1", capacity_units=4, unit="cores")
+    req = adapter.build_request([node], [gpt_job("a", 0.5, 2, busy=0.2), gpt_job("b", 0.5, 2, busy=0.95, created=1.0),
+                                         alone], now=1.0)
+    (g,) = req.groups
+    assert g.members == (("a", 0.5), ("b", 0.5))
+    frac = {r.job.job_id: r.job.gpu_fraction for r in req.running}
+    assert frac["a"] == pytest.approx(0.1) and frac["b"] == pytest.approx(0.9)
+    assert frac["c"] == 0.5                       # not in a group: its requested share
+    # Unmeasured: requested shares, as before.
+    req = adapter.build_request([cpu_node()], [gpt_job("a", 0.5, 2), gpt_job("b", 0.5, 2, created=1.0)], now=1.0)
+    assert {r.job.job_id: r.job.gpu_fraction for r in req.running} == {"a": 0.5, "b": 0.5}
+
+
+def test_policy_shifts_cores_from_an_idle_member_to_a_saturated_one():
+    # Both asked for (and hold) half of 4 cores; a is measured idle, b saturated.
+    a, b = gpt_job("a", 0.5, 2, busy=0.05), gpt_job("b", 0.5, 2, busy=1.0, created=1.0)
+    req = adapter.build_request([cpu_node()], [a, b], now=100.0)
+    pol = TesseraPolicy()
+    (rp,) = pol.schedule(req).repartitions
+    q = dict(rp.quotas)
+    assert rp.group_id == "share:n1/cpu0" and rp.live
+    assert q["a"] < 0.5 < q["b"] and sum(q.values()) <= 1.0 + 1e-9
+    assert adapter.quota_units(q["a"], 4) == 1 and adapter.quota_units(q["b"], 4) == 3
+    # Both busy as asked: no repartition.
+    a, b = gpt_job("a", 0.5, 2, busy=0.97), gpt_job("b", 0.5, 2, busy=0.97, created=1.0)
+    assert pol.schedule(adapter.build_request([cpu_node()], [a, b], now=100.0)).repartitions == ()
