@@ -37,6 +37,7 @@ from tessera import manifest
 from tessera.api.v1 import agent_pb2, types_pb2
 
 from . import adapter
+from .records import alloc_keys, decide, transition
 from .store import CapacityExceeded
 
 P = types_pb2.JobPhase
@@ -110,7 +111,7 @@ async def relaunch(ctl, job: types_pb2.Job, action: str, reason: str, nodes: dic
         if j.status.allocation_id != old_alloc or j.status.phase not in ACTIVE:
             return None
         try:
-            cmp, ops = await ctl.store.realloc_ops(drop=old_alloc, drop_keys=_alloc_keys(j.status.placement),
+            cmp, ops = await ctl.store.realloc_ops(drop=old_alloc, drop_keys=alloc_keys(j.status.placement),
                                                    add=alloc_id, add_units=want, capacity=caps)
         except CapacityExceeded as e:
             ctl.log.info(f"{action} skipped: partition full", job_id=j.id, error=str(e), decision_id=decision_id)
@@ -122,8 +123,8 @@ async def relaunch(ctl, job: types_pb2.Job, action: str, reason: str, nodes: dic
         j.status.preemptions += 1
         if mutate is not None:
             mutate(j)
-        _decide(j, ctl.policy.name, action, f"{reason}; checkpoint and relaunch", now, decision_id, q)
-        _transition(j, P.SCHEDULED, f"{action}: checkpoint and relaunch ({reason})"[:500], now)
+        decide(j, ctl.policy.name, action, f"{reason}; checkpoint and relaunch", now, decision_id, q)
+        transition(j, P.SCHEDULED, f"{action}: checkpoint and relaunch ({reason})"[:500], now)
         return cmp, ops
 
     job = await ctl._rmw(job.id, fn)
@@ -208,7 +209,7 @@ async def _set_units(ctl, job_id: str, alloc_id: str, node: str, part: types_pb2
             ctl.log.info("repartition skipped: partition full", job_id=j.id, error=str(e), decision_id=decision_id)
             return None
         j.status.placement[0].units = new
-        _decide(j, ctl.policy.name, action, reason, now, decision_id, quota)
+        decide(j, ctl.policy.name, action, reason, now, decision_id, quota)
         wrote[0] = True
         return cmp, ops
 
@@ -241,17 +242,3 @@ async def _repartition_live(ctl, job: types_pb2.Job, node: str, part: types_pb2.
                      f"repartition refused by the agent ({err}); keeps {old} {part.unit}", old / part.capacity_units,
                      decision_id, caps)
     return False
-
-
-def _alloc_keys(shards) -> list[tuple[str, str]]:
-    return [(s.node, pid) for s in shards for pid in (list(s.partition_ids) or list(s.device_ids))]
-
-
-def _decide(job, policy, action, reason, now, decision_id, quota) -> None:
-    from .core import decide
-    decide(job, policy, action, reason, now, decision_id, quota)
-
-
-def _transition(job, phase, reason, now) -> None:
-    from .core import transition
-    transition(job, phase, reason, now)

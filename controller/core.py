@@ -30,6 +30,7 @@ from tessera.perfmodel import PerfModel
 
 from . import tasks as peft_tasks
 from . import actions, adapter
+from .records import alloc_keys, decide, transition
 from .config import ControllerConfig
 from .store import CapacityExceeded, Conflict, Fenced, Store
 
@@ -57,27 +58,6 @@ class NotLeader(Exception):
 
 def new_job_id() -> str:
     return "j-" + secrets.token_hex(6)
-
-
-def transition(job: types_pb2.Job, phase: int, reason: str, now: float) -> None:
-    """Move ``job`` to ``phase`` and record the transition (no-op history if unchanged)."""
-    if job.status.phase != phase:
-        job.status.history.add(phase=phase, time=now, reason=reason)
-    job.status.phase = phase
-    job.status.reason = reason
-
-
-def alloc_keys(shards) -> list[tuple[str, str]]:
-    """(node, partition id) of every rank of ``shards`` (device ids for older records)."""
-    return [(s.node, pid) for s in shards for pid in (list(s.partition_ids) or list(s.device_ids))]
-
-
-def decide(job: types_pb2.Job, policy: str, action: str, reason: str, now: float, decision_id: str,
-           quota: float = 1.0) -> None:
-    """Record a scheduling decision on ``job`` (structured, and as the ``decision`` text)."""
-    job.status.last_decision.CopyFrom(types_pb2.Decision(policy=policy, action=action, reason=reason[:500], time=now,
-                                                         decision_id=decision_id, quota=quota))
-    job.status.decision = f"{policy}: {action}: {reason}"[:600]
 
 
 def canonical_spec(spec: types_pb2.JobSpec) -> bytes:
