@@ -38,7 +38,7 @@ from tessera.api.v1 import agent_pb2, types_pb2
 
 from . import adapter
 from .records import alloc_keys, decide, transition
-from .store import CapacityExceeded
+from .store import CapacityExceeded, Conflict
 
 P = types_pb2.JobPhase
 ACTIVE = (P.SCHEDULED, P.RUNNING)
@@ -87,21 +87,28 @@ async def reshard(ctl, job: types_pb2.Job, rs: Reshard, nodes: dict, decision_id
 
 async def relaunch(ctl, job: types_pb2.Job, action: str, reason: str, nodes: dict, decision_id: str,
                    units: dict[tuple[str, str], int] | None = None,
-                   mutate: Callable[[types_pb2.Job], None] | None = None, quota: float | None = None) -> bool:
-    """Checkpoint and relaunch ``job`` on its partitions: one fenced transaction moves it
-    to a new allocation (``units`` overrides the units per (node, partition id)), applies
-    ``mutate`` and records the decision; then SIGTERM to the old ranks and a launch of the
-    new ones, which resume from the checkpoint. A launch refused requeues the job."""
+                   mutate: Callable[[types_pb2.Job], None] | None = None, quota: float | None = None,
+                   shards: list[types_pb2.Shard] | None = None, where: str = "") -> bool:
+    """Checkpoint and relaunch ``job``: one fenced transaction moves it to a new
+    allocation — on ``shards`` when given (a resize / migrate), else on its current
+    partitions with ``units`` overriding the units per (node, partition id) — applies
+    ``mutate`` (e.g. a new plan or encoder:LLM split) and records the decision; then
+    SIGTERM to the old ranks and a launch of the new ones, which resume from the
+    checkpoint. ``where`` is appended to the history line. Returns False when nothing
+    was moved (the job changed meanwhile, the partitions are full, or too many
+    concurrent writers) or the launch failed (the job is then requeued by
+    ``ctl._launch_or_requeue``)."""
     now = ctl.clock()
     old_alloc, old_shards = job.status.allocation_id, list(job.status.placement)
-    shards = []
-    for s in old_shards:
-        n = types_pb2.Shard()
-        n.CopyFrom(s)
-        for pid in s.partition_ids:
-            if units and (s.node, pid) in units:
-                n.units = units[(s.node, pid)]
-        shards.append(n)
+    if shards is None:
+        shards = []
+        for s in old_shards:
+            n = types_pb2.Shard()
+            n.CopyFrom(s)
+            for pid in s.partition_ids:
+                if units and (s.node, pid) in units:
+                    n.units = units[(s.node, pid)]
+            shards.append(n)
     alloc_id = "a-" + secrets.token_hex(6)
     want = adapter.shard_units(shards, nodes)
     caps = ctl._capacity(nodes)
@@ -124,19 +131,21 @@ async def relaunch(ctl, job: types_pb2.Job, action: str, reason: str, nodes: dic
         if mutate is not None:
             mutate(j)
         decide(j, ctl.policy.name, action, f"{reason}; checkpoint and relaunch", now, decision_id, q)
-        transition(j, P.SCHEDULED, f"{action}: checkpoint and relaunch ({reason})"[:500], now)
+        transition(j, P.SCHEDULED, f"{action}: checkpoint and relaunch{where} ({reason})"[:500], now)
         return cmp, ops
 
-    job = await ctl._rmw(job.id, fn)
+    try:
+        job = await ctl._rmw(job.id, fn)
+    except Conflict:
+        ctl.log.info(f"{action} skipped: too many concurrent updates", job_id=job.id, decision_id=decision_id)
+        return False
     if job.status.allocation_id != alloc_id:
         return False
     ctl.log.info(f"job {action} by relaunch", job_id=job.id, allocation=alloc_id, old_allocation=old_alloc,
                  reason=reason, decision_id=decision_id)
+    # The old ranks checkpoint on SIGTERM and release their grants before the new ones start.
     await ctl._stop_alloc(old_alloc, old_shards, f"{action}: checkpoint for a relaunch")
-    ok, why = await ctl._launch(job, nodes)
-    if not ok:
-        await ctl._requeue(job.id, alloc_id, f"relaunch after {action} failed: {why}", transient=why.startswith("busy: "))
-    return ok
+    return await ctl._launch_or_requeue(job, nodes, f"relaunch after {action}")
 
 
 def repartition_plan(rp: Repartition, jobs: dict[str, types_pb2.Job], nodes: dict

@@ -635,18 +635,14 @@ class Controller:
             return False
         self.log.info("job placed", job_id=job.id, allocation=alloc_id, decision=job.status.decision,
                       decision_id=decision_id)
-        ok, why = await self._launch(job, nodes)
-        if not ok:
-            await self._requeue(job.id, alloc_id, f"launch failed: {why}", transient=why.startswith("busy: "))
-        return ok
+        return await self._launch_or_requeue(job, nodes, "launch")
 
     async def _resize(self, job: types_pb2.Job, rz: Resize, nodes: dict, decision_id: str) -> bool:
-        """Carry out a resize / migrate / type change of a running job: one fenced write
-        moves its allocation to the new partitions (and plan), then its executors are
-        stopped with SIGTERM (the runtime checkpoints) and relaunched under the new plan,
-        which resumes (and reshards) from the checkpoint."""
-        now = self.clock()
-        old_alloc, old_shards = job.status.allocation_id, list(job.status.placement)
+        """Carry out a resize / migrate / type change of a running job: the new partitions
+        (and, on another device count, a plan for it) go through :func:`actions.relaunch`
+        — one fenced write moves the allocation, SIGTERM checkpoints the old ranks, the
+        new ones resume (and reshard) from the checkpoint under the new plan."""
+        old_shards = list(job.status.placement)
         try:
             shards = adapter.shards_for(rz.placement, nodes)
         except KeyError as e:
@@ -664,48 +660,15 @@ class Controller:
             if plan is None:
                 self.log.info("resize skipped: no plan fits", job_id=job.id, devices=n)
                 return False
-        alloc_id = "a-" + secrets.token_hex(6)
-        want = adapter.shard_units(shards, nodes)
-        caps = self._capacity(nodes)
-        note = self._estimate_note(job)
+        ptxt = f"; plan dp={plan.dp} tp={plan.tp} pp={plan.pp}" if plan is not None else ""
 
-        async def fn(j):
-            if j.status.allocation_id != old_alloc or j.status.phase not in ACTIVE:
-                return None
-            try:
-                cmp, ops = await self.store.realloc_ops(drop=old_alloc, drop_keys=alloc_keys(j.status.placement),
-                                                        add=alloc_id, add_units=want, capacity=caps)
-            except CapacityExceeded as e:
-                self.log.info("resize skipped: partition full", job_id=j.id, error=str(e))
-                return None
-            del j.status.placement[:]
-            j.status.placement.extend(shards)
-            j.status.allocation_id = alloc_id
-            j.status.attempts += 1
-            j.status.preemptions += 1
+        def mutate(j: types_pb2.Job) -> None:
             if plan is not None:
                 j.status.plan.CopyFrom(plan)
-            ptxt = f"; plan dp={plan.dp} tp={plan.tp} pp={plan.pp}" if plan is not None else ""
-            decide(j, self.policy.name, rz.kind, f"{rz.reason or rz.kind}{ptxt}{note}", now, decision_id,
-                   rz.placement.quota)
-            transition(j, P.SCHEDULED, f"{rz.kind}: checkpoint and relaunch on "
-                                       f"{', '.join(s.node for s in shards)}{ptxt}", now)
-            return cmp, ops
 
-        try:
-            job = await self._rmw(job.id, fn)
-        except Conflict:
-            return False
-        if job.status.allocation_id != alloc_id:
-            return False
-        self.log.info("job resized", job_id=job.id, kind=rz.kind, allocation=alloc_id, old_allocation=old_alloc,
-                      decision_id=decision_id)
-        # The old ranks checkpoint on SIGTERM and release their grants before the new ones start.
-        await self._stop_alloc(old_alloc, old_shards, f"{rz.kind}: checkpoint for a relaunch")
-        ok, why = await self._launch(job, nodes)
-        if not ok:
-            await self._requeue(job.id, alloc_id, f"relaunch after {rz.kind} failed: {why}")
-        return ok
+        return await actions.relaunch(self, job, rz.kind, f"{rz.reason or rz.kind}{ptxt}{self._estimate_note(job)}",
+                                      nodes, decision_id, mutate=mutate, quota=rz.placement.quota, shards=shards,
+                                      where=" on " + ", ".join(s.node for s in shards))
 
     async def _preempt(self, job: types_pb2.Job, reason: str, decision_id: str) -> bool:
         """Stop a running job at a checkpoint and return it to PENDING (not a failure)."""
@@ -766,6 +729,17 @@ class Controller:
                     return False, f"busy: {name}: {msg}"
                 return False, f"{name}: {msg}"
         return True, ""
+
+    async def _launch_or_requeue(self, job: types_pb2.Job, nodes: dict, what: str) -> bool:
+        """Launch ``job``'s executors on its current allocation; when an agent refuses,
+        requeue it (``what failed: why``). A partition an agent still holds (an executor
+        of a stopped allocation not gone yet, "busy: ...") is transient and does not
+        count toward ``max_attempts``; any other refusal does."""
+        ok, why = await self._launch(job, nodes)
+        if not ok:
+            await self._requeue(job.id, job.status.allocation_id, f"{what} failed: {why}",
+                                transient=why.startswith("busy: "))
+        return ok
 
     async def _requeue(self, job_id: str, alloc_id: str, reason: str, transient: bool = False) -> None:
         """Return an active job to PENDING and stop its executors; ``transient`` (a
