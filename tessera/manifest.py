@@ -146,7 +146,7 @@ def validate(doc: Any) -> dict:
 
 def _workload(w: dict) -> dict:
     allowed = {"type", "model", "steps", "batch_size", "learning_rate", "seed", "data", "plan",
-               "checkpoint_every", "peft", "multimodal"}
+               "checkpoint_every", "step_delay_s", "peft", "multimodal"}
     _no_unknown(w, allowed, "workload")
     if "type" not in w:
         raise SpecError("workload.type", f"is required (one of {', '.join(WORKLOAD_TYPES)})")
@@ -166,6 +166,16 @@ def _workload(w: dict) -> dict:
     out["learning_rate"] = _float(w.get("learning_rate", WORKLOAD_DEFAULTS["learning_rate"]), "workload.learning_rate", True)
     out["seed"] = _int(w.get("seed", 0), "workload.seed", 0)
     out["checkpoint_every"] = _int(w.get("checkpoint_every", WORKLOAD_DEFAULTS["checkpoint_every"]), "workload.checkpoint_every", 1)
+    # Seconds each step waits for its input (gpt only; 0 = none): an input-bound job, e.g.
+    # one fed by a slow loader, that leaves its cores mostly idle. Omitted when 0.
+    if "step_delay_s" in w:
+        delay = _float(w["step_delay_s"], "workload.step_delay_s")
+        if not (0.0 <= delay <= 3600.0):
+            raise SpecError("workload.step_delay_s", f"must be in [0, 3600], got {delay!r}")
+        if delay and typ != "gpt":
+            raise SpecError("workload.step_delay_s", f"only allowed when workload.type is 'gpt', got {typ!r}")
+        if delay:
+            out["step_delay_s"] = float(delay)
     d = _mapping(w.get("data", {"kind": "synthetic"}), "workload.data")
     _no_unknown(d, {"kind", "path"}, "workload.data")
     kind = _str(d.get("kind", "synthetic"), "workload.data.kind")
@@ -266,6 +276,7 @@ def to_proto(doc: dict) -> types_pb2.JobSpec:
         data=types_pb2.DataSource(kind=w["data"]["kind"], path=w["data"].get("path", "")),
         plan=types_pb2.ParallelPlan(**w["plan"]),
         checkpoint_every=w["checkpoint_every"],
+        step_delay_s=w.get("step_delay_s", 0.0),
     )
     for section in SECTION_VALIDATORS:
         if section in w:
@@ -302,6 +313,8 @@ def from_proto(spec: types_pb2.JobSpec) -> dict:
                 wd[k] = int(v)
         if w.learning_rate:
             wd["learning_rate"] = w.learning_rate
+        if w.step_delay_s:
+            wd["step_delay_s"] = w.step_delay_s
         if w.HasField("data"):
             wd["data"] = {"kind": w.data.kind or "synthetic"}
             if w.data.path:

@@ -60,6 +60,7 @@ class GPTJob:
     weight_decay: float
     schedule: str = "1f1b"
     dist: dict = field(default_factory=dict)
+    step_delay_s: float = 0.0  # each step first waits this long for its input (an input-bound job)
 
     @property
     def rank(self) -> int:
@@ -101,6 +102,9 @@ def parse_spec(spec: dict) -> GPTJob:
     wd = w.get("weight_decay", 0.0)
     if isinstance(wd, bool) or not isinstance(wd, (int, float)) or wd < 0:
         raise SpecError("workload.weight_decay", f"must be a number >= 0, got {wd!r}")
+    delay = w.get("step_delay_s", 0.0)
+    if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not (0.0 <= delay <= 3600.0):
+        raise SpecError("workload.step_delay_s", f"must be a number in [0, 3600], got {delay!r}")
     schedule = w.get("pipeline_schedule", "1f1b")
     if schedule not in SCHEDULES:
         raise SpecError("workload.pipeline_schedule", f"must be one of {sorted(SCHEDULES)}, got {schedule!r}")
@@ -127,6 +131,7 @@ def parse_spec(spec: dict) -> GPTJob:
         weight_decay=float(wd),
         schedule=schedule,
         dist=d,
+        step_delay_s=float(delay),
     )
     validate(plan, layers=cfg.layers, heads=cfg.heads, hidden=cfg.hidden, batch_size=job.batch_size, world_size=world)
     return job
@@ -303,6 +308,9 @@ def train(job: GPTJob, reporter: Reporter) -> int:
         for step in range(start_step, job.steps):
             t_start = time.perf_counter()
             comm.TIMER.reset()
+            if job.step_delay_s:
+                # Input-bound: the step waits for its batch (cores idle); a SIGTERM ends the wait.
+                STOP.wait(job.step_delay_s)
             inputs, targets = source.batch(step, job.batch_size, job.cfg.seq_len)
             rows = replica_rows(job.plan, job.batch_size, ctx.coord.dp)
             loss_local, phases = SCHEDULES[job.schedule](stage, ctx, inputs[rows], targets[rows], job.plan.micro_batches)

@@ -52,6 +52,9 @@ def test_defaults_are_filled():
     ({"resources__device_kind": "tpu"}, "resources.device_kind"),
     ({"resources__gpus": 1}, "resources.gpus"),
     ({"workload__peft": {}}, "workload.peft"),
+    ({"workload__step_delay_s": -0.5}, "workload.step_delay_s"),
+    ({"workload__step_delay_s": "1s"}, "workload.step_delay_s"),
+    ({"workload__step_delay_s": 0.5, "workload__type": "multimodal"}, "workload.step_delay_s"),
 ])
 def test_errors_name_the_field(patch, field):
     with pytest.raises(SpecError) as e:
@@ -72,6 +75,13 @@ def test_proto_round_trip(steps, bs, lr, seed, dp):
     d = manifest.validate(doc(workload__steps=steps, workload__batch_size=bs * dp, workload__learning_rate=lr,
                               workload__seed=seed, workload__plan={"dp": dp}, resources__devices=dp))
     assert manifest.validate(manifest.from_proto(manifest.to_proto(d))) == d
+
+
+def test_step_delay_round_trips_and_is_omitted_when_zero():
+    d = manifest.validate(doc(workload__step_delay_s=0.25))
+    assert d["workload"]["step_delay_s"] == 0.25
+    assert manifest.validate(manifest.from_proto(manifest.to_proto(d))) == d
+    assert "step_delay_s" not in manifest.validate(doc(workload__step_delay_s=0))["workload"]
 
 
 def test_examples_are_valid():

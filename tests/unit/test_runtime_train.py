@@ -56,6 +56,20 @@ def test_event_stream_shape():
     assert p["tokens_per_s"] > 0 and p["step_time_s"] > 0
 
 
+def test_step_delay_waits_for_input_with_cores_idle():
+    """``step_delay_s``: each step waits that long first (counted in its step time), the
+    process's CPU time does not grow with it, and the losses are those of a run without it."""
+    import time
+
+    c0, t0 = time.process_time(), time.perf_counter()
+    code, ev = run_events(spec(steps=4, step_delay_s=0.2))
+    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    assert code == 0 and wall >= 0.8
+    assert all(e["step_time_s"] >= 0.2 for e in ev if e["event"] == "progress")
+    assert cpu < wall - 0.6, (cpu, wall)
+    assert losses(ev) == losses(run_events(spec(steps=4))[1])
+
+
 def test_runs_are_deterministic():
     assert losses(run_events(spec(steps=4))[1]) == losses(run_events(spec(steps=4))[1])
 
@@ -106,6 +120,7 @@ def test_file_data(tmp_path):
         (lambda s: s["workload"].update(batch_size=6, plan={"micro_batches": 4}), "workload.batch_size"),
         (lambda s: s["workload"].update(data={"kind": "http"}), "workload.data.kind"),
         (lambda s: s["workload"].update(pipeline_schedule="zb"), "workload.pipeline_schedule"),
+        (lambda s: s["workload"].update(step_delay_s=-1), "workload.step_delay_s"),
     ],
 )
 def test_invalid_spec_is_exit_2_with_field(mutate, field):

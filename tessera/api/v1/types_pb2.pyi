@@ -118,7 +118,7 @@ class ParallelPlan(_message.Message):
     def __init__(self, dp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., micro_batches: _Optional[int] = ...) -> None: ...
 
 class Workload(_message.Message):
-    __slots__ = ("type", "model", "steps", "batch_size", "learning_rate", "seed", "data", "plan", "checkpoint_every", "peft", "multimodal")
+    __slots__ = ("type", "model", "steps", "batch_size", "learning_rate", "seed", "data", "plan", "checkpoint_every", "peft", "multimodal", "step_delay_s")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class Workload(_message.Message):
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
     PEFT_FIELD_NUMBER: _ClassVar[int]
     MULTIMODAL_FIELD_NUMBER: _ClassVar[int]
+    STEP_DELAY_S_FIELD_NUMBER: _ClassVar[int]
     type: str
     model: ModelConfig
     steps: int
@@ -141,7 +142,8 @@ class Workload(_message.Message):
     checkpoint_every: int
     peft: _struct_pb2.Struct
     multimodal: _struct_pb2.Struct
-    def __init__(self, type: _Optional[str] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., seed: _Optional[int] = ..., data: _Optional[_Union[DataSource, _Mapping]] = ..., plan: _Optional[_Union[ParallelPlan, _Mapping]] = ..., checkpoint_every: _Optional[int] = ..., peft: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., multimodal: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    step_delay_s: float
+    def __init__(self, type: _Optional[str] = ..., model: _Optional[_Union[ModelConfig, _Mapping]] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., learning_rate: _Optional[float] = ..., seed: _Optional[int] = ..., data: _Optional[_Union[DataSource, _Mapping]] = ..., plan: _Optional[_Union[ParallelPlan, _Mapping]] = ..., checkpoint_every: _Optional[int] = ..., peft: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., multimodal: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., step_delay_s: _Optional[float] = ...) -> None: ...
 
 class Resources(_message.Message):
     __slots__ = ("devices", "device_kind", "share")
