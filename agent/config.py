@@ -14,6 +14,10 @@ class AgentConfig:
     advertise: str = field(default="", metadata={"help": "address the controller dials (default: --listen)"})
     controller: str = field(default="127.0.0.1:50051", metadata={"help": "controller address HOST:PORT"})
     cpu_devices: int = field(default=1, metadata={"help": "without NVIDIA GPUs: split this machine's cores into N core sets"})
+    cpu_units_per_core: int = field(default=1, metadata={
+        "help": "units (schedulable \"cores\") per physical core of a CPU core set; >1 declares core sets larger than "
+                "the machine (each core counted that many times; a grant runs on the physical cores of its units), "
+                "for testbeds on machines with few cores"})
     state_dir: str = field(default=".tessera/agent", metadata={"help": "spec files, logs and default checkpoints"})
     profilerd: str = field(default="", metadata={"help": "this node's profilerd HOST:PORT (optional)"})
     stop_grace_s: float = field(default=10.0, metadata={"help": "SIGTERM to SIGKILL delay when stopping executors"})

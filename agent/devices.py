@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LocalDevice:
-    """A schedulable device of this node. ``cores`` is set for CPU core sets; ``index``
+    """A schedulable device of this node. ``cores`` is set for CPU core sets (physical
+    core ids); ``units_per_core`` > 1 declares each of them that many schedulable units
+    (``capacity`` = cores x units_per_core; see ``agent.partitions.cpuset``); ``index``
     is the NVML index of a GPU (what CUDA_VISIBLE_DEVICES takes, by UUID preferred)."""
 
     id: str
@@ -24,6 +26,7 @@ class LocalDevice:
     cores: tuple[int, ...] = ()
     uuid: str = ""
     index: int = -1
+    units_per_core: int = 1
 
 
 def split_cores(cores: list[int], n: int) -> list[tuple[int, ...]]:
@@ -63,11 +66,15 @@ def _mem_total() -> int:
     return 0
 
 
-def cpu_devices(n: int) -> list[LocalDevice]:
+def cpu_devices(n: int, units_per_core: int = 1) -> list[LocalDevice]:
+    """``n`` core sets of this process's cores; each core counts ``units_per_core`` units."""
+    if units_per_core < 1:
+        raise ValueError(f"cpu_units_per_core must be >= 1, got {units_per_core}")
     cores = sorted(os.sched_getaffinity(0))
     model, mem = _cpu_model(), _mem_total()
     return [
-        LocalDevice(id=f"cpu{i}", kind="cpu", model=model, memory_bytes=mem // n, capacity=len(cs), cores=cs)
+        LocalDevice(id=f"cpu{i}", kind="cpu", model=model, memory_bytes=mem // n, capacity=len(cs) * units_per_core,
+                    cores=cs, units_per_core=units_per_core)
         for i, cs in enumerate(split_cores(cores, n))
     ]
 
@@ -96,8 +103,9 @@ def gpu_devices(nvml) -> list[LocalDevice]:
     return out
 
 
-def discover(cpu_sets: int, use_nvml: bool = True, nvml=None) -> list[LocalDevice]:
-    """GPUs when NVML finds any (and ``use_nvml``), else ``cpu_sets`` CPU core sets."""
+def discover(cpu_sets: int, use_nvml: bool = True, nvml=None, units_per_core: int = 1) -> list[LocalDevice]:
+    """GPUs when NVML finds any (and ``use_nvml``), else ``cpu_sets`` CPU core sets
+    (``units_per_core`` units per core)."""
     if use_nvml:
         if nvml is None:
             try:
@@ -108,4 +116,4 @@ def discover(cpu_sets: int, use_nvml: bool = True, nvml=None) -> list[LocalDevic
             gpus = gpu_devices(nvml)
             if gpus:
                 return gpus
-    return cpu_devices(cpu_sets)
+    return cpu_devices(cpu_sets, units_per_core)

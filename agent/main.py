@@ -40,7 +40,7 @@ class Agent:
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
         self.log = log.get(component="agent", node_id=cfg.name)
-        self.devices = discover(cfg.cpu_devices, use_nvml=not cfg.disable_nvml)
+        self.devices = discover(cfg.cpu_devices, use_nvml=not cfg.disable_nvml, units_per_core=cfg.cpu_units_per_core)
         self.node = NodeState(cfg.name, self.devices)
         # One partition backend per device (cpuset on CPUs; MIG, MPS or time slicing on GPUs);
         # ValueError when an explicit --partition-mode cannot apply to a device.
@@ -221,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config.load(AgentConfig, argv, "TESSERA_AGENT_", __doc__)
         if cfg.cpu_devices < 1:
             raise SpecError("--cpu-devices", f"must be >= 1, got {cfg.cpu_devices}")
+        if cfg.cpu_units_per_core < 1:
+            raise SpecError("--cpu-units-per-core", f"must be >= 1, got {cfg.cpu_units_per_core}")
         if cfg.partition_mode not in MODES:
             raise SpecError("--partition-mode", f"must be one of {', '.join(MODES)}, got {cfg.partition_mode!r}")
         if cfg.timeslice_slots < 1:

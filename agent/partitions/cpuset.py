@@ -4,6 +4,14 @@ A grant of ``units`` cores gets that many *distinct* cores of the set (lowest fr
 first, contiguous when possible so that colocated grants do not interleave on shared
 caches), CPU affinity to exactly them, and a torch/OpenMP thread count equal to their
 number — more threads than cores only adds context switches.
+
+With ``units_per_core`` k > 1 (agent ``--cpu-units-per-core``; 1 by default) each
+physical core counts as k units: the partition's capacity is cores x k, a grant takes
+``units`` distinct *units* (lowest free first, contiguous when possible), unit u lies on
+core ``u // k`` (core c holds units c*k .. c*k + k - 1), and the grant's affinity is the physical cores of its units
+(so two grants may share a core). The thread count stays ``units``. This declares a
+core set larger than the machine, for testbeds on machines with few cores; with k = 1
+(the default) a unit is a core and nothing changes.
 """
 
 from __future__ import annotations
@@ -39,39 +47,73 @@ class CpusetBackend(LedgerBackend):
     def __init__(self, device: LocalDevice) -> None:
         if not device.cores:
             raise ValueError(f"device {device.id} has no cores; a cpuset partition needs a core set")
+        if device.units_per_core < 1:
+            raise ValueError(f"device {device.id}: units_per_core must be >= 1, got {device.units_per_core}")
         super().__init__(device.id)
         self.device = device
         self.cores = tuple(sorted(set(device.cores)))
-        self.ledgers[device.id] = Ledger(device.id, self.kind, len(self.cores), "cores", device.memory_bytes)
+        self.per_core = device.units_per_core
+        # Unit u lies on core u // per_core (per_core = 1: the units are the core ids).
+        self.units = tuple(c * self.per_core + j for c in self.cores for j in range(self.per_core))
+        self._units: dict[str, tuple[int, ...]] = {}  # grant id -> its units
+        self.ledgers[device.id] = Ledger(device.id, self.kind, len(self.units), "cores", device.memory_bytes)
         self.log = log.get(component="partitions", backend=self.kind, device_id=device.id)
 
     def _attributes(self, partition_id: str) -> dict[str, str]:
-        return {"cores": ",".join(map(str, self.cores))}
+        out = {"cores": ",".join(map(str, self.cores))}
+        if self.per_core > 1:
+            out["units_per_core"] = str(self.per_core)
+        return out
+
+    def _cores_of(self, units: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(sorted({u // self.per_core for u in units}))
+
+    def _used_units(self) -> set[int]:
+        """Units of the grants held now (a grant being remade is already out of ``_grants``)."""
+        return {u for gid in self._grants for u in self._units.get(gid, ())}
 
     # Core sets change live: the agent re-pins the running process (sched_setaffinity).
     live_regrant = True
 
     def _make_grant(self, grant_id: str, partition_id: str, units: int, memory_bytes: int) -> Grant:
-        used = {c for g in self._grants.values() for c in g.cores}
-        cores = pick_cores(self.cores, used, units)
-        self.log.info("cpuset granted", grant_id=grant_id, cores=list(cores))
-        return self._grant_of(grant_id, partition_id, units, memory_bytes, cores)
+        mine = pick_cores(self.units, self._used_units(), units)
+        g = self._grant_of(grant_id, partition_id, units, memory_bytes, mine)
+        self.log.info("cpuset granted", grant_id=grant_id, cores=list(g.cores), **self._unit_fields(mine))
+        return g
+
+    def _unit_fields(self, units: tuple[int, ...]) -> dict:
+        return {"units": list(units)} if self.per_core > 1 else {}
 
     def _grant_of(self, grant_id: str, partition_id: str, units: int, memory_bytes: int,
-                  cores: tuple[int, ...]) -> Grant:
+                  mine: tuple[int, ...]) -> Grant:
+        self._units[grant_id] = mine
+        cores = self._cores_of(mine)
         return Grant(grant_id, partition_id, self.kind, self.device_id, units, memory_bytes,
                      env={"OMP_NUM_THREADS": str(units), "TESSERA_CPU_CORES": ",".join(map(str, cores)),
                           "CUDA_VISIBLE_DEVICES": ""},
                      threads=units, cores=cores)
 
     def _remake_grant(self, old: Grant, units: int) -> Grant:
-        """Keep the grant's lowest cores when it shrinks, add the lowest free ones when it
-        grows: the running process keeps the caches it warmed. ``threads`` is the new core
-        count, but a running process keeps the thread pool it started with."""
-        if units <= len(old.cores):
-            cores = tuple(sorted(old.cores)[:units])
+        """Keep the grant's lowest cores (units) when it shrinks, add the lowest free ones
+        when it grows: the running process keeps the caches it warmed. ``threads`` is the
+        new core count, but a running process keeps the thread pool it started with."""
+        have = self._units.get(old.grant_id, ())
+        if units <= len(have):
+            mine = tuple(sorted(have)[:units])
         else:
-            used = {c for g in self._grants.values() for c in g.cores} | set(old.cores)
-            cores = tuple(sorted(set(old.cores) | set(pick_cores(self.cores, used, units - len(old.cores)))))
-        self.log.info("cpuset regranted", grant_id=old.grant_id, old_cores=list(old.cores), cores=list(cores))
-        return self._grant_of(old.grant_id, old.partition_id, units, old.memory_bytes, cores)
+            used = self._used_units() | set(have)
+            mine = tuple(sorted(set(have) | set(pick_cores(self.units, used, units - len(have)))))
+        try:
+            g = self._grant_of(old.grant_id, old.partition_id, units, old.memory_bytes, mine)
+        except BaseException:
+            self._units[old.grant_id] = have
+            raise
+        self.log.info("cpuset regranted", grant_id=old.grant_id, old_cores=list(old.cores), cores=list(g.cores),
+                      **self._unit_fields(mine))
+        return g
+
+    def release(self, grant_id: str) -> Grant | None:
+        g = super().release(grant_id)
+        if g is not None:
+            self._units.pop(grant_id, None)
+        return g

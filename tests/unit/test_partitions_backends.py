@@ -62,6 +62,38 @@ def test_cpuset_grants_distinct_cores_and_refuses():
     assert b.grant("c/r0", "cpu0", 2).cores == g1.cores
 
 
+def test_cpuset_units_per_core_declares_a_larger_core_set():
+    """Two cores counted twice each: a 4-unit partition; a grant runs on the physical
+    cores of its units, grows and shrinks by units, and refuses beyond 4."""
+    dev = LocalDevice(id="cpu0", kind="cpu", model="x", memory_bytes=0, capacity=4, cores=(0, 1), units_per_core=2)
+    b = CpusetBackend(dev)
+    (p,) = b.partitions()
+    assert (p.capacity_units, p.unit, p.attributes) == (4, "cores", {"cores": "0,1", "units_per_core": "2"})
+    a, c = b.grant("a", "cpu0", 2), b.grant("c", "cpu0", 2)
+    assert (a.cores, c.cores, a.threads, a.env["TESSERA_CPU_CORES"]) == ((0,), (1,), 2, "0")
+    with pytest.raises(CapacityRefused, match="only 0 of 4"):
+        b.grant("d", "cpu0", 1)
+    assert b.regrant("a", 1).cores == (0,)           # keeps its lowest unit
+    assert b.regrant("c", 3).cores == (0, 1)         # takes the unit a freed, on core 0
+    assert b.partitions()[0].free_units == 0
+    b.release("c")
+    assert b.grant("e", "cpu0", 3).cores == (0, 1) and b.partitions()[0].free_units == 0
+    with pytest.raises(ValueError):
+        CpusetBackend(LocalDevice(id="x", kind="cpu", model="x", memory_bytes=0, capacity=1, cores=(0,),
+                                  units_per_core=0))
+
+
+def test_cpu_devices_units_per_core():
+    from agent.devices import cpu_devices
+
+    n = len(os.sched_getaffinity(0))
+    (d,) = cpu_devices(1, units_per_core=3)
+    assert (d.capacity, d.units_per_core, len(d.cores)) == (3 * n, 3, n)
+    assert cpu_devices(1)[0].capacity == n
+    with pytest.raises(ValueError):
+        cpu_devices(1, units_per_core=0)
+
+
 def test_cpuset_preexec_and_pin_really_pin_a_child():
     cores = sorted(os.sched_getaffinity(0))
     dev = LocalDevice(id="cpu0", kind="cpu", model="x", memory_bytes=0, capacity=len(cores), cores=tuple(cores))
