@@ -24,10 +24,16 @@ Contract (pure functions over protos and floats; no etcd, gRPC or clock):
     partition); an unmeasured one demands its requested share;
   - the slack ``1 - sum(demands)``, when positive, goes to the *saturated* measured
     members (busy >= :data:`SATURATED`), in proportion to their demand — a member that
-    uses all its cores may need more, and cores another member leaves idle are free.
+    uses all its cores may need more, and cores another member leaves idle are free;
+  - when no member is saturated, the slack goes to all measured members in proportion
+    to their demand: the partition is divided by measured use rather than left partly
+    unassigned. (Giving the idle share up to nobody shrank *every* member — the busiest
+    too, e.g. a compute-bound job that a loaded machine holds below :data:`SATURATED` —
+    and left cores that no one could use; on MPS that was a relaunch for nothing.)
 
-  So a member that leaves its cores idle gives them up and a saturated one grows; with
-  nothing measured the demands are the requested shares (the previous behaviour).
+  So a member that leaves its cores idle gives them up and a saturated (or busier) one
+  grows; members using their shares alike keep them; with nothing measured the demands
+  are the requested shares (the previous behaviour).
 """
 
 from __future__ import annotations
@@ -83,6 +89,8 @@ def group_demands(members: Mapping[str, tuple[float, float, float]]) -> dict[str
     d = {j: (busy * q if busy > 0.0 else req) for j, (q, busy, req) in members.items()}
     slack = 1.0 - sum(d.values())
     hot = {j: d[j] for j, (_, busy, _) in members.items() if busy >= SATURATED}
+    if not hot:
+        hot = {j: d[j] for j, (_, busy, _) in members.items() if busy > 0.0}
     base = sum(hot.values())
     if slack > 0.0 and base > 0.0:
         for j, v in hot.items():

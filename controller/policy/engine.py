@@ -190,8 +190,10 @@ def run_round(request: ScheduleRequest, s: Strategy, cache: GridCache) -> Schedu
     repartitions = []
     if s.multiplex:
         jobs = {r.job.job_id: r.job for r in request.running}
+        caps = {(n.name, d.device_id): d.capacity for n in request.nodes for d in n.devices}
         for g in request.groups:
-            a = mx.repartition_action(g, jobs, s.restart_cost_s)
+            a = mx.repartition_action(g, jobs, s.restart_cost_s,
+                                      capacity=caps.get((g.node, g.device_ids[0]), 0) if g.device_ids else 0)
             if a is None:
                 continue
             repartitions.append(a)
@@ -430,6 +432,12 @@ def _handle_fractional(rd: _Round, it: _Item, shared: list[mx.SharedDevice], tou
             break
     if dev is None:
         dev = mx.pick_shared(job, [d for d in shared if d.gpu_type in types], rd.s.max_members)
+    if dev is None:
+        # A running group on the job's backbone is fused into before its own turn (it loses
+        # nothing); it is then kept this round: nothing later may preempt it.
+        dev = mx.pick_fusable(job, [d for d in shared if d.gpu_type in types and not d.confirmed], rd.s.max_members)
+        if dev is not None:
+            running_left.discard(dev.group_id)
     if dev is None and rd.s.preempt and rd.attempts < rd.s.max_preempt_attempts:
         # Like any job, a small one with much less remaining work may preempt.
         for c in it.cells[:2]:

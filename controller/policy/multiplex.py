@@ -8,6 +8,7 @@ device in (0, 1]; the members' quotas on a device never sum above 1.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .types import ColocationGroup, JobView, Placement, Repartition, Reshard, RunningJob, Shard
@@ -65,6 +66,28 @@ def pick_shared(job: JobView, devices: list[SharedDevice], max_members: int) -> 
             continue
         same = bool(job.backbone) and all(dev.backbones.get(j) == job.backbone for j in dev.members)
         key = (0 if same else 1, room, dev.node, dev.device)
+        if best_key is None or key < best_key:
+            best, best_key = dev, key
+    return best
+
+
+def pick_fusable(job: JobView, devices: list[SharedDevice], max_members: int) -> SharedDevice | None:
+    """A shared device of *running* jobs, all on ``job``'s backbone, that the job can join
+    even before the group's own turn in the round (``confirmed`` False): fusing into their
+    executor takes nothing from its members, so it beats preempting the group or waiting.
+    Best fit by room left; None when the job has no backbone or nothing fits."""
+    if not job.backbone:
+        return None
+    best, best_key = None, None
+    for dev in devices:
+        if not dev.members or len(dev.members) >= max_members:
+            continue
+        if any(dev.backbones.get(j) != job.backbone for j in dev.members):
+            continue
+        room = 1.0 - dev.used - demand(job, dev)
+        if room < -QUOTA_EPS:
+            continue
+        key = (room, dev.node, dev.device)
         if best_key is None or key < best_key:
             best, best_key = dev, key
     return best
@@ -150,11 +173,22 @@ def module_group(job: JobView, placement: Placement) -> ColocationGroup | None:
                            "modules", "encoder and LLM colocated with quotas")
 
 
+def quota_units(quota: float, capacity: int) -> int:
+    """Whole units of a partition of ``capacity`` for a share ``quota`` in (0, 1]: rounded
+    down, at least 1 (the rule ``controller.adapter.quota_units`` carries a quota out by)."""
+    if quota >= 1.0 - QUOTA_EPS:
+        return capacity
+    return max(1, min(capacity, math.floor(quota * capacity + QUOTA_EPS)))
+
+
 def repartition_action(group: ColocationGroup, jobs: dict[str, JobView], restart_cost_s: float,
-                       threshold: float = 0.10) -> Repartition | None:
+                       threshold: float = 0.10, capacity: int = 0) -> Repartition | None:
     """New quotas for a colocation group from its members' measured demand
     (``gpu_fraction``), scaled down to fit when they sum above 1. Emitted only when some
-    quota moves by more than ``threshold``: a repartition by relaunch costs a restart."""
+    quota moves by more than ``threshold``: a repartition by relaunch costs a restart.
+    With the device's ``capacity`` in whole units (> 1), also only when some member's
+    units (``quota_units``) change: a decision that rounds to the units already held would
+    be repeated every round and carried out as nothing."""
     if group.mode == "modules":
         return None
     want = {j: min(max(jobs[j].gpu_fraction, 0.01), 1.0) for j, _ in group.members if j in jobs}
@@ -169,6 +203,8 @@ def repartition_action(group: ColocationGroup, jobs: dict[str, JobView], restart
     new = {j: round(q * scale, 4) for j, q in want.items()}
     old = dict(group.members)
     if max(abs(new[j] - old.get(j, 0.0)) for j in new) <= threshold:
+        return None
+    if capacity > 1 and all(quota_units(new[j], capacity) == quota_units(old.get(j, 0.0), capacity) for j in new):
         return None
     live = group.mode == "cpuset"
     return Repartition(group.group_id, tuple(sorted(new.items())), live, 0.0 if live else restart_cost_s,

@@ -88,9 +88,15 @@ def test_group_demands_rule():
     # a idle at 20 % of its half, b saturated: a keeps 0.1, b takes the rest.
     d = measured.group_demands({"a": (0.5, 0.2, 0.5), "b": (0.5, 0.95, 0.5)})
     assert d["a"] == pytest.approx(0.1) and d["b"] == pytest.approx(0.9)
-    # Nobody saturated: measured use only, the idle cores are given up.
+    # Nobody saturated: divided by measured use (0.1 : 0.3), no core left unassigned.
     d = measured.group_demands({"a": (0.5, 0.2, 0.5), "b": (0.5, 0.6, 0.5)})
-    assert d == pytest.approx({"a": 0.1, "b": 0.3})
+    assert d == pytest.approx({"a": 0.25, "b": 0.75})
+    # Both using their halves alike: nothing moves.
+    d = measured.group_demands({"a": (0.5, 0.5, 0.5), "b": (0.5, 0.5, 0.5)})
+    assert d == pytest.approx({"a": 0.5, "b": 0.5})
+    # One measured (not saturated), one not yet: the unmeasured keeps its ask.
+    d = measured.group_demands({"a": (0.5, 0.1, 0.5), "b": (0.5, 0.0, 0.5)})
+    assert d == pytest.approx({"a": 0.5, "b": 0.5})
     # Unmeasured member keeps its ask; the saturated measured one takes the slack.
     d = measured.group_demands({"a": (0.5, 0.0, 0.25), "b": (0.5, 1.0, 0.5)})
     assert d == pytest.approx({"a": 0.25, "b": 0.75})
@@ -149,3 +155,30 @@ def test_policy_shifts_cores_from_an_idle_member_to_a_saturated_one():
     # Both busy as asked: no repartition.
     a, b = gpt_job("a", 0.5, 2, busy=0.97), gpt_job("b", 0.5, 2, busy=0.97, created=1.0)
     assert pol.schedule(adapter.build_request([cpu_node()], [a, b], now=100.0)).repartitions == ()
+
+
+def test_policy_shifts_cores_on_a_loaded_machine_and_then_holds():
+    """A compute-bound member that a loaded machine holds below SATURATED (busy 0.6) still
+    takes the cores an idle member leaves (before the fix both shrank to 1 of 4 cores and
+    2 cores stayed unassigned); once shifted, the policy does not decide again while the
+    split rounds to the units held (it used to repeat a no-op repartition every round)."""
+    a, b = gpt_job("a", 0.5, 2, busy=0.08), gpt_job("b", 0.5, 2, busy=0.6, created=1.0)
+    pol = TesseraPolicy()
+    (rp,) = pol.schedule(adapter.build_request([cpu_node()], [a, b], now=100.0)).repartitions
+    q = dict(rp.quotas)
+    assert (adapter.quota_units(q["a"], 4), adapter.quota_units(q["b"], 4)) == (1, 3)
+    # After the shift: a holds 1 core, b 3 (b's busy fraction now over 3 cores).
+    a, b = gpt_job("a", 0.5, 1, busy=0.1), gpt_job("b", 0.5, 3, busy=0.55, created=1.0)
+    assert pol.schedule(adapter.build_request([cpu_node()], [a, b], now=200.0)).repartitions == ()
+
+
+def test_repartition_action_skips_splits_that_round_to_the_units_held():
+    from controller.policy import multiplex as mx
+    from controller.policy.types import ColocationGroup, JobView
+
+    g = ColocationGroup("share:n1/cpu0", "n1", ("cpu0",), (("a", 0.25), ("b", 0.75)), "cpuset")
+    jobs = {"a": JobView("a", gpu_fraction=0.05), "b": JobView("b", gpu_fraction=0.95)}
+    assert mx.repartition_action(g, jobs, 60.0) is not None          # quota moved by 0.2 ...
+    assert mx.repartition_action(g, jobs, 60.0, capacity=4) is None   # ... but 1:3 cores either way
+    assert mx.repartition_action(g, jobs, 60.0, capacity=100) is not None
+    assert [mx.quota_units(q, 4) for q in (0.05, 0.25, 0.5, 0.95, 1.0)] == [1, 1, 2, 3, 4]
