@@ -1,15 +1,26 @@
 """Fixtures of the integration tests: a real etcd, a controller and agents in-process
-on loopback ports."""
+on loopback ports. Plain helpers (wait helpers, /proc affinity, the live cluster itself)
+are in ``_live.py``: ``from _live import watch_until, ...``.
+
+- ``controller``: a running controller (policy tessera) against the test's etcd; yields
+  its ``ControllerConfig``.
+- ``live``: ``async with live(policy=..., prefix=..., agents=..., cpu_devices=..., **agent
+  options) as (jobs, nodes, agent):`` a controller and agents, every node READY
+  (``_live.live_cluster`` over this test's etcd and tmp dir; several per test with
+  distinct prefixes).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 from dataclasses import replace
 
 import pytest
 
+from _live import live_cluster
 from controller.config import ControllerConfig
 
 
@@ -21,7 +32,7 @@ def _free_port() -> int:
 
 @pytest.fixture
 async def controller(etcd_server, tmp_path):
-    """A running controller (in-process) against the test's etcd; yields (cfg, Controller)."""
+    """A running controller (in-process, policy tessera) against the test's etcd; yields its config."""
     from controller import main as cmain
 
     cfg = ControllerConfig(listen=f"127.0.0.1:{_free_port()}", etcd=etcd_server, prefix=f"/t{os.getpid()}",
@@ -36,6 +47,12 @@ async def controller(etcd_server, tmp_path):
     await asyncio.wait_for(task, 30)
 
 
+@pytest.fixture
+def live(etcd_server, tmp_path):
+    """``live(policy="tessera", prefix="/live", agents=1, cpu_devices=1, ...)``: see the
+    module docstring and ``_live.live_cluster``."""
+    return functools.partial(live_cluster, etcd_server, tmp_path)
+
+
 def with_port(cfg, **kw):
     return replace(cfg, **kw)
-
