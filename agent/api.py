@@ -121,12 +121,17 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         why = self.node.check_token(request.fencing_token)
         if why:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
-        if request.op != "cancel":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"op: must be 'cancel', got {request.op!r}")
+        if request.op not in ("cancel", "add"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"op: must be 'cancel' or 'add', got {request.op!r}")
         if not request.task:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "task: is required")
+        cmd: dict = {"op": request.op, "task": request.task}
+        if request.op == "add":
+            why, cmd = add_command(request)
+            if why:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         try:
-            path = self.mgr.append_control(request.allocation_id, {"op": request.op, "task": request.task})
+            path = self.mgr.append_control(request.allocation_id, cmd)
         except KeyError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
         return agent_pb2.ControlTaskResponse(control_file=path)
@@ -151,6 +156,27 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return agent_pb2.UpdateGrantResponse(partition_id=g.partition_id, units=g.units, cores=list(g.cores),
                                              pid=ex.proc.pid, old_units=old)
+
+
+def add_command(request: agent_pb2.ControlTaskRequest) -> tuple[str, dict]:
+    """("", control-file command) for a ControlTask "add", or (why, {}) naming the bad field:
+    ``task_json`` must be a JSON object whose "name" is ``task``; ``task_dir``, when given,
+    an absolute path. The task spec itself is validated by the executor (an ``error``
+    event naming the field; the other tasks keep training)."""
+    try:
+        task = json.loads(request.task_json) if request.task_json else None
+    except ValueError as e:
+        return f"task_json: not JSON ({e})", {}
+    if not isinstance(task, dict):
+        return "task_json: must be a JSON object (the task's spec)", {}
+    if task.get("name") != request.task:
+        return f"task_json.name: must equal task {request.task!r}, got {task.get('name')!r}", {}
+    if request.task_dir and not request.task_dir.startswith("/"):
+        return f"task_dir: must be an absolute path, got {request.task_dir!r}", {}
+    cmd = {"op": "add", "task": task, "allocation": request.allocation_id}
+    if request.task_dir:
+        cmd["dir"] = request.task_dir
+    return "", cmd
 
 
 def partitions_proto(parts) -> list[types_pb2.Partition]:

@@ -226,6 +226,7 @@ class ExecutorManager:
             "rank": rank, "world_size": world_size, "master_addr": master_addr, "master_port": master_port,
             "backend": "nccl" if devs[0].kind == "gpu" else "gloo",
         }
+        spec["allocation_id"] = allocation_id  # a peft runner applies only its own allocation's fused adds
         spec["checkpoint_dir"] = checkpoint_dir or str((self.state_dir / "checkpoints" / job_id).resolve())
         spec["threads"] = (grant.threads if grant is not None and grant.threads else max(1, len(cores)) if cores else 1)
         spec_path = self.state_dir / "specs" / f"{allocation_id}-r{rank}.json"

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from controller import measured
+from controller import fusion, measured
 from controller.policy import DeviceView, JobView, NodeView, Placement, RunningJob, ScheduleRequest, Shard
 from controller.policy.types import ColocationGroup, Plan
 from controller.policy.snapshot_estimator import DeviceClass, JobShape, job_key, plan_for
@@ -149,8 +149,9 @@ def device_classes(nodes: list[types_pb2.Node]) -> dict[str, DeviceClass]:
 
 
 def job_view(job: types_pb2.Job, types_by_kind: dict[str, set[str]]) -> JobView:
-    """A job as the policy sees it: its devices, share, total and done steps, and its
-    model key (``model_key``)."""
+    """A job as the policy sees it: its devices, share, total and done steps, its
+    model key (``model_key``) and, for peft jobs, its frozen backbone
+    (``fusion.backbone_of``: LoRA jobs on one backbone may be fused)."""
     share = job.spec.resources.share
     return JobView(
         job.id, job.spec.tenant or "default", max(job.spec.resources.devices, 1), _job_kind(job, types_by_kind),
@@ -158,6 +159,7 @@ def job_view(job: types_pb2.Job, types_by_kind: dict[str, set[str]]) -> JobView:
         iterations=int(job.status.total_steps or job.spec.workload.steps), done_iterations=float(job.status.step),
         gpu_fraction=share if 0 < share < 1 else 1.0,
         encoder_share=job.status.encoder_share if job.spec.workload.type == "multimodal" else 0.0,
+        backbone=fusion.backbone_of(job),
     )
 
 
@@ -229,7 +231,8 @@ def placement_of(job: types_pb2.Job, capacity: dict[tuple[str, str], int], types
 def build_request(nodes: list[types_pb2.Node], jobs: list[types_pb2.Job], now: float,
                   estimator: object | None = None) -> ScheduleRequest:
     """The policy's request: every node with one ``DeviceView`` per partition (only READY
-    nodes take placements), pending jobs, and active jobs as running with their quota."""
+    nodes take placements), pending jobs, and active jobs as running with their quota
+    (jobs fused into another's executor are left out: their host stands for them)."""
     nv, capacity, types, by_kind, kinds = [], {}, {}, {}, {}
     for n in nodes:
         devs = {d.id: d for d in n.devices}
@@ -249,7 +252,9 @@ def build_request(nodes: list[types_pb2.Node], jobs: list[types_pb2.Job], now: f
                     if j.status.phase == P.PENDING)
     running = []
     for j in sorted(jobs, key=lambda j: (j.created, j.id)):
-        if j.status.phase in ACTIVE and j.status.placement:
+        # A job fused into another's executor (``status.fused_into``) holds no partition
+        # units: its work rides on its host's grant, so the policy sees the host only.
+        if j.status.phase in ACTIVE and j.status.placement and not j.status.fused_into:
             since = next((h.time for h in reversed(j.status.history) if h.phase == P.SCHEDULED), j.created)
             running.append(RunningJob(job_view(j, by_kind), placement_of(j, capacity, types), since))
     groups = groups_of(running, kinds)

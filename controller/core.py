@@ -16,7 +16,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -29,7 +29,7 @@ from tessera.errors import SpecError
 from tessera.perfmodel import PerfModel
 
 from . import tasks as peft_tasks
-from . import actions, adapter
+from . import actions, adapter, fusion
 from .records import alloc_keys, decide, transition
 from .config import ControllerConfig
 from .store import CapacityExceeded, Conflict, Fenced, Store
@@ -113,6 +113,7 @@ class Controller:
         self.elected_at = 0.0
         self.leading = False
         self.kick = asyncio.Event()  # set on events that warrant an early reconcile
+        self._strays: set[tuple[str, str]] = set()  # (allocation, fused task) cancels already sent
         self.log = log.get(component="controller")
 
     # -- leadership -------------------------------------------------------------------
@@ -233,6 +234,7 @@ class Controller:
         self._require_leader()
         now = self.clock()
         stop: list = []
+        guest: list = []
 
         async def fn(job):
             if job.status.phase == P.CANCELLED:
@@ -240,7 +242,20 @@ class Controller:
             if job.status.phase in (P.SUCCEEDED, P.FAILED):
                 raise PreconditionFailed(f"job {job_id} already ended {P.Name(job.status.phase)}")
             cmp, ops = [], []
-            if job.status.phase in ACTIVE:
+            if job.status.phase in ACTIVE and job.status.fused_into:
+                # Fused into another job's executor: cancel its tasks there; the host and
+                # its other tasks are untouched, and no partition units are held.
+                names = peft_tasks.task_names(job) + [t.name for t in job.status.tasks]
+                live = []
+                for n in dict.fromkeys(names):
+                    t = peft_tasks.find(job, n)
+                    if t is None:
+                        t = job.status.tasks.add(name=n, phase=P.PENDING)
+                    if t.phase not in TERMINAL:
+                        t.phase, t.reason = P.CANCELLED, "job cancelled"
+                        live.append(fusion.fused_name(job.id, n))
+                guest[:] = [(job.status.allocation_id, job.status.placement[0].node, live)]
+            elif job.status.phase in ACTIVE:
                 stop[:] = [(job.status.allocation_id, list(job.status.placement))]
                 cmp, ops = await self.store.realloc_ops(drop=job.status.allocation_id,
                                                         drop_keys=alloc_keys(job.status.placement))
@@ -250,7 +265,10 @@ class Controller:
         job = await self._rmw(job_id, fn)
         for alloc, shards in stop:
             await self._stop_alloc(alloc, shards, "job cancelled")
-        self.log.info("job cancelled", job_id=job_id)
+        for alloc, node_name, names in guest:
+            for n in names:
+                await self._control(node_name, alloc, "cancel", n, quiet=True)
+        self.log.info("job cancelled", job_id=job_id, fused_into=job.status.fused_into)
         self.kick.set()
         return job
 
@@ -279,18 +297,20 @@ class Controller:
             if t is None:
                 t = job.status.tasks.add(name=task, phase=P.PENDING)
             t.reason = (reason or "cancel requested by its tenant")[:500]
-            target[:] = [(job.status.allocation_id, job.status.placement[0].node)]
+            # A task of a job fused into another's executor runs there under its fused name.
+            name = fusion.fused_name(job.id, task) if job.status.fused_into else task
+            target[:] = [(job.status.allocation_id, job.status.placement[0].node, name)]
             return [], []
 
         job = await self._rmw(parent_id, fn)
-        for alloc, node_name in target:
+        for alloc, node_name, name in target:
             v = await self.store.get_node(node_name)
             if v is None:
                 raise ConnectionError(f"node {node_name} of job {parent_id} is unknown; retry")
             try:
                 await self.agents.stub(v.value.agent_address).ControlTask(
                     agent_pb2.ControlTaskRequest(allocation_id=alloc, fencing_token=self.store.fencing_token or 0,
-                                                 op="cancel", task=task), timeout=5)
+                                                 op="cancel", task=name), timeout=5)
             except grpc.aio.AioRpcError as e:
                 raise ConnectionError(f"agent of node {node_name}: {e.details()}") from None
             self.log.info("task cancel requested", job_id=parent_id, task=task, allocation=alloc, node_id=node_name)
@@ -396,6 +416,9 @@ class Controller:
         self._require_leader()
         now = self.clock()
         K = controller_pb2.ExecutorReport
+        if r.kind == K.TASK and (fz := fusion.split_fused(r.task)) is not None:
+            await self._guest_report(r, *fz)
+            return False  # never stale: the executor is the host's, its own tasks go on
         stale = [False]
         after: list = []
         if r.kind == K.EXITED:
@@ -427,6 +450,12 @@ class Controller:
                 return [], []
             if r.kind == K.TASK:
                 changed = peft_tasks.apply_report(job, r.task, r.task_phase, r.step, r.total_steps, r.loss, r.tokens_per_s)
+                if changed and r.task_phase != "running" and st.phase == P.RUNNING:
+                    # Its own tasks all ended while jobs fused into its executor still train:
+                    # it stays RUNNING (the executor and its units are in use) and says so.
+                    why = fusion.host_reason(job, fusion.guests_of(job.id, (await self.store.list_jobs())[0]))
+                    if why:
+                        st.reason = why
                 return ([], []) if changed or started else None
             if r.kind == K.EXITED:
                 if r.exit_code != 0:
@@ -491,6 +520,13 @@ class Controller:
         # its reply is carried out as fenced writes, then agent RPCs.
         nodes = [v.value for v in await self.store.list_nodes()]
         jobs, _ = await self.store.list_jobs()
+        # Jobs fused into an executor that is gone (host ended, moved, never reported):
+        # back to PENDING as a preemption, before the policy sees the cluster.
+        orphaned = fusion.orphans(jobs, now, max(2 * self.cfg.grace_s, 30.0))
+        for g, why in orphaned:
+            await self._requeue(g.id, g.status.allocation_id, why)
+        if orphaned:
+            jobs, _ = await self.store.list_jobs()
         pending = [j for j in jobs if j.status.phase == P.PENDING]
         active = [j for j in jobs if j.status.phase in ACTIVE]
         if not pending and not active:
@@ -521,8 +557,20 @@ class Controller:
                 out["resharded"] += 1
         for rp in reply.repartitions:
             out["repartitioned"] += await actions.repartition(self, rp, by_id, node_map, decision_id)
+        out["fused"] = 0
         for p in reply.placements:
-            if p.job_id in by_id and await self._place(by_id[p.job_id], p, node_map, decision_id):
+            if p.job_id not in by_id:
+                continue
+            if fusion.is_fused_placement(p.reason) and by_id[p.job_id].spec.workload.type == "peft":
+                got = await self._fuse(by_id[p.job_id], p, jobs, decision_id)
+                if got is True:
+                    out["fused"] += 1
+                    continue
+                if isinstance(got, str):  # no executor to fuse into: its own, packed
+                    p = replace(p, reason=f"packed on a shared device (not fused: {got})")
+                else:
+                    continue
+            if await self._place(by_id[p.job_id], p, node_map, decision_id):
                 out["placed"] += 1
         for inf in reply.infeasible:
             j = by_id.get(inf.job_id)
@@ -637,6 +685,124 @@ class Controller:
                       decision_id=decision_id)
         return await self._launch_or_requeue(job, nodes, "launch")
 
+    async def _fuse(self, job: types_pb2.Job, p: Placement, jobs: list[types_pb2.Job], decision_id: str) -> bool | str | None:
+        """Carry out a "fused with LoRA tasks on backbone ..." placement (controller/fusion.py):
+        pick the host (a running peft job's executor on the placement's partition, same
+        backbone), then one fenced write moves ``job`` to SCHEDULED fused into it
+        (``fused_into``, the host's allocation id and placement; no units of its own) with
+        the decision, then its tasks are added to the host's executor (agent ControlTask
+        "add", names ``<job id>_<task>``, each checkpointing under the job's own checkpoint
+        directory). The job turns RUNNING on its first routed task report.
+
+        Returns True when fused; a string (why) when no host can take it (the caller packs
+        it in its own executor instead); None when nothing was done (the job moved on, or
+        the agent refused the add: the job is requeued as a preemption)."""
+        sh = p.shards[0]
+        host, why = fusion.pick_host(job, sh.node, sh.device_ids[0], jobs)
+        if host is None:
+            self.log.info("fusion not possible; own executor", job_id=job.id, why=why, decision_id=decision_id)
+            return why
+        try:
+            adds = fusion.guest_tasks(job, os.path.abspath(os.path.join(self.cfg.checkpoint_root, job.id)))
+        except SpecError as e:
+            return f"{e.field}: {e}"
+        now = self.clock()
+        alloc = host.status.allocation_id
+        node = host.status.placement[0].node
+        note = (f"{p.reason}: {len(adds)} tasks added to the executor of job {host.id} "
+                f"(allocation {alloc}, {node}[{','.join(sh.device_ids)}])")
+
+        def fn(j):
+            if j.status.phase != P.PENDING:
+                return None
+            if j.status.attempts - j.status.preemptions >= self.cfg.max_attempts:
+                transition(j, P.FAILED, f"gave up after {j.status.attempts} placements: {j.status.reason}", now)
+                return [], []
+            del j.status.placement[:]
+            j.status.placement.extend(host.status.placement)
+            j.status.allocation_id = alloc
+            j.status.fused_into = host.id
+            j.status.attempts += 1
+            j.status.ClearField("plan")
+            decide(j, self.policy.name, "fuse", note, now, decision_id, p.quota)
+            transition(j, P.SCHEDULED, f"fused into the executor of job {host.id}", now)
+            return [], []
+
+        try:
+            job = await self._rmw(job.id, fn)
+        except Conflict:
+            return None
+        if job.status.fused_into != host.id or job.status.phase != P.SCHEDULED:
+            return None
+        self.log.info("job fused", job_id=job.id, host=host.id, allocation=alloc, tasks=[a[0] for a in adds],
+                      decision_id=decision_id)
+        for name, spec, tdir in adds:
+            err = await self._control(node, alloc, "add", name, task_json=json.dumps(spec), task_dir=tdir)
+            if err:
+                await self._requeue(job.id, alloc, f"adding its tasks to the executor of job {host.id} failed: {err}")
+                return None
+        return True
+
+    async def _control(self, node_name: str, alloc: str, op: str, task: str, task_json: str = "", task_dir: str = "",
+                       quiet: bool = False) -> str:
+        """One ControlTask RPC to the agent of ``node_name``; "" on success, else why (logged)."""
+        v = await self.store.get_node(node_name)
+        if v is None:
+            return f"node {node_name} is unknown"
+        try:
+            await self.agents.stub(v.value.agent_address).ControlTask(
+                agent_pb2.ControlTaskRequest(allocation_id=alloc, fencing_token=self.store.fencing_token or 0, op=op,
+                                             task=task, task_json=task_json, task_dir=task_dir), timeout=5)
+        except grpc.aio.AioRpcError as e:
+            (self.log.info if quiet else self.log.warning)("task control failed", node_id=node_name, allocation=alloc,
+                                                           op=op, task=task, error=e.details())
+            return f"{e.code().name}: {e.details()}"
+        return ""
+
+    async def _guest_report(self, r: controller_pb2.ExecutorReport, guest_id: str, task: str) -> None:
+        """A TASK report of a host's executor about a fused task ``<guest id>_<task>``: folded
+        into the guest's own record (tasks table, step, loss; RUNNING on the first,
+        SUCCEEDED once all its tasks ended). A report for a guest not fused into that
+        allocation any more (cancelled, requeued) is a stray: dropped, and the task is
+        cancelled in the executor when it still runs."""
+        now = self.clock()
+        stray, ended = [False], [False]
+
+        def fn(g):
+            st = g.status
+            if st.fused_into != r.job_id or st.allocation_id != r.allocation_id or st.phase not in ACTIVE:
+                stray[0] = True
+                return None
+            started = st.phase == P.SCHEDULED
+            if started:
+                transition(g, P.RUNNING, f"its tasks train in the executor of job {r.job_id} on {r.node}", now)
+            changed = peft_tasks.apply_report(g, task, r.task_phase, r.step, r.total_steps, r.loss, r.tokens_per_s)
+            if not (changed or started):
+                return None
+            fusion.fold_progress(g)
+            out = fusion.guest_outcome(g)
+            if out is not None:
+                transition(g, out[0], out[1], now)
+                ended[0] = True
+            return [], []
+
+        try:
+            g = await self._rmw(guest_id, fn)
+        except NotFound:
+            stray[0], g = True, None
+        if stray[0]:
+            key = (r.allocation_id, r.task)
+            if r.task_phase == "running" and key not in self._strays:
+                self._strays.add(key)
+                self.log.info("stray fused task: cancelling it in the executor", job_id=guest_id, host=r.job_id,
+                              allocation=r.allocation_id, task=r.task)
+                await self._control(r.node, r.allocation_id, "cancel", r.task, quiet=True)
+            return
+        if ended[0] and g is not None:
+            self.log.info("job ended", job_id=g.id, phase=P.Name(g.status.phase), reason=g.status.reason,
+                          fused_into=r.job_id)
+            self.kick.set()
+
     async def _resize(self, job: types_pb2.Job, rz: Resize, nodes: dict, decision_id: str) -> bool:
         """Carry out a resize / migrate / type change of a running job: the new partitions
         (and, on another device count, a plan for it) go through :func:`actions.relaunch`
@@ -743,13 +909,24 @@ class Controller:
 
     async def _requeue(self, job_id: str, alloc_id: str, reason: str, transient: bool = False) -> None:
         """Return an active job to PENDING and stop its executors; ``transient`` (a
-        partition still busy at the agent) does not count toward ``max_attempts``."""
+        partition still busy at the agent) does not count toward ``max_attempts``. A job
+        fused into another's executor is only detached (always counted as a preemption):
+        the host's executor and allocation are the host's."""
         now = self.clock()
         stop: list = []
 
         async def fn(j):
             if j.status.allocation_id != alloc_id or j.status.phase not in ACTIVE:
                 return None
+            if j.status.fused_into:
+                # Fused into a host's executor: no units or executor of its own to release
+                # (the allocation is the host's). Not a failure: it resumes from its tasks'
+                # checkpoints (state.pt; tasks with an adapter.pt are done).
+                j.status.allocation_id = ""
+                j.status.fused_into = ""
+                j.status.preemptions += 1
+                transition(j, P.PENDING, f"requeued: {reason}; resumes from its tasks' checkpoints"[:500], now)
+                return [], []
             stop[:] = [(alloc_id, list(j.status.placement))]
             cmp, ops = await self.store.realloc_ops(drop=alloc_id, drop_keys=alloc_keys(j.status.placement))
             j.status.allocation_id = ""
@@ -790,7 +967,9 @@ class Controller:
     async def logs(self, job_id: str, tail: int) -> tuple[str, bool]:
         if tail < 0 or tail > 4 << 20:
             raise SpecError("tail_bytes", f"must be between 0 and {4 << 20}, got {tail}")
-        await self.get(job_id)
+        job = await self.get(job_id)
+        if job.status.fused_into:
+            job_id = job.status.fused_into  # its tasks' output is in its host's executor log
         parts, truncated, errors = [], False, []
         for n in await self.list_nodes():
             if n.state != types_pb2.READY:

@@ -197,6 +197,10 @@ def job_view(job: types_pb2.Job) -> Table:
         _row(t, "running plan", f"dp{s.plan.dp} tp{s.plan.tp} pp{s.plan.pp} (resized from the spec's)")
     if s.phase == types_pb2.FAILED:
         _row(t, "exit code", str(s.exit_code))
+    if s.fused_into:
+        live = s.phase in (types_pb2.SCHEDULED, types_pb2.RUNNING)
+        _row(t, "fused into", f"{s.fused_into}'s executor (allocation {s.allocation_id or '-'}; its tasks run there as "
+                              f"{job.id}_<task>{'' if live else '; ended'})")
     if job.parent_id:
         _row(t, "task of", f"{job.parent_id} (shared executor and backbone)")
     if s.tasks:

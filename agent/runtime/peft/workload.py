@@ -26,7 +26,12 @@ Both are written atomically (temp file, fsync, os.replace, fsync of the director
 Control: a JSONL file (``spec["control_file"]``, default
 ``<checkpoint_dir>/peft-control.jsonl``) read at every step boundary; each complete
 line is ``{"op": "add", "task": {...task spec...}}`` or ``{"op": "cancel", "task":
-"name"}``. :class:`PeftRunner` exposes the same operations as methods.
+"name"}``. An "add" may also carry ``"dir"`` (the task's checkpoint directory instead of
+``<checkpoint_dir>/peft/<name>``: a task fused in from another job checkpoints into that
+job's directory) and ``"allocation"`` (applied only by the executor of that allocation,
+``spec["allocation_id"]``: a later executor of another allocation reading the same file
+does not re-add another job's tasks). :class:`PeftRunner` exposes the same operations as
+methods.
 """
 
 from __future__ import annotations
@@ -128,13 +133,15 @@ class PeftRunner:
 
     def __init__(self, cfg: GPTConfig, section: dict, params: dict, reporter: Reporter,
                  checkpoint_dir: str | None = None, control_file: str | None = None, device: str = "cpu",
-                 job_id: str | None = None, workers: int = 1) -> None:
+                 job_id: str | None = None, workers: int = 1, allocation_id: str | None = None) -> None:
         self.log = log.get(job_id=job_id, workload="peft")
         self.cfg, self.section, self.params, self.rep = cfg, section, params, reporter
         self.ckpt_dir = checkpoint_dir
         self.control_file = control_file or (os.path.join(checkpoint_dir, "peft-control.jsonl") if checkpoint_dir else None)
         self._control_pos = 0
         self._control_line = 0
+        self.allocation_id = allocation_id
+        self._task_dirs: dict[str, str] = {}  # tasks checkpointing outside peft/<name> (fused in)
         torch.manual_seed(params["seed"])
         self.model = GPT(cfg).to(device)  # the shared, frozen backbone
         self.engine = MuxEngine(self.model, section["chunk_size"], section["mode"], slots=max(1, len(section["tasks"])),
@@ -144,15 +151,22 @@ class PeftRunner:
 
     # -- task control -----------------------------------------------------------------
     def task_dir(self, name: str) -> str | None:
+        if name in self._task_dirs:
+            return self._task_dirs[name]
         return os.path.join(self.ckpt_dir, "peft", name) if self.ckpt_dir else None
 
-    def add_task(self, task: dict, path: str | None = None) -> TaskState | None:
+    def add_task(self, task: dict, path: str | None = None, task_dir: str | None = None) -> TaskState | None:
         """Validate, resolve and start a task (resuming its state.pt if any); None if it
-        already finished in an earlier run (its adapter.pt exists)."""
+        already finished in an earlier run (its adapter.pt exists). ``task_dir``: where
+        its files live (default ``<checkpoint_dir>/peft/<name>``)."""
         path = path or f"tasks[{self._added}]"
         p = self.params
         t = validate_task(task, path, self._added, defaults=p)
         t = resolve_task(t, self.section["chunk_size"], path)
+        if task_dir is not None:
+            if not isinstance(task_dir, str) or not os.path.isabs(task_dir):
+                raise SpecError(f"{path.rsplit('.', 1)[0]}.dir", f"must be an absolute path, got {task_dir!r}")
+            self._task_dirs[t["name"]] = task_dir
         if t["dataset"]["seed"] is None:
             t["dataset"]["seed"] = p["seed"] + self._added
         self._added += 1
@@ -195,7 +209,9 @@ class PeftRunner:
                 if not isinstance(cmd, dict) or cmd.get("op") not in ("add", "cancel"):
                     raise SpecError(f"{field}.op", "must be add or cancel")
                 if cmd["op"] == "add":
-                    self.add_task(cmd.get("task"), f"{field}.task")
+                    if cmd.get("allocation") and self.allocation_id and cmd["allocation"] != self.allocation_id:
+                        continue  # another allocation's fused task (an earlier executor of this dir)
+                    self.add_task(cmd.get("task"), f"{field}.task", cmd.get("dir"))
                 else:
                     name = cmd.get("task")
                     if name not in self.engine.tasks:
@@ -287,7 +303,8 @@ def _run(spec: dict, reporter: Reporter) -> int:
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     runner = PeftRunner(cfg, sec, params, reporter, spec.get("checkpoint_dir"), spec.get("control_file"),
-                        job_id=spec.get("job_id"), workers=max(1, int(spec.get("threads") or 1)))
+                        job_id=spec.get("job_id"), workers=max(1, int(spec.get("threads") or 1)),
+                        allocation_id=spec.get("allocation_id"))
     reporter.event("start", job_id=spec.get("job_id"), workload="peft", mode=sec["mode"],
                    chunk_size=sec["chunk_size"], tasks=[t["name"] for t in sec["tasks"]],
                    backbone_params=sum(p.numel() for p in runner.model.parameters() if not p.requires_grad))

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tessera.api.v1 import types_pb2 as tessera_dot_api_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atessera/api/v1/agent.proto\x12\x0etessera.api.v1\x1a\x1atessera/api/v1/types.proto\"_\n\x12UpdateGrantRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\r\n\x05units\x18\x03 \x01(\x05\x12\x15\n\rfencing_token\x18\x04 \x01(\x03\"i\n\x13UpdateGrantResponse\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\x12\r\n\x05units\x18\x02 \x01(\x05\x12\r\n\x05\x63ores\x18\x03 \x03(\x05\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x11\n\told_units\x18\x05 \x01(\x05\"\\\n\x12\x43ontrolTaskRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\n\n\x02op\x18\x03 \x01(\t\x12\x0c\n\x04task\x18\x04 \x01(\t\"+\n\x13\x43ontrolTaskResponse\x12\x14\n\x0c\x63ontrol_file\x18\x01 \x01(\t\"5\n\x0fReadLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ntail_bytes\x18\x02 \x01(\x03\"3\n\x10ReadLogsResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttruncated\x18\x02 \x01(\x08\"\xb8\x02\n\x15LaunchExecutorRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x03\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\x12\n\nworld_size\x18\x06 \x01(\x05\x12\x12\n\ndevice_ids\x18\x07 \x03(\t\x12\x13\n\x0bmaster_addr\x18\x08 \x01(\t\x12\x13\n\x0bmaster_port\x18\t \x01(\x05\x12\x19\n\x11runtime_spec_json\x18\n \x01(\t\x12\x16\n\x0e\x63heckpoint_dir\x18\x0b \x01(\t\x12\x14\n\x0cpartition_id\x18\x0c \x01(\t\x12\r\n\x05units\x18\r \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x0e \x01(\x03\">\n\x16LaunchExecutorResponse\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x17\n\x0f\x61lready_running\x18\x02 \x01(\x08\"d\n\x13StopExecutorRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07grace_s\x18\x04 \x01(\x01\"\'\n\x14StopExecutorResponse\x12\x0f\n\x07stopped\x18\x01 \x01(\x05\"\x12\n\x10GetStatusRequest\"\xdd\x01\n\x0e\x45xecutorStatus\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x12\n\ndevice_ids\x18\x05 \x03(\t\x12\x0f\n\x07running\x18\x06 \x01(\x08\x12\x11\n\texit_code\x18\x07 \x01(\x05\x12\x10\n\x08log_path\x18\x08 \x01(\t\x12\x0c\n\x04step\x18\t \x01(\x03\x12\x0c\n\x04loss\x18\n \x01(\x01\x12\x14\n\x0cpartition_id\x18\x0b \x01(\t\x12\r\n\x05units\x18\x0c \x01(\x05\"\xc1\x01\n\x11GetStatusResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\'\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x16.tessera.api.v1.Device\x12\x31\n\texecutors\x18\x04 \x03(\x0b\x32\x1e.tessera.api.v1.ExecutorStatus\x12-\n\npartitions\x18\x05 \x03(\x0b\x32\x19.tessera.api.v1.Partition2\x9b\x04\n\x0c\x41gentService\x12_\n\x0eLaunchExecutor\x12%.tessera.api.v1.LaunchExecutorRequest\x1a&.tessera.api.v1.LaunchExecutorResponse\x12Y\n\x0cStopExecutor\x12#.tessera.api.v1.StopExecutorRequest\x1a$.tessera.api.v1.StopExecutorResponse\x12P\n\tGetStatus\x12 .tessera.api.v1.GetStatusRequest\x1a!.tessera.api.v1.GetStatusResponse\x12M\n\x08ReadLogs\x12\x1f.tessera.api.v1.ReadLogsRequest\x1a .tessera.api.v1.ReadLogsResponse\x12V\n\x0b\x43ontrolTask\x12\".tessera.api.v1.ControlTaskRequest\x1a#.tessera.api.v1.ControlTaskResponse\x12V\n\x0bUpdateGrant\x12\".tessera.api.v1.UpdateGrantRequest\x1a#.tessera.api.v1.UpdateGrantResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atessera/api/v1/agent.proto\x12\x0etessera.api.v1\x1a\x1atessera/api/v1/types.proto\"_\n\x12UpdateGrantRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\r\n\x05units\x18\x03 \x01(\x05\x12\x15\n\rfencing_token\x18\x04 \x01(\x03\"i\n\x13UpdateGrantResponse\x12\x14\n\x0cpartition_id\x18\x01 \x01(\t\x12\r\n\x05units\x18\x02 \x01(\x05\x12\r\n\x05\x63ores\x18\x03 \x03(\x05\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x11\n\told_units\x18\x05 \x01(\x05\"\x81\x01\n\x12\x43ontrolTaskRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\n\n\x02op\x18\x03 \x01(\t\x12\x0c\n\x04task\x18\x04 \x01(\t\x12\x11\n\ttask_json\x18\x05 \x01(\t\x12\x10\n\x08task_dir\x18\x06 \x01(\t\"+\n\x13\x43ontrolTaskResponse\x12\x14\n\x0c\x63ontrol_file\x18\x01 \x01(\t\"5\n\x0fReadLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\ntail_bytes\x18\x02 \x01(\x03\"3\n\x10ReadLogsResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttruncated\x18\x02 \x01(\x08\"\xb8\x02\n\x15LaunchExecutorRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x15\n\rfencing_token\x18\x03 \x01(\x03\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\x0c\n\x04rank\x18\x05 \x01(\x05\x12\x12\n\nworld_size\x18\x06 \x01(\x05\x12\x12\n\ndevice_ids\x18\x07 \x03(\t\x12\x13\n\x0bmaster_addr\x18\x08 \x01(\t\x12\x13\n\x0bmaster_port\x18\t \x01(\x05\x12\x19\n\x11runtime_spec_json\x18\n \x01(\t\x12\x16\n\x0e\x63heckpoint_dir\x18\x0b \x01(\t\x12\x14\n\x0cpartition_id\x18\x0c \x01(\t\x12\r\n\x05units\x18\r \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x0e \x01(\x03\">\n\x16LaunchExecutorResponse\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x17\n\x0f\x61lready_running\x18\x02 \x01(\x08\"d\n\x13StopExecutorRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07grace_s\x18\x04 \x01(\x01\"\'\n\x14StopExecutorResponse\x12\x0f\n\x07stopped\x18\x01 \x01(\x05\"\x12\n\x10GetStatusRequest\"\xdd\x01\n\x0e\x45xecutorStatus\x12\x15\n\rallocation_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x12\n\ndevice_ids\x18\x05 \x03(\t\x12\x0f\n\x07running\x18\x06 \x01(\x08\x12\x11\n\texit_code\x18\x07 \x01(\x05\x12\x10\n\x08log_path\x18\x08 \x01(\t\x12\x0c\n\x04step\x18\t \x01(\x03\x12\x0c\n\x04loss\x18\n \x01(\x01\x12\x14\n\x0cpartition_id\x18\x0b \x01(\t\x12\r\n\x05units\x18\x0c \x01(\x05\"\xc1\x01\n\x11GetStatusResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\'\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x16.tessera.api.v1.Device\x12\x31\n\texecutors\x18\x04 \x03(\x0b\x32\x1e.tessera.api.v1.ExecutorStatus\x12-\n\npartitions\x18\x05 \x03(\x0b\x32\x19.tessera.api.v1.Partition2\x9b\x04\n\x0c\x41gentService\x12_\n\x0eLaunchExecutor\x12%.tessera.api.v1.LaunchExecutorRequest\x1a&.tessera.api.v1.LaunchExecutorResponse\x12Y\n\x0cStopExecutor\x12#.tessera.api.v1.StopExecutorRequest\x1a$.tessera.api.v1.StopExecutorResponse\x12P\n\tGetStatus\x12 .tessera.api.v1.GetStatusRequest\x1a!.tessera.api.v1.GetStatusResponse\x12M\n\x08ReadLogs\x12\x1f.tessera.api.v1.ReadLogsRequest\x1a .tessera.api.v1.ReadLogsResponse\x12V\n\x0b\x43ontrolTask\x12\".tessera.api.v1.ControlTaskRequest\x1a#.tessera.api.v1.ControlTaskResponse\x12V\n\x0bUpdateGrant\x12\".tessera.api.v1.UpdateGrantRequest\x1a#.tessera.api.v1.UpdateGrantResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,28 +36,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UPDATEGRANTREQUEST']._serialized_end=169
   _globals['_UPDATEGRANTRESPONSE']._serialized_start=171
   _globals['_UPDATEGRANTRESPONSE']._serialized_end=276
-  _globals['_CONTROLTASKREQUEST']._serialized_start=278
-  _globals['_CONTROLTASKREQUEST']._serialized_end=370
-  _globals['_CONTROLTASKRESPONSE']._serialized_start=372
-  _globals['_CONTROLTASKRESPONSE']._serialized_end=415
-  _globals['_READLOGSREQUEST']._serialized_start=417
-  _globals['_READLOGSREQUEST']._serialized_end=470
-  _globals['_READLOGSRESPONSE']._serialized_start=472
-  _globals['_READLOGSRESPONSE']._serialized_end=523
-  _globals['_LAUNCHEXECUTORREQUEST']._serialized_start=526
-  _globals['_LAUNCHEXECUTORREQUEST']._serialized_end=838
-  _globals['_LAUNCHEXECUTORRESPONSE']._serialized_start=840
-  _globals['_LAUNCHEXECUTORRESPONSE']._serialized_end=902
-  _globals['_STOPEXECUTORREQUEST']._serialized_start=904
-  _globals['_STOPEXECUTORREQUEST']._serialized_end=1004
-  _globals['_STOPEXECUTORRESPONSE']._serialized_start=1006
-  _globals['_STOPEXECUTORRESPONSE']._serialized_end=1045
-  _globals['_GETSTATUSREQUEST']._serialized_start=1047
-  _globals['_GETSTATUSREQUEST']._serialized_end=1065
-  _globals['_EXECUTORSTATUS']._serialized_start=1068
-  _globals['_EXECUTORSTATUS']._serialized_end=1289
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1292
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1485
-  _globals['_AGENTSERVICE']._serialized_start=1488
-  _globals['_AGENTSERVICE']._serialized_end=2027
+  _globals['_CONTROLTASKREQUEST']._serialized_start=279
+  _globals['_CONTROLTASKREQUEST']._serialized_end=408
+  _globals['_CONTROLTASKRESPONSE']._serialized_start=410
+  _globals['_CONTROLTASKRESPONSE']._serialized_end=453
+  _globals['_READLOGSREQUEST']._serialized_start=455
+  _globals['_READLOGSREQUEST']._serialized_end=508
+  _globals['_READLOGSRESPONSE']._serialized_start=510
+  _globals['_READLOGSRESPONSE']._serialized_end=561
+  _globals['_LAUNCHEXECUTORREQUEST']._serialized_start=564
+  _globals['_LAUNCHEXECUTORREQUEST']._serialized_end=876
+  _globals['_LAUNCHEXECUTORRESPONSE']._serialized_start=878
+  _globals['_LAUNCHEXECUTORRESPONSE']._serialized_end=940
+  _globals['_STOPEXECUTORREQUEST']._serialized_start=942
+  _globals['_STOPEXECUTORREQUEST']._serialized_end=1042
+  _globals['_STOPEXECUTORRESPONSE']._serialized_start=1044
+  _globals['_STOPEXECUTORRESPONSE']._serialized_end=1083
+  _globals['_GETSTATUSREQUEST']._serialized_start=1085
+  _globals['_GETSTATUSREQUEST']._serialized_end=1103
+  _globals['_EXECUTORSTATUS']._serialized_start=1106
+  _globals['_EXECUTORSTATUS']._serialized_end=1327
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1330
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1523
+  _globals['_AGENTSERVICE']._serialized_start=1526
+  _globals['_AGENTSERVICE']._serialized_end=2065
 # @@protoc_insertion_point(module_scope)

@@ -34,16 +34,20 @@ class UpdateGrantResponse(_message.Message):
     def __init__(self, partition_id: _Optional[str] = ..., units: _Optional[int] = ..., cores: _Optional[_Iterable[int]] = ..., pid: _Optional[int] = ..., old_units: _Optional[int] = ...) -> None: ...
 
 class ControlTaskRequest(_message.Message):
-    __slots__ = ("allocation_id", "fencing_token", "op", "task")
+    __slots__ = ("allocation_id", "fencing_token", "op", "task", "task_json", "task_dir")
     ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
+    TASK_JSON_FIELD_NUMBER: _ClassVar[int]
+    TASK_DIR_FIELD_NUMBER: _ClassVar[int]
     allocation_id: str
     fencing_token: int
     op: str
     task: str
-    def __init__(self, allocation_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., op: _Optional[str] = ..., task: _Optional[str] = ...) -> None: ...
+    task_json: str
+    task_dir: str
+    def __init__(self, allocation_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., op: _Optional[str] = ..., task: _Optional[str] = ..., task_json: _Optional[str] = ..., task_dir: _Optional[str] = ...) -> None: ...
 
 class ControlTaskResponse(_message.Message):
     __slots__ = ("control_file",)

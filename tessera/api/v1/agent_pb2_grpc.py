@@ -106,9 +106,11 @@ class AgentServiceServicer:
     def ControlTask(self, request, context):
         """Changes one task of a running multi-task (peft) executor without restarting it: the
         command is appended to the executor's control file (<checkpoint_dir>/peft-control.jsonl),
-        which it reads at its next step boundary. NOT_FOUND when no running executor of the
-        allocation is on this node; INVALID_ARGUMENT for an unknown op or an empty task;
-        FAILED_PRECONDITION for a stale fencing token.
+        which it reads at its next step boundary. "cancel" stops a task; "add" starts one (the
+        controller fuses another peft job's tasks into this executor, same frozen backbone).
+        NOT_FOUND when no running executor of the allocation is on this node; INVALID_ARGUMENT
+        for an unknown op, an empty task, or (add) task_json not a JSON object whose "name" is
+        the task, or task_dir not absolute; FAILED_PRECONDITION for a stale fencing token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
