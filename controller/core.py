@@ -558,11 +558,12 @@ class Controller:
         for rp in reply.repartitions:
             out["repartitioned"] += await actions.repartition(self, rp, by_id, node_map, decision_id)
         out["fused"] = 0
+        placed: dict[str, tuple[str, str]] = {}  # this round: job id -> (node, partition) of a 1-device placement
         for p in reply.placements:
             if p.job_id not in by_id:
                 continue
             if fusion.is_fused_placement(p.reason) and by_id[p.job_id].spec.workload.type == "peft":
-                got = await self._fuse(by_id[p.job_id], p, jobs, decision_id)
+                got = await self._fuse(by_id[p.job_id], p, jobs, decision_id, placed)
                 if got is True:
                     out["fused"] += 1
                     continue
@@ -572,6 +573,8 @@ class Controller:
                     continue
             if await self._place(by_id[p.job_id], p, node_map, decision_id):
                 out["placed"] += 1
+                if len(p.shards) == 1 and len(p.shards[0].device_ids) == 1:
+                    placed[p.job_id] = (p.shards[0].node, p.shards[0].device_ids[0])
         for inf in reply.infeasible:
             j = by_id.get(inf.job_id)
             if j is not None and (j.status.last_decision.action, j.status.last_decision.reason) != ("wait", inf.reason):
@@ -685,7 +688,8 @@ class Controller:
                       decision_id=decision_id)
         return await self._launch_or_requeue(job, nodes, "launch")
 
-    async def _fuse(self, job: types_pb2.Job, p: Placement, jobs: list[types_pb2.Job], decision_id: str) -> bool | str | None:
+    async def _fuse(self, job: types_pb2.Job, p: Placement, jobs: list[types_pb2.Job], decision_id: str,
+                    placed: dict[str, tuple[str, str]] | None = None) -> bool | str | None:
         """Carry out a "fused with LoRA tasks on backbone ..." placement (controller/fusion.py):
         pick the host (a running peft job's executor on the placement's partition, same
         backbone), then one fenced write moves ``job`` to SCHEDULED fused into it
@@ -694,12 +698,26 @@ class Controller:
         "add", names ``<job id>_<task>``, each checkpointing under the job's own checkpoint
         directory). The job turns RUNNING on its first routed task report.
 
+        A job of the same backbone whose executor is about to start there (placed this
+        round, or SCHEDULED: ``fusion.starting_host``) is waited for: ``job`` stays PENDING
+        with a "wait" decision and fuses into it on a later round.
+
         Returns True when fused; a string (why) when no host can take it (the caller packs
-        it in its own executor instead); None when nothing was done (the job moved on, or
-        the agent refused the add: the job is requeued as a preemption)."""
+        it in its own executor instead); None when nothing was done (waiting for a starting
+        host, the job moved on, or the agent refused the add: the job is requeued as a
+        preemption)."""
         sh = p.shards[0]
         host, why = fusion.pick_host(job, sh.node, sh.device_ids[0], jobs)
         if host is None:
+            starting = fusion.starting_host(job, sh.node, sh.device_ids[0], jobs, placed or {})
+            if starting:
+                now = self.clock()
+                reason = f"{p.reason}: waiting for the executor of job {starting} to start, to fuse into it"
+                try:
+                    await self._rmw(job.id, lambda j: _set_decision(j, self.policy.name, reason, now, decision_id))
+                except (NotFound, Conflict):
+                    pass
+                return None
             self.log.info("fusion not possible; own executor", job_id=job.id, why=why, decision_id=decision_id)
             return why
         try:

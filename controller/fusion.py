@@ -144,6 +144,26 @@ def pick_host(guest: types_pb2.Job, node: str, partition: str, jobs: list[types_
     return None, why
 
 
+def starting_host(guest: types_pb2.Job, node: str, partition: str, jobs: list[types_pb2.Job],
+                  placed: dict[str, tuple[str, str]]) -> str:
+    """The id of a peft job of ``guest``'s backbone whose executor is about to start on
+    ``partition`` of ``node`` (SCHEDULED there, or placed there this round: ``placed`` maps
+    job id -> (node, partition)), so that ``guest`` should wait a round and fuse into it
+    rather than start an executor of its own; "" when there is none."""
+    bb = backbone_of(guest)
+    if not bb:
+        return ""
+    for j in sorted(jobs, key=lambda j: (j.created, j.id)):
+        if j.id == guest.id or backbone_of(j) != bb or j.status.fused_into:
+            continue
+        here = placed.get(j.id) == (node, partition) or (
+            j.status.phase == P.SCHEDULED
+            and any(s.node == node and partition in (list(s.partition_ids) or list(s.device_ids)) for s in j.status.placement))
+        if here:
+            return j.id
+    return ""
+
+
 def guest_tasks(guest: types_pb2.Job, checkpoint_dir: str) -> list[tuple[str, dict, str]]:
     """(fused name, resolved task spec under that name, task checkpoint dir) per task of
     ``guest``, in spec order. ``checkpoint_dir`` is the guest's own

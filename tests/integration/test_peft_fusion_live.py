@@ -215,3 +215,32 @@ def _render(job: tpb.Job) -> str:
     buf = StringIO()
     Console(file=buf, width=200).print(job_view(job))
     return buf.getvalue()
+
+
+async def _host_then_guest(jobs, guest_seed: int, steps: int) -> tuple[float, tpb.Job]:
+    t0 = time.time()
+    # Submitted together: the second waits for the first's executor to start, then fuses.
+    hid = await submit(jobs, peft("host", {"h0": steps, "h1": steps}))
+    gid = await submit(jobs, peft("guest", {"g0": steps, "g1": steps}, seed=guest_seed))
+    done = [await until(jobs, i, ended, 120) for i in (hid, gid)]
+    for j in done:
+        assert j.status.phase == tpb.SUCCEEDED, j.status.reason
+        assert all(0 < t.loss < t.first_loss for t in j.status.tasks), j.status.tasks
+    end = max(h.time for j in done for h in j.status.history if h.phase == tpb.SUCCEEDED)
+    return end - t0, done[1]
+
+
+async def test_fused_vs_separate_executors_wall_time(etcd_server, tmp_path):
+    """Two jobs submitted together. Not a speed claim (printed, not asserted): the second fused
+    into the first's executor (one core, one backbone, no second executor start) vs packed in its own
+    executor (a backbone seed of its own: one core each)."""
+    steps = 150
+    async with cluster(etcd_server, tmp_path, "/sep") as (jobs, _):
+        separate, g = await _host_then_guest(jobs, 1, steps)
+        assert not g.status.fused_into and g.status.last_decision.action == "pack"
+    async with cluster(etcd_server, tmp_path, "/fus") as (jobs, _):
+        fused, g = await _host_then_guest(jobs, 0, steps)
+        assert g.status.fused_into and g.status.last_decision.action == "fuse"
+        assert any("waiting for the executor of job" in h.reason or "fused into" in h.reason for h in g.status.history)
+    print(f"\nfusion: makespan of 2 jobs x 2 tasks x {steps} steps: separate executors {separate:.1f}s, "
+          f"fused {fused:.1f}s (ratio {fused / separate:.2f})")

@@ -87,6 +87,19 @@ def test_pick_host_takes_the_oldest_running_peft_job_on_the_partition():
     assert fusion.pick_host(peft_job(G), "n1", "cpu9", [new, old])[0] is None
 
 
+def test_a_guest_waits_for_a_starting_host_of_its_backbone():
+    g = peft_job(G, created=2.0)
+    fresh = peft_job(H, created=1.0)  # PENDING in the snapshot, placed earlier this round
+    assert fusion.starting_host(g, "n1", "cpu0", [fresh, g], {H: ("n1", "cpu0")}) == H
+    assert fusion.starting_host(g, "n1", "cpu0", [fresh, g], {H: ("n1", "cpu1")}) == ""
+    sched = running_on(peft_job(H, created=1.0))
+    sched.status.phase = P.SCHEDULED
+    assert fusion.starting_host(g, "n1", "cpu0", [sched, g], {}) == H
+    assert fusion.starting_host(peft_job(G, seed=2), "n1", "cpu0", [sched], {}) == ""
+    sched.status.phase = P.RUNNING  # started: fuse now (pick_host), no waiting
+    assert fusion.starting_host(g, "n1", "cpu0", [sched, g], {}) == ""
+
+
 def test_guest_tasks_are_resolved_with_the_guests_own_defaults_and_directories():
     adds = fusion.guest_tasks(peft_job(G, seed=5, tasks=("a", "b")), "/ck/" + G)
     assert [a[0] for a in adds] == [f"{G}_a", f"{G}_b"]
