@@ -30,6 +30,7 @@ from agent.main import serve as agent_serve
 from controller import main as cmain
 from controller.config import ControllerConfig
 from tessera import manifest
+from tessera.api.v1 import agent_pb2, agent_pb2_grpc
 from tessera.api.v1 import controller_pb2 as cpb
 from tessera.api.v1 import controller_pb2_grpc as cgrpc
 from tessera.api.v1 import types_pb2 as tpb
@@ -80,7 +81,7 @@ async def cluster(etcd: str, tmp: Path, prefix: str):
                 pass
             await asyncio.sleep(0.05)
     try:
-        yield jobs, astate
+        yield jobs, astate, acfg.listen
     finally:
         astop.set()
         await asyncio.gather(atask, return_exceptions=True)
@@ -115,7 +116,7 @@ async def submit(jobs, spec: tpb.JobSpec) -> str:
 
 async def test_fused_jobs_share_one_executor_and_cancel_only_their_tasks(etcd_server, tmp_path):
     t0 = time.time()
-    async with cluster(etcd_server, tmp_path, "/fuse") as (jobs, astate):
+    async with cluster(etcd_server, tmp_path, "/fuse") as (jobs, astate, _):
         hid = await submit(jobs, peft("host", {"h0": 60, "h1": LONG}))
         h = await until(jobs, hid, trained("h1"))
         assert h.status.phase == tpb.RUNNING and h.status.last_decision.quota == 0.5
@@ -128,9 +129,14 @@ async def test_fused_jobs_share_one_executor_and_cancel_only_their_tasks(etcd_se
         assert "fused with LoRA tasks on backbone gpt:l1-h32-a4-s32-v64/seed0" in p.status.last_decision.reason
         assert hid in p.status.last_decision.reason
 
-        qid = await submit(jobs, peft("doomed", {"q0": LONG}))
-        q = await until(jobs, qid, trained("q0", 10))
+        qid = await submit(jobs, peft("doomed", {"q0": LONG, "q1": LONG}))
+        q = await until(jobs, qid, lambda j: trained("q0", 10)(j) and trained("q1", 10)(j))
         assert q.status.fused_into == hid
+        # One task of the fused job (the others, Q's and H's, train on), then the job.
+        t = await jobs.CancelJob(cpb.CancelJobRequest(job_id=f"{qid}/q1"))
+        assert t.id == f"{qid}/q1" and t.parent_id == qid
+        q = await until(jobs, qid, lambda j: task(j, "q1").phase == tpb.CANCELLED)
+        assert q.status.phase == tpb.RUNNING and task(q, "q0").phase == tpb.RUNNING
         q = await jobs.CancelJob(cpb.CancelJobRequest(job_id=qid))
         assert q.status.phase == tpb.CANCELLED and task(q, "q0").phase == tpb.CANCELLED
 
@@ -162,7 +168,7 @@ async def test_fused_jobs_share_one_executor_and_cancel_only_their_tasks(etcd_se
         assert specs == [f"{h.status.allocation_id}-r0.json"], specs
         assert sorted(p.name for p in (astate / "logs").iterdir()) == [f"{hid}.log"]
         log = (astate / "logs" / f"{hid}.log").read_text()
-        assert f"{pid}_p0" in log and f"{qid}_q0" in log
+        assert f"{pid}_p0" in log and f"{qid}_q0" in log and f"{qid}_q1" in log
         # Adapters of the guests' tasks are in their own checkpoint directories.
         ckpt = tmp_path / "fuse-ckpt"
         assert (ckpt / pid / "peft" / "p0" / "adapter.pt").exists()
@@ -174,7 +180,7 @@ async def test_fused_jobs_share_one_executor_and_cancel_only_their_tasks(etcd_se
 
 
 async def test_host_serves_guests_after_its_tasks_and_a_lost_host_requeues_them(etcd_server, tmp_path):
-    async with cluster(etcd_server, tmp_path, "/life") as (jobs, astate):
+    async with cluster(etcd_server, tmp_path, "/life") as (jobs, astate, _):
         hid = await submit(jobs, peft("host", {"h0": LONG}))
         await until(jobs, hid, trained("h0"))
         gid = await submit(jobs, peft("guest", {"g0": LONG}))
@@ -235,12 +241,32 @@ async def test_fused_vs_separate_executors_wall_time(etcd_server, tmp_path):
     into the first's executor (one core, one backbone, no second executor start) vs packed in its own
     executor (a backbone seed of its own: one core each)."""
     steps = 150
-    async with cluster(etcd_server, tmp_path, "/sep") as (jobs, _):
+    async with cluster(etcd_server, tmp_path, "/sep") as (jobs, _, _):
         separate, g = await _host_then_guest(jobs, 1, steps)
         assert not g.status.fused_into and g.status.last_decision.action == "pack"
-    async with cluster(etcd_server, tmp_path, "/fus") as (jobs, _):
+    async with cluster(etcd_server, tmp_path, "/fus") as (jobs, _, _):
         fused, g = await _host_then_guest(jobs, 0, steps)
         assert g.status.fused_into and g.status.last_decision.action == "fuse"
         assert any("waiting for the executor of job" in h.reason or "fused into" in h.reason for h in g.status.history)
     print(f"\nfusion: makespan of 2 jobs x 2 tasks x {steps} steps: separate executors {separate:.1f}s, "
           f"fused {fused:.1f}s (ratio {fused / separate:.2f})")
+
+
+async def test_agent_control_task_add_refuses_bad_input_naming_the_field(etcd_server, tmp_path):
+    async with cluster(etcd_server, tmp_path, "/ctl") as (_, _, agent):
+        async with grpc.aio.insecure_channel(agent) as ch:
+            stub = agent_pb2_grpc.AgentServiceStub(ch)
+            cases = [
+                (dict(op="merge", task="t"), grpc.StatusCode.INVALID_ARGUMENT, "op:"),
+                (dict(op="add", task=""), grpc.StatusCode.INVALID_ARGUMENT, "task:"),
+                (dict(op="add", task="t", task_json="{"), grpc.StatusCode.INVALID_ARGUMENT, "task_json:"),
+                (dict(op="add", task="t", task_json='{"name": "u"}'), grpc.StatusCode.INVALID_ARGUMENT,
+                 "task_json.name:"),
+                (dict(op="add", task="t", task_json='{"name": "t"}', task_dir="x"), grpc.StatusCode.INVALID_ARGUMENT,
+                 "task_dir:"),
+                (dict(op="add", task="t", task_json='{"name": "t"}'), grpc.StatusCode.NOT_FOUND, "no running executor"),
+            ]
+            for kw, code, text in cases:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.ControlTask(agent_pb2.ControlTaskRequest(allocation_id="a-none", **kw), timeout=5)
+                assert e.value.code() == code and text in e.value.details(), (kw, e.value.details())
