@@ -270,3 +270,25 @@ async def test_agent_control_task_add_refuses_bad_input_naming_the_field(etcd_se
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await stub.ControlTask(agent_pb2.ControlTaskRequest(allocation_id="a-none", **kw), timeout=5)
                 assert e.value.code() == code and text in e.value.details(), (kw, e.value.details())
+
+
+async def test_host_executor_killed_guest_requeued_as_preemption_and_finishes(etcd_server, tmp_path):
+    async with cluster(etcd_server, tmp_path, "/kill") as (jobs, _, agent):
+        hid = await submit(jobs, peft("host", {"h0": LONG}))
+        await until(jobs, hid, trained("h0"))
+        gid = await submit(jobs, peft("guest", {"g0": 120}))
+        g = await until(jobs, gid, trained("g0", 20))
+        assert g.status.fused_into == hid
+        async with grpc.aio.insecure_channel(agent) as ch:
+            st = await agent_pb2_grpc.AgentServiceStub(ch).GetStatus(agent_pb2.GetStatusRequest())
+        [ex] = [e for e in st.executors if e.running]
+        assert ex.job_id == hid and ex.allocation_id == g.status.allocation_id  # the one executor
+        os.kill(ex.pid, 9)
+        h = await until(jobs, hid, ended)
+        assert h.status.phase == tpb.FAILED
+        g = await until(jobs, gid, ended)
+        assert g.status.phase == tpb.SUCCEEDED, g.status.reason
+        assert g.status.preemptions == 1 and not g.status.fused_into
+        assert any(x.phase == tpb.PENDING and f"host job {hid} ended FAILED" in x.reason for x in g.status.history)
+        t = task(g, "g0")
+        assert t.step == t.total_steps == 120 and 0 < t.loss < t.first_loss
