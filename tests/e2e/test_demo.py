@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from _e2e import cli, tiny_manifest
-
-from tessera.etcdproc import EtcdNotFound, find_etcd
+from _e2e import cli, require_etcd, run_demo, tiny_manifest
 
 pytestmark = pytest.mark.slow
 
 
 def test_demo_runs_every_manifest_and_tears_down(tmp_path):
-    try:
-        find_etcd()
-    except EtcdNotFound as e:
-        pytest.skip(str(e))
+    require_etcd()
     ex = tmp_path / "examples"
     ex.mkdir()
     tiny_manifest(ex / "a.yaml", "demo-a", steps=15)
     tiny_manifest(ex / "b.yaml", "demo-b", steps=15, devices=2)
-    r = cli("demo", "--examples", str(ex), "--timeout", "120", "-o", "json", cwd=tmp_path, timeout=240)
-    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
-    summary = json.loads(r.stdout)
-    assert summary["ok"] is True
+    summary = run_demo(tmp_path, ex, 120, 240)
     assert sorted(j["job"] for j in summary["jobs"]) == ["demo-a", "demo-b"]
     for j in summary["jobs"]:
         assert j["phase"] == "SUCCEEDED" and j["steps"] == 15 and j["final_loss"] > 0

@@ -10,19 +10,15 @@ import subprocess
 import sys
 
 import pytest
-from _e2e import REPO, cli
+from _e2e import REPO, cli, require_etcd
 
-from tessera.etcdproc import EtcdNotFound, find_etcd
 from tessera.testbed import find_marked
 
 pytestmark = pytest.mark.slow
 
 
 def _start_foreground(root):
-    try:
-        find_etcd()
-    except EtcdNotFound as e:
-        pytest.skip(str(e))
+    require_etcd()
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("TESSERA_CONTROLLER", None)
     proc = subprocess.Popen([sys.executable, "-m", "tessera.cli", "up", "--agents", "1", "--cpu-devices", "1"],

@@ -8,26 +8,20 @@ split, from which the job resumes and succeeds. Real etcd, real gRPC on loopback
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import grpc
 import pytest
+from _live import cpus, ended, eventually, running_executors, thread_cpus, watch_until
 
-from agent.config import AgentConfig
-from agent.main import serve as agent_serve
 from controller import main as cmain
-from controller.config import ControllerConfig
 from controller.policy import Repartition, Reshard, ScheduleReply, TesseraPolicy
 from tessera import manifest
 from tessera.api.v1 import agent_pb2, agent_pb2_grpc
 from tessera.api.v1 import controller_pb2 as cpb
-from tessera.api.v1 import controller_pb2_grpc as cgrpc
 from tessera.api.v1 import types_pb2 as tpb
-from tessera.etcdproc import free_port
 
 TINY = {"vocab": 64, "seq_len": 16, "layers": 1, "hidden": 32, "heads": 2}
 
@@ -43,84 +37,21 @@ def spec(name: str, steps: int, share: float) -> tpb.JobSpec:
     }))
 
 
-@asynccontextmanager
-async def cluster(etcd: str, tmp, policy: str, prefix: str, cpu_devices: int = 1):
-    """A controller with ``policy`` and one agent with ``cpu_devices`` CPU core-set
-    partitions (one: a 2-core partition)."""
-    cfg = ControllerConfig(listen=f"127.0.0.1:{free_port()}", etcd=etcd, prefix=prefix, grace_s=5.0,
-                           heartbeat_interval_s=0.3, reconcile_interval_s=0.3, policy=policy,
-                           state_dir=str(tmp / "ctl"), checkpoint_root=str(tmp / "ckpt"))
-    cstop, ready = asyncio.Event(), asyncio.Event()
-    ctask = asyncio.create_task(cmain.serve(cfg, ready=ready, stop=cstop))
-    await asyncio.wait_for(ready.wait(), 20)
-    acfg = AgentConfig(name="node-1", listen=f"127.0.0.1:{free_port()}", controller=cfg.listen, cpu_devices=cpu_devices,
-                       state_dir=str(tmp / "agent"), stop_grace_s=5, report_interval_s=0.2)
-    astop = asyncio.Event()
-    atask = asyncio.create_task(agent_serve(acfg, astop))
-    ch = grpc.aio.insecure_channel(cfg.listen)
-    jobs, nodes = cgrpc.JobServiceStub(ch), cgrpc.NodeServiceStub(ch)
-    async with asyncio.timeout(60):
-        while True:
-            try:
-                ls = await nodes.ListNodes(cpb.ListNodesRequest())
-                if any(n.state == tpb.READY for n in ls.nodes):
-                    break
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.05)
-    try:
-        yield jobs, nodes, acfg
-    finally:
-        astop.set()
-        await asyncio.gather(atask, return_exceptions=True)
-        cstop.set()
-        await asyncio.gather(ctask, return_exceptions=True)
-        await ch.close()
+async def _free_units(stub, n: int) -> bool:
+    return (await stub.GetStatus(agent_pb2.GetStatusRequest())).partitions[0].free_units == n
 
 
-async def wait_job(jobs, job_id: str, pred, timeout: float = 90.0, seen: list | None = None) -> tpb.Job:
-    async with asyncio.timeout(timeout):
-        async for ev in jobs.WatchJobs(cpb.WatchJobsRequest(job_id=job_id)):
-            if seen is not None:
-                seen.append(ev.job)
-            if pred(ev.job):
-                return ev.job
-    raise AssertionError("watch ended")
+async def _executor_units(stub, job_id: str, units: int) -> agent_pb2.ExecutorStatus | None:
+    ex = (await running_executors(stub))[job_id]
+    return ex if ex.units == units else None
 
 
-def cpus(pid: int, tid: int | None = None) -> set[int]:
-    """The CPU affinity of a process (or one of its threads) as /proc shows it."""
-    path = f"/proc/{pid}/status" if tid is None else f"/proc/{pid}/task/{tid}/status"
-    with open(path) as f:
-        text = next(line.split(":", 1)[1].strip() for line in f if line.startswith("Cpus_allowed_list:"))
-    out: set[int] = set()
-    for part in text.split(","):
-        a, _, b = part.partition("-")
-        out |= set(range(int(a), int(b or a) + 1))
-    return out
-
-
-def thread_cpus(pid: int) -> list[set[int]]:
-    out = []
-    for t in os.listdir(f"/proc/{pid}/task"):
-        try:
-            out.append(cpus(pid, int(t)))
-        except FileNotFoundError:
-            pass  # a thread that ended meanwhile
-    return out
-
-
-async def running_executors(stub) -> dict[str, agent_pb2.ExecutorStatus]:
-    st = await stub.GetStatus(agent_pb2.GetStatusRequest())
-    return {e.job_id: e for e in st.executors if e.running}
-
-
-async def test_update_grant_repins_running_executor_and_refuses_beyond_capacity(etcd_server, tmp_path):
-    async with cluster(etcd_server, tmp_path, "tessera", "/upd") as (jobs, nodes, acfg):
+async def test_update_grant_repins_running_executor_and_refuses_beyond_capacity(live):
+    async with live(policy="tessera", prefix="/upd", stop_grace_s=5) as (jobs, nodes, acfg):
         a = (await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec("a", 100000, 0.5)))).job.id
         b = (await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec("b", 100000, 0.5)))).job.id
-        ja = await wait_job(jobs, a, lambda j: j.status.phase == tpb.RUNNING and j.status.step > 0)
-        await wait_job(jobs, b, lambda j: j.status.phase == tpb.RUNNING and j.status.step > 0)
+        ja = await watch_until(jobs, a, lambda j: j.status.phase == tpb.RUNNING and j.status.step > 0)
+        await watch_until(jobs, b, lambda j: j.status.phase == tpb.RUNNING and j.status.step > 0)
         async with grpc.aio.insecure_channel(acfg.listen) as ch:
             stub = agent_pb2_grpc.AgentServiceStub(ch)
             ex = await running_executors(stub)
@@ -156,9 +87,7 @@ async def test_update_grant_repins_running_executor_and_refuses_beyond_capacity(
 
             # b ends: its core is free, a grows live to both cores — same process, every thread.
             await jobs.CancelJob(cpb.CancelJobRequest(job_id=b))
-            async with asyncio.timeout(60):
-                while (await stub.GetStatus(agent_pb2.GetStatusRequest())).partitions[0].free_units != 1:
-                    await asyncio.sleep(0.05)
+            await eventually(lambda: _free_units(stub, 1), 60, "b's core released")
             r = await stub.UpdateGrant(req)
             assert (r.pid, r.old_units, r.units, r.partition_id) == (pa, 1, 2, "cpu0")
             assert set(r.cores) == ca | cb == cpus(pa)
@@ -169,7 +98,7 @@ async def test_update_grant_repins_running_executor_and_refuses_beyond_capacity(
             assert (r.pid, r.units) == (pa, 1) and cpus(pa) == ca and all(t == ca for t in thread_cpus(pa))
             # Not restarted, still training.
             step = (await jobs.GetJob(cpb.GetJobRequest(job_id=a))).status.step
-            j = await wait_job(jobs, a, lambda j: j.status.step > step + 5)
+            j = await watch_until(jobs, a, lambda j: j.status.step > step + 5)
             ex = await running_executors(stub)
             assert ex[a].pid == pa and ex[a].units == 1 and j.status.phase == tpb.RUNNING
         await jobs.CancelJob(cpb.CancelJobRequest(job_id=a))
@@ -178,8 +107,9 @@ async def test_update_grant_repins_running_executor_and_refuses_beyond_capacity(
 class GrowOnce:
     """Tessera, plus one scripted repartition: once the packed job ``grow`` has run 20
     steps alone on its partition, its quota in the group goes to the whole partition.
-    Scripted because the live request carries no measured per-member load yet; what is
-    under test is the controller carrying the decision out."""
+    Scripted so that the decision comes at a known step (the policy's own decision from
+    measured load: test_measured_repartition.py); under test is the controller carrying
+    the decision out."""
 
     name = "grow-once"
 
@@ -200,18 +130,18 @@ class GrowOnce:
                              preemptions=reply.preemptions, repartitions=tuple(reps))
 
 
-async def test_controller_repartitions_cpuset_group_live(etcd_server, tmp_path, monkeypatch):
+async def test_controller_repartitions_cpuset_group_live(live, monkeypatch):
     monkeypatch.setitem(cmain.POLICIES, "grow-once", GrowOnce)
-    async with cluster(etcd_server, tmp_path, "grow-once", "/rep") as (jobs, nodes, acfg):
+    async with live(policy="grow-once", prefix="/rep", stop_grace_s=5) as (jobs, nodes, acfg):
         a = (await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec("grow", 400, 0.5)))).job.id
         seen: list[tpb.Job] = []
-        j = await wait_job(jobs, a, lambda j: j.status.phase == tpb.RUNNING and j.status.step > 0, seen=seen)
+        j = await watch_until(jobs, a, lambda j: j.status.phase == tpb.RUNNING and j.status.step > 0, seen=seen)
         assert j.status.placement[0].units == 1 and j.status.last_decision.action == "pack"
         async with grpc.aio.insecure_channel(acfg.listen) as ch:
             stub = agent_pb2_grpc.AgentServiceStub(ch)
             pid = (await running_executors(stub))[a].pid
             assert len(cpus(pid)) == 1
-            j = await wait_job(jobs, a, lambda j: j.status.last_decision.action == "repartition", seen=seen)
+            j = await watch_until(jobs, a, lambda j: j.status.last_decision.action == "repartition", seen=seen)
             # Persisted: the job's quota and the partition's allocation record, in one write.
             assert j.status.placement[0].units == 2 and j.status.last_decision.quota == 1.0
             assert "cpu0 on node-1 1 -> 2 cores, live" in j.status.last_decision.reason
@@ -219,12 +149,9 @@ async def test_controller_repartitions_cpuset_group_live(etcd_server, tmp_path, 
             ls = await nodes.ListNodes(cpb.ListNodesRequest())
             assert ls.nodes[0].partitions[0].allocated_units == 2
             # Carried out live: the same process, now on both cores (every thread).
-            async with asyncio.timeout(30):
-                while (ex := (await running_executors(stub))[a]).units != 2:
-                    await asyncio.sleep(0.05)
+            ex = await eventually(lambda: _executor_units(stub, a, 2), 30, "a's executor at 2 units")
             assert ex.pid == pid and len(cpus(pid)) == 2 and all(len(t) == 2 for t in thread_cpus(pid))
-        final = await wait_job(jobs, a, lambda j: j.status.phase in (tpb.SUCCEEDED, tpb.FAILED, tpb.CANCELLED),
-                               seen=seen)
+        final = await watch_until(jobs, a, ended, seen=seen)
     st = final.status
     assert st.phase == tpb.SUCCEEDED, st.reason
     assert st.step == 400 and st.loss < st.first_loss
@@ -262,7 +189,7 @@ class ReshardOnce:
                              preemptions=reply.preemptions, reshards=tuple(rs))
 
 
-async def test_controller_reshards_multimodal_job_by_checkpoint_and_relaunch(etcd_server, tmp_path, monkeypatch):
+async def test_controller_reshards_multimodal_job_by_checkpoint_and_relaunch(live, monkeypatch):
     monkeypatch.setitem(cmain.POLICIES, "reshard-once", ReshardOnce)
     mm = manifest.to_proto(manifest.validate({
         "apiVersion": "tessera/v1", "name": "mm", "tenant": "it",
@@ -272,10 +199,9 @@ async def test_controller_reshards_multimodal_job_by_checkpoint_and_relaunch(etc
         "resources": {"devices": 2, "device_kind": "cpu"},
     }))
     seen: list[tpb.Job] = []
-    async with cluster(etcd_server, tmp_path, "reshard-once", "/rsh", cpu_devices=2) as (jobs, _, acfg):
+    async with live(policy="reshard-once", prefix="/rsh", cpu_devices=2, stop_grace_s=5) as (jobs, _, acfg):
         r = await jobs.SubmitJob(cpb.SubmitJobRequest(spec=mm))
-        final = await wait_job(jobs, r.job.id, lambda j: j.status.phase in (tpb.SUCCEEDED, tpb.FAILED, tpb.CANCELLED),
-                               timeout=120, seen=seen)
+        final = await watch_until(jobs, r.job.id, ended, timeout=120, seen=seen)
     st = final.status
     assert st.phase == tpb.SUCCEEDED, st.reason
     assert st.step == 120 and st.loss < st.first_loss

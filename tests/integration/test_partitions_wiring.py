@@ -10,15 +10,13 @@ import os
 
 import grpc
 import pytest
+from _live import eventually, watch_until
 
-from agent.config import AgentConfig
-from agent.main import serve as agent_serve
 from tessera import manifest
 from tessera.api.v1 import agent_pb2, agent_pb2_grpc
 from tessera.api.v1 import controller_pb2 as cpb
 from tessera.api.v1 import controller_pb2_grpc as cgrpc
 from tessera.api.v1 import types_pb2 as tpb
-from tessera.etcdproc import free_port
 
 TINY = {"vocab": 64, "seq_len": 16, "layers": 1, "hidden": 32, "heads": 2}
 
@@ -38,35 +36,10 @@ def spec(name: str, steps: int, share: float | None = None) -> tpb.JobSpec:
 
 
 @pytest.fixture
-async def one_node(controller, tmp_path):
+async def one_node(live):
     """The controller (policy tessera) and one agent with one 2-core partition."""
-    cfg = AgentConfig(name="node-1", listen=f"127.0.0.1:{free_port()}", controller=controller.listen, cpu_devices=1,
-                      state_dir=str(tmp_path / "agent"), stop_grace_s=3, report_interval_s=0.2)
-    stop = asyncio.Event()
-    task = asyncio.create_task(agent_serve(cfg, stop))
-    ch = grpc.aio.insecure_channel(controller.listen)
-    jobs, nodes = cgrpc.JobServiceStub(ch), cgrpc.NodeServiceStub(ch)
-    async with asyncio.timeout(30):
-        while True:
-            try:
-                ls = await nodes.ListNodes(cpb.ListNodesRequest())
-                if any(n.state == tpb.READY for n in ls.nodes):
-                    break
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.05)
-    yield jobs, nodes, cfg
-    stop.set()
-    await asyncio.gather(task, return_exceptions=True)
-    await ch.close()
-
-
-async def wait_job(jobs, job_id: str, pred, timeout: float = 90.0) -> tpb.Job:
-    async with asyncio.timeout(timeout):
-        async for ev in jobs.WatchJobs(cpb.WatchJobsRequest(job_id=job_id)):
-            if pred(ev.job):
-                return ev.job
-    raise AssertionError("watch ended")
+    async with live(policy="tessera", prefix="/wiring", grace_s=3.0, stop_grace_s=3, ready_timeout=30) as node:
+        yield node
 
 
 def _proc_status(pid: int, key: str) -> str:
@@ -88,7 +61,7 @@ async def test_partitions_reported_quota_applied_and_overcapacity_refused(one_no
     assert (part.id, part.kind, part.device_id, part.capacity_units, part.unit) == ("cpu0", "cpuset", "cpu0", 2, "cores")
 
     r = await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec("quota", 100000, share=0.5)))
-    job = await wait_job(jobs, r.job.id, lambda j: j.status.phase == tpb.RUNNING and j.status.step > 0)
+    job = await watch_until(jobs, r.job.id, lambda j: j.status.phase == tpb.RUNNING and j.status.step > 0)
     (shard,) = job.status.placement
     assert list(shard.partition_ids) == ["cpu0"] and shard.units == 1  # half of 2 cores
     assert job.status.last_decision.action == "pack" and job.status.last_decision.policy == "tessera"
@@ -125,13 +98,11 @@ async def test_partitions_reported_quota_applied_and_overcapacity_refused(one_no
 
     await jobs.CancelJob(cpb.CancelJobRequest(job_id=r.job.id))
     # Released on stop: the agent's partition is whole again, and the controller's.
-    async with asyncio.timeout(30):
-        while True:
-            ls = await nodes.ListNodes(cpb.ListNodesRequest())
-            p = ls.nodes[0].partitions[0]
-            if p.allocated_units == 0 and p.free_units == 2:
-                break
-            await asyncio.sleep(0.1)
+    async def released():
+        p = (await nodes.ListNodes(cpb.ListNodesRequest())).nodes[0].partitions[0]
+        return p.allocated_units == 0 and p.free_units == 2
+
+    await eventually(released, 30, "partition released", interval=0.1)
 
 
 async def test_controller_never_allocates_a_partition_beyond_capacity(one_node):
@@ -143,14 +114,14 @@ async def test_controller_never_allocates_a_partition_beyond_capacity(one_node):
     for i in range(3):
         r = await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec(f"cap-{i}", 100000, share=0.5)))
         ids.append(r.job.id)
-        await wait_job(jobs, r.job.id, lambda j: j.status.last_decision.action != "")
+        await watch_until(jobs, r.job.id, lambda j: j.status.last_decision.action != "")
     third = await jobs.GetJob(cpb.GetJobRequest(job_id=ids[2]))
     assert third.status.phase == tpb.PENDING
     assert third.status.last_decision.action == "wait" and "waiting" in third.status.last_decision.reason
     ls = await nodes.ListNodes(cpb.ListNodesRequest())
     assert ls.nodes[0].partitions[0].allocated_units == 2
     await jobs.CancelJob(cpb.CancelJobRequest(job_id=ids[0]))
-    third = await wait_job(jobs, ids[2], lambda j: j.status.phase == tpb.RUNNING)
+    third = await watch_until(jobs, ids[2], lambda j: j.status.phase == tpb.RUNNING)
     assert third.status.last_decision.action == "pack" and third.status.placement[0].units == 1
     ls = await nodes.ListNodes(cpb.ListNodesRequest())
     assert ls.nodes[0].partitions[0].allocated_units == 2

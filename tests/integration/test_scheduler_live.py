@@ -17,30 +17,23 @@ training real models on CPU core-set partitions.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
-from contextlib import asynccontextmanager
-from dataclasses import replace
 
 import grpc
 import pytest
+from _live import ended, watch_until
 from rich.console import Console
 
-from agent.config import AgentConfig
-from agent.main import serve as agent_serve
 from controller import main as cmain
-from controller.config import ControllerConfig
 from controller.policy import Placement, Resize, ScheduleReply, Shard, TesseraPolicy
 from estimator import main as emain
 from estimator.config import EstimatorConfig
 from tessera import manifest
 from tessera.api.v1 import controller_pb2 as cpb
-from tessera.api.v1 import controller_pb2_grpc as cgrpc
 from tessera.api.v1 import estimator_pb2, estimator_pb2_grpc, profiler_pb2
 from tessera.api.v1 import types_pb2 as tpb
 from tessera.cli import job_view
-from tessera.etcdproc import free_port
 from tessera.modelkey import arch_key
 
 pytestmark = [pytest.mark.slow,
@@ -65,60 +58,6 @@ def spec(name: str, steps: int, devices: int = 1, share: float | None = None, ba
     }))
 
 
-@asynccontextmanager
-async def live_cluster(etcd: str, tmp, policy: str, prefix: str, agents: int = 1, cpu_devices: int = 1,
-                       estimator: str = ""):
-    """A controller with ``policy`` and ``agents`` agents of ``cpu_devices`` partitions each
-    (and the estimator at ``estimator``, when given: profiling loop and live estimates)."""
-    cfg = ControllerConfig(listen=f"127.0.0.1:{free_port()}", etcd=etcd, prefix=prefix, grace_s=5.0,
-                           heartbeat_interval_s=0.3, reconcile_interval_s=0.3, policy=policy, estimator=estimator,
-                           state_dir=str(tmp / f"{prefix}-ctl"), checkpoint_root=str(tmp / f"{prefix}-ckpt"))
-    cstop, ready = asyncio.Event(), asyncio.Event()
-    ctask = asyncio.create_task(cmain.serve(cfg, ready=ready, stop=cstop))
-    await asyncio.wait_for(ready.wait(), 20)
-    stops, tasks = [], []
-    for i in range(1, agents + 1):
-        acfg = AgentConfig(name=f"node-{i}", listen=f"127.0.0.1:{free_port()}", controller=cfg.listen,
-                           cpu_devices=cpu_devices, state_dir=str(tmp / f"{prefix}-agent{i}"), stop_grace_s=10,
-                           report_interval_s=0.2)
-        stops.append(asyncio.Event())
-        tasks.append(asyncio.create_task(agent_serve(acfg, stops[-1])))
-    ch = grpc.aio.insecure_channel(cfg.listen)
-    jobs, nodes = cgrpc.JobServiceStub(ch), cgrpc.NodeServiceStub(ch)
-    async with asyncio.timeout(30):
-        while True:
-            try:
-                ls = await nodes.ListNodes(cpb.ListNodesRequest())
-                if len([n for n in ls.nodes if n.state == tpb.READY]) == agents:
-                    break
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.05)
-    try:
-        yield jobs, nodes
-    finally:
-        for s in stops:
-            s.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await ch.close()
-        cstop.set()
-        await asyncio.wait_for(ctask, 30)
-
-
-async def watch_until(jobs, job_id: str, pred, timeout: float = 120.0, seen: list | None = None) -> tpb.Job:
-    async with asyncio.timeout(timeout):
-        async for ev in jobs.WatchJobs(cpb.WatchJobsRequest(job_id=job_id)):
-            if seen is not None:
-                seen.append(ev.job)
-            if pred(ev.job):
-                return ev.job
-    raise AssertionError("watch ended")
-
-
-def ended(j: tpb.Job) -> bool:
-    return j.status.phase in (tpb.SUCCEEDED, tpb.FAILED, tpb.CANCELLED)
-
-
 async def _two_small_jobs(jobs, steps: int) -> tuple[float, list[tpb.Job]]:
     t0 = time.time()
     ids = [(await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec(f"small-{i}", steps, share=0.5)))).job.id
@@ -131,11 +70,11 @@ async def _two_small_jobs(jobs, steps: int) -> tuple[float, list[tpb.Job]]:
     return end - t0, done
 
 
-async def test_packed_small_jobs_finish_sooner_than_exclusive(etcd_server, tmp_path):
+async def test_packed_small_jobs_finish_sooner_than_exclusive(live):
     steps = 80
-    async with live_cluster(etcd_server, tmp_path, "firstfit", "/excl") as (jobs, _):
+    async with live(policy="firstfit", prefix="/excl") as (jobs, _, _):
         exclusive, ex_jobs = await _two_small_jobs(jobs, steps)
-    async with live_cluster(etcd_server, tmp_path, "tessera", "/pack") as (jobs, _):
+    async with live(policy="tessera", prefix="/pack") as (jobs, _, _):
         packed, pk_jobs = await _two_small_jobs(jobs, steps)
     # Exclusive: each job held the whole partition, one after the other.
     assert all(j.status.placement[0].units == 0 for j in ex_jobs)
@@ -175,9 +114,9 @@ class ShrinkOnce:
                              preemptions=reply.preemptions)
 
 
-async def test_resize_checkpoints_and_relaunches_with_another_plan(etcd_server, tmp_path, monkeypatch):
+async def test_resize_checkpoints_and_relaunches_with_another_plan(live, monkeypatch):
     monkeypatch.setitem(cmain.POLICIES, "shrink-once", ShrinkOnce)
-    async with live_cluster(etcd_server, tmp_path, "shrink-once", "/resize", cpu_devices=2) as (jobs, _):
+    async with live(policy="shrink-once", prefix="/resize", cpu_devices=2) as (jobs, _, _):
         r = await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec("elastic", 60, devices=2, dp=2)))
         seen: list[tpb.Job] = []
         final = await watch_until(jobs, r.job.id, ended, 240, seen)
@@ -198,9 +137,9 @@ async def test_resize_checkpoints_and_relaunches_with_another_plan(etcd_server, 
     assert after and min(after) >= 20
 
 
-async def test_short_job_preempts_long_one_which_resumes(etcd_server, tmp_path):
+async def test_short_job_preempts_long_one_which_resumes(live):
     # Two 1-core partitions, both held by the long 2-rank job: the short one finds none free.
-    async with live_cluster(etcd_server, tmp_path, "tessera", "/preempt", cpu_devices=2) as (jobs, _):
+    async with live(policy="tessera", prefix="/preempt", cpu_devices=2) as (jobs, _, _):
         long_id = (await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec("long", 80, devices=2, dp=2)))).job.id
         await watch_until(jobs, long_id, lambda j: j.status.phase == tpb.RUNNING and j.status.step >= 20)
         short_id = (await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec("short", 20)))).job.id
@@ -246,7 +185,7 @@ def seed_measurements() -> list[profiler_pb2.Measurement]:
     return out
 
 
-async def test_policy_expands_job_on_idle_partition_when_estimates_say_sooner(etcd_server, tmp_path):
+async def test_policy_expands_job_on_idle_partition_when_estimates_say_sooner(live, tmp_path):
     ecfg = EstimatorConfig(listen="127.0.0.1:0", state_dir=str(tmp_path / "est"), grace_s=0, min_refit_interval_s=0)
     erun, estore = await emain.start(ecfg)
     est_addr = f"127.0.0.1:{erun.port}"
@@ -256,8 +195,7 @@ async def test_policy_expands_job_on_idle_partition_when_estimates_say_sooner(et
         ms = seed_measurements()
         ack = await est.ReportMeasurements(iter([estimator_pb2.MeasurementBatch(measurements=ms)]))
         assert ack.accepted == len(ms)
-        async with live_cluster(etcd_server, tmp_path, "tessera", "/expand", cpu_devices=2,
-                                estimator=est_addr) as (jobs, _):
+        async with live(policy="tessera", prefix="/expand", cpu_devices=2, estimator=est_addr) as (jobs, _, _):
             # A long job at per-rank batch 4: the snapshot knows it on one rank only (batch 2
             # was never profiled), so it holds exactly one partition.
             other = (await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec("other", 100000, batch=4)))).job.id
