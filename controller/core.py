@@ -757,7 +757,10 @@ class Controller:
         for name, spec, tdir in adds:
             err = await self._control(node, alloc, "add", name, task_json=json.dumps(spec), task_dir=tdir)
             if err:
-                await self._requeue(job.id, alloc, f"adding its tasks to the executor of job {host.id} failed: {err}")
+                # The executor gone or the agent unreachable: a preemption; refused as invalid:
+                # counts toward max_attempts (no endless re-fusing).
+                await self._requeue(job.id, alloc, f"adding its tasks to the executor of job {host.id} failed: {err}",
+                                    refused=err.startswith("INVALID_ARGUMENT"))
                 return None
         return True
 
@@ -925,11 +928,13 @@ class Controller:
                                 transient=why.startswith("busy: "))
         return ok
 
-    async def _requeue(self, job_id: str, alloc_id: str, reason: str, transient: bool = False) -> None:
+    async def _requeue(self, job_id: str, alloc_id: str, reason: str, transient: bool = False,
+                       refused: bool = False) -> None:
         """Return an active job to PENDING and stop its executors; ``transient`` (a
         partition still busy at the agent) does not count toward ``max_attempts``. A job
-        fused into another's executor is only detached (always counted as a preemption):
-        the host's executor and allocation are the host's."""
+        fused into another's executor is only detached, counted as a preemption unless
+        ``refused`` (the agent refused its tasks as invalid: counts toward
+        ``max_attempts``): the host's executor and allocation are the host's."""
         now = self.clock()
         stop: list = []
 
@@ -942,7 +947,8 @@ class Controller:
                 # checkpoints (state.pt; tasks with an adapter.pt are done).
                 j.status.allocation_id = ""
                 j.status.fused_into = ""
-                j.status.preemptions += 1
+                if not refused:
+                    j.status.preemptions += 1
                 transition(j, P.PENDING, f"requeued: {reason}; resumes from its tasks' checkpoints"[:500], now)
                 return [], []
             stop[:] = [(alloc_id, list(j.status.placement))]
