@@ -91,6 +91,8 @@ async def test_tessera_policy_shifts_cores_to_the_busy_member_from_measured_load
                                    seen_busy)
             t_shift = time.monotonic() - t_both
             d = jb.status.last_decision
+            # Controller clock: from the compute-bound job's RUNNING to the decision.
+            running_at = next(h.time for h in jb.status.history if h.phase == tpb.RUNNING)
             assert d.policy == "tessera" and d.reason.startswith("measured load shifted"), d
             assert ", live" in d.reason and f"{part.id} on node-1 {half} -> " in d.reason, d.reason
             ji = await jobs.GetJob(cpb.GetJobRequest(job_id=idle))
@@ -117,7 +119,8 @@ async def test_tessera_policy_shifts_cores_to_the_busy_member_from_measured_load
             else:              # 2 units per core: its units shrink; it keeps (at least) one core
                 assert after_idle <= before_idle and len(after_idle) >= 1
             print(f"\nmeasured repartition: {cap} units on {ncores} cores ({per_core}/core); "
-                  f"{half}:{half} -> {new_idle}:{new_busy} units {t_shift:.1f}s after both ran; busy fractions "
+                  f"{half}:{half} -> {new_idle}:{new_busy} units, decided {d.time - running_at:.1f}s after the "
+                  f"compute-bound job started running ({t_shift:.1f}s after the test saw both step); busy fractions "
                   f"input-bound {ji.status.busy:.2f}, compute-bound {jb.status.busy:.2f}; affinity input-bound "
                   f"{sorted(before_idle)} -> {sorted(after_idle)}, compute-bound {sorted(before_busy)} -> "
                   f"{sorted(after_busy)}")
