@@ -5,7 +5,8 @@ Inputs, as the store indexes them (``run_key``, ``comm_row``, ``colocation_row``
   ``tessera.modelkey.profile_labels``): each run (job, device kind, module, batch,
   micro-batches, threads) becomes one profile point, the median of its steps after
   ``WARMUP_STEPS`` (at least ``MIN_MEASURED`` measured steps);
-- ``kind="comm"`` rows (labels ``op``, ``link``; values ``bytes``, ``world``, ``seconds``),
+- ``kind="comm"`` rows (labels ``op``, ``link``; values ``bytes``, ``world``, ``seconds``;
+  ``compute_s`` too for ``op="sync"`` rows, the straggler term),
   e.g. from the gloo micro-benchmark of ``bench/_measure.py``;
 - ``kind="colocation"`` pairs (labels ``mode``, ``device_kind``; values ``colocated``,
   ``oversubscription``, ``alone_s``, ``together_s``).
@@ -67,8 +68,11 @@ def comm_row(m) -> dict | None:
     v, lb = m.values, m.labels
     if not lb.get("op") or not lb.get("link") or v.get("seconds", 0) <= 0 or v.get("world", 0) < 2:
         return None
-    return {"link": lb["link"], "op": lb["op"], "bytes": float(v.get("bytes", 0)), "world": int(v["world"]),
-            "seconds": float(v["seconds"])}
+    row = {"link": lb["link"], "op": lb["op"], "bytes": float(v.get("bytes", 0)), "world": int(v["world"]),
+           "seconds": float(v["seconds"])}
+    if v.get("compute_s", 0) > 0:  # a synchronisation row (profilerd.commbench sync=True)
+        row["compute_s"] = float(v["compute_s"])
+    return row
 
 
 def colocation_row(m) -> dict | None:

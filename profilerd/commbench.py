@@ -6,6 +6,13 @@ op is timed *in situ*: right after ~1 ms of compute, without a barrier (ranks ar
 with their natural skew, as in a training step), minus the compute alone; the median
 over ``reps``. A barriered, idle-link loop is 2-10x too optimistic on a busy host.
 
+With ``sync=True`` it adds rows ``{"op": "sync", "bytes": 8, "world": 2, "seconds",
+"compute_s"}``: an 8-byte all-reduce right after a compute chunk of ``compute_s``
+seconds (two chunk lengths), minus the chunk alone. A synchronous step waits at
+every collective for the slower rank; that wait grows with the compute since the last
+synchronisation (``perfmodel.comm`` fits ``seconds = a + kappa * compute_s``), which a
+1 ms chunk cannot show. Off by default (profilerd streams op/bytes/world/seconds only).
+
 Run as ``python -m profilerd.commbench [--sizes ...] [--reps N]`` it prints the rows as
 one JSON document: profilerd (``--comm-benchmark``) runs it that way, in a fresh
 process (forking the daemon, which has gRPC threads, would be unsafe), and reports
@@ -34,7 +41,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str) -> None:
+SYNC_CHUNKS = (4, 160)  # matmuls of 128x128 per compute chunk of the sync rows (~0.2 ms, ~8 ms here)
+
+
+def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str, sync: bool = False) -> None:
     code = 1
     try:
         cores = sorted(os.sched_getaffinity(0))
@@ -47,8 +57,8 @@ def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str) -> N
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         a = torch.randn(128, 128)
 
-        def work() -> None:
-            for _ in range(20):
+        def work(n: int = 20) -> None:
+            for _ in range(n):
                 a @ a
 
         for _ in range(5):
@@ -78,6 +88,21 @@ def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str) -> N
                     ts.append(time.perf_counter() - t)
                 secs = max(1e-6, statistics.median(ts) - statistics.median(base))
                 rows.append({"op": op, "bytes": n * 4, "world": 2, "seconds": secs})
+        if sync:
+            x = torch.ones(2)
+            for chunk in SYNC_CHUNKS:
+                ts, base = [], []
+                for _ in range(reps):
+                    t = time.perf_counter()
+                    work(chunk)
+                    base.append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    work(chunk)
+                    dist.all_reduce(x)
+                    ts.append(time.perf_counter() - t)
+                b = statistics.median(base)
+                rows.append({"op": "sync", "bytes": 8, "world": 2, "seconds": max(1e-6, statistics.median(ts) - b),
+                             "compute_s": b, "chunk": chunk})
         if rank == 0:
             with open(out_path, "w", encoding="utf-8") as f:
                 json.dump(rows, f)
@@ -88,8 +113,9 @@ def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str) -> N
 
 
 def table(sizes: list[int] | tuple[int, ...] | None = None, reps: int = 7,
-          timeout_s: float = 120.0) -> tuple[list[dict], float]:
-    """Run the micro-benchmark (2 forked ranks); (rows, device-seconds). Raises
+          timeout_s: float = 120.0, sync: bool = False) -> tuple[list[dict], float]:
+    """Run the micro-benchmark (2 forked ranks); (rows, device-seconds); ``sync`` adds
+    the synchronisation rows (module docstring). Raises
     RuntimeError when a rank fails or times out. Call it from a process without
     threads that must not be forked (not from a gRPC server)."""
     sizes = list(sizes or DEFAULT_SIZES)
@@ -98,7 +124,7 @@ def table(sizes: list[int] | tuple[int, ...] | None = None, reps: int = 7,
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tessera-comm-") as tmp:
         path = os.path.join(tmp, "rows.json")
-        procs = [ctx.Process(target=_rank, args=(r, port, sizes, reps, path), daemon=True) for r in range(2)]
+        procs = [ctx.Process(target=_rank, args=(r, port, sizes, reps, path, sync), daemon=True) for r in range(2)]
         for p in procs:
             p.start()
         for p in procs:

@@ -12,6 +12,18 @@ the ones gloo and NCCL use for these sizes):
 fitted per (link type, op) from a measured table (rows ``{"op", "bytes", "world",
 "seconds"}``, e.g. a torch.distributed micro-benchmark), by non-negative least
 squares on relative residuals. A world of one costs nothing. Pure: numpy only.
+
+Synchronisation (straggler) cost: a synchronous step waits at each collective for
+the slowest rank, and that wait grows with the compute each rank did since the last
+synchronisation (independent jitter of the ranks' cores; one core busier than the
+other). Rows ``{"op": "sync", "seconds", "compute_s"}`` (a tiny all-reduce right after
+a compute chunk of ``compute_s``, minus the chunk alone) give ``seconds = a +
+kappa * compute_s`` (NNLS); the wait of a step over ``n`` ranks is
+
+    straggle(n, compute) = kappa * compute * E[max of n] / E[max of 2]
+
+(expected maximum of n standard normals: the wait grows like the largest of n
+jitters). No sync rows: kappa = 0 (snapshots without them load unchanged).
 """
 
 from __future__ import annotations
@@ -24,6 +36,18 @@ import numpy as np
 from tessera.perfmodel.compute import nnls
 
 OPS = ("all_reduce", "all_gather", "broadcast", "send_recv")
+SYNC = "sync"
+# E[max of n iid standard normals] for n = 1..16 (n > 16: sqrt(2 ln n) asymptote).
+_EMAX = (0.0, 0.5642, 0.8463, 1.0294, 1.1630, 1.2672, 1.3522, 1.4236, 1.4850, 1.5388, 1.5864, 1.6292,
+         1.6680, 1.7034, 1.7359, 1.7660)
+
+
+def expected_max(n):
+    """E[max of n iid standard normals] (0 for n <= 1); arrays ok."""
+    n = np.asarray(n, dtype=float)
+    idx = np.clip(np.rint(n).astype(int), 1, len(_EMAX)) - 1
+    big = np.sqrt(2.0 * np.log(np.maximum(n, 2.0))) - 0.6
+    return np.where(n <= 1, 0.0, np.where(n <= len(_EMAX), np.asarray(_EMAX)[idx], big))
 
 
 def steps_and_volume(op: str, n, nbytes):
@@ -47,13 +71,24 @@ class CommFit:
 
     link: str
     ops: dict = field(default_factory=dict)   # op -> {"alpha", "beta", "rel_sigma", "n", "max_bytes"}
+    sync: dict = field(default_factory=dict)  # {"a", "kappa", "rel_sigma", "n"}; empty: no sync rows
 
     def to_dict(self) -> dict:
-        return {"link": self.link, "ops": {k: dict(v) for k, v in self.ops.items()}}
+        d = {"link": self.link, "ops": {k: dict(v) for k, v in self.ops.items()}}
+        if self.sync:
+            d["sync"] = dict(self.sync)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "CommFit":
-        return cls(link=d["link"], ops={k: dict(v) for k, v in d["ops"].items()})
+        return cls(link=d["link"], ops={k: dict(v) for k, v in d["ops"].items()}, sync=dict(d.get("sync") or {}))
+
+    def straggle(self, n, compute_s):
+        """Expected wait for the slowest of ``n`` ranks over a step whose ranks each
+        computed ``compute_s`` seconds between synchronisations (0 for n <= 1 or no
+        sync rows); arrays ok."""
+        kappa = float(self.sync.get("kappa", 0.0))
+        return kappa * np.asarray(compute_s, dtype=float) * expected_max(n) / _EMAX[1]
 
     def has(self, op: str) -> bool:
         return op in self.ops
@@ -67,8 +102,19 @@ class CommFit:
 
 def fit_comm(link: str, rows: list[dict]) -> CommFit:
     """Fit each op that has at least 2 sizes in ``rows``; ops with fewer are left out
-    (the composition then reports insufficient data for plans that need them)."""
+    (the composition then reports insufficient data for plans that need them). Rows
+    of op ``"sync"`` with ``compute_s`` at 2 or more chunk lengths give ``sync``."""
     out = CommFit(link=link)
+    rs = [r for r in rows if r["op"] == SYNC and r.get("compute_s", 0) > 0 and r["seconds"] > 0]
+    if len({round(r["compute_s"], 6) for r in rs}) >= 2:
+        y = np.array([r["seconds"] for r in rs])
+        x = np.column_stack([np.ones(len(rs)), np.array([r["compute_s"] for r in rs])])
+        a = x / y[:, None]
+        scale = np.maximum(np.abs(a).max(axis=0), 1e-300)
+        c = nnls(a / scale, np.ones(len(rs))) / scale
+        r = (x @ c - y) / y
+        out.sync = {"a": float(c[0]), "kappa": float(c[1]), "n": len(rs),
+                    "rel_sigma": math.sqrt(float(r @ r) / max(1, len(rs) - 2))}
     for op in OPS:
         rs = [r for r in rows if r["op"] == op and r["world"] > 1 and r["seconds"] > 0]
         if len({r["bytes"] for r in rs}) < 2:

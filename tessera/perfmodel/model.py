@@ -17,6 +17,7 @@ Composition (one training step of the runtime's ``gpt`` workload, rank 0's view)
                + sends_s * P2P(act)           (sends: forward to the next, grads to the previous)
     T_pipe   = sum_s t_s + (m - 1) * max_s t_s         (fill/drain: the (pp-1)/(m+pp-1) bubble)
     T_step   = T_pipe + max_s AR_dp(4 * params_s) + AR_world(16 B) + max_s step_work_s
+               + straggle(world, rank 0's compute)   (waiting for the slowest rank; CommFit.straggle)
     colocated: T * oversubscription * (1 + g_mode * (colocated - 1)), mode "shared" when
                the quotas oversubscribe the device (time slicing), else "split".
 """
@@ -154,7 +155,8 @@ class PerfModel:
         None. Used only where the fitted curve cannot answer (too few profiles). A
         single-device plan is the profile itself; a data-parallel plan (dp > 1, tp = pp
         = 1) is the profile of its per-rank batch plus the gradient all-reduce (4 bytes
-        per parameter) and the loss all-reduce over the link's fitted table."""
+        per parameter), the loss all-reduce and the wait for the slowest rank over the
+        link's fitted table."""
         if c.tp != 1 or c.pp != 1 or c.colocated != 1 or min(c.batch, c.layers, c.micro_batches, c.dp) < 1:
             return None
         if c.batch % c.dp:
@@ -172,10 +174,11 @@ class PerfModel:
                 if comm is not None:
                     grad = float(comm.time("all_reduce", c.dp, params * F.BYTES_PER_ELEM))
                     loss = float(comm.time("all_reduce", c.dp, 16.0))
-                    seconds += grad + loss
+                    wait = float(comm.straggle(c.dp, p.seconds))
+                    seconds += grad + loss + wait
                     csig = comm.ops["all_reduce"].get("rel_sigma", 0.0)
                     r = math.sqrt(r * r + (csig * (grad + loss) / seconds) ** 2)
-                    breakdown.update(grad_allreduce=grad, loss_allreduce=loss)
+                    breakdown.update(grad_allreduce=grad, loss_allreduce=loss, straggle=wait)
                 mem = 16.0 * params + F.activation_bytes(rows / c.micro_batches, seq, c.layers, c.hidden, c.heads,
                                                          c.vocab, 1)
                 return Estimate(status="ok", seconds=seconds, memory_bytes=float(mem), rel_std=r,
@@ -242,15 +245,18 @@ class PerfModel:
         }
         # The profiled module's own correction of the compute terms (1 if never profiled).
         mod = np.array([fit.modules.get(c.module, 1.0) for c in cs])
-        t_mb, t_step, params, mem = {}, {}, {}, {}
+        t_mb, t_step, params, mem, c_mb, c_step = {}, {}, {}, {}, {}, {}
         for k, (ls, e, hd, count) in kinds.items():
             mbf = F.mb_features(rows, T, ls, h, a, V, e, hd, tp)
             stf = F.step_features(T, ls, h, V, sl, e, hd, tp)
             sends = (pp > 1) * ((k != "last") * 1.0 + (k != "first") * 1.0)
-            t = mod * fit.mb_time(mbf, q) + 4.0 * ls * ar(tp, act) + sends * p2p(act)
+            comp = mod * fit.mb_time(mbf, q)
+            t = comp + 4.0 * ls * ar(tp, act) + sends * p2p(act)
+            c_mb[k] = np.where(count > 0, comp, 0.0)
             t_mb[k] = np.where(count > 0, t, 0.0)
             params[k] = np.where(count > 0, stf["params"], 0.0)
-            t_step[k] = np.where(count > 0, mod * fit.step_time(stf) + ar(dp, params[k] * F.BYTES_PER_ELEM), 0.0)
+            c_step[k] = np.where(count > 0, mod * fit.step_time(stf), 0.0)
+            t_step[k] = np.where(count > 0, c_step[k] + ar(dp, params[k] * F.BYTES_PER_ELEM), 0.0)
             inflight = m if cs[0].schedule == "gpipe" else np.minimum(m, pp if k == "first" else 1.0)
             mem[k] = np.where(count > 0, 16.0 * params[k] + inflight * F.activation_bytes(rows, T, ls, h, a, V, hd, tp), 0.0)
         counts = {k: v[3] * np.ones_like(L) for k, v in kinds.items()}
@@ -260,7 +266,12 @@ class PerfModel:
         per_step = np.max(np.stack([t_step[k] for k in kinds]), axis=0)
         world = dp * tp * pp
         loss_ar = ar(world, 16.0)
-        total = pipe + per_step + loss_ar
+        # Waiting for the slowest rank at the synchronisations: grows with the compute
+        # of rank 0's step (every collective / transfer synchronises it with others).
+        comp_pipe = sum(counts[k] * c_mb[k] for k in kinds) + (m - 1) * np.max(np.stack([c_mb[k] for k in kinds]), 0)
+        comp_step = np.max(np.stack([c_step[k] for k in kinds]), axis=0)
+        straggle = comm.straggle(world, comp_pipe + comp_step) if comm is not None else 0.0 * world
+        total = pipe + per_step + loss_ar + straggle
         # Colocation: time slicing stretches by the oversubscription, interference by mode.
         n_co, over = arr("colocated"), np.maximum(arr("oversubscription"), 1.0)
         g = np.array([self.interference.get(dev, {}).get("shared" if c.oversubscription > 1 else "split", 0.0)
@@ -286,6 +297,7 @@ class PerfModel:
                 rel_std=r, confidence=conf,
                 breakdown={"pipeline": float(pipe[i]), "bubble": float((pp[i] > 1) * (t_sum[i] - t_max[i])),
                            "per_step": float(per_step[i]), "loss_allreduce": float(np.asarray(loss_ar)[i] if np.ndim(loss_ar) else loss_ar),
+                           "straggle": float(np.asarray(straggle)[i] if np.ndim(straggle) else straggle),
                            "extrapolation": float(np.asarray(d)[i] if np.ndim(d) else d)}))
         return out
 

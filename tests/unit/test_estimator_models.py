@@ -48,6 +48,18 @@ def test_malformed_comm_rows_are_ignored():
     assert comm_row(bad) is None
 
 
+def test_sync_rows_carry_their_compute_and_give_the_straggler_term():
+    rows = [comm_row(profiler_pb2.Measurement(kind="comm", labels={"op": "sync", "link": "lo"},
+                                              values={"bytes": 8, "world": 2, "seconds": 2e-4 + 0.05 * c,
+                                                      "compute_s": c})) for c in (5e-4, 8e-3)]
+    assert [r["compute_s"] for r in rows] == [5e-4, 8e-3]
+    plain = [comm_row(profiler_pb2.Measurement(kind="comm", labels={"op": "all_reduce", "link": "lo"},
+                                               values={"bytes": b, "world": 2, "seconds": 1e-4 + b * 1e-9}))
+             for b in (4096, 1 << 20)]
+    model = build_model({}, rows + plain, [], 1)
+    assert model.comm["lo"].sync["kappa"] == pytest.approx(0.05, rel=1e-6)
+
+
 def test_profile_points_answer_exactly_their_configuration_and_survive_the_snapshot():
     runs = {run_key(step()): {i: 0.02 for i in range(1, 9)}}
     model = PerfModel.from_dict(build_model(runs, [], [], version=4).to_dict())

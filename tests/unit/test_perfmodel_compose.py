@@ -140,3 +140,33 @@ def test_batch_evaluation_matches_single_and_is_fast(model):
     out = model.estimate_batch(many)
     assert len(out) == len(many) >= 4000
     assert time.perf_counter() - t0 < 2.0
+
+
+def sync_rows(a=2e-4, kappa=0.08):
+    return [{"op": "sync", "bytes": 8, "world": 2, "seconds": a + kappa * c, "compute_s": c} for c in (5e-4, 8e-3)]
+
+
+def test_sync_rows_recover_kappa_and_old_snapshots_load():
+    f = fit_comm(LINK, comm_rows() + sync_rows())
+    assert f.sync["kappa"] == pytest.approx(0.08, rel=1e-6) and f.sync["a"] == pytest.approx(2e-4, rel=1e-6)
+    assert f.straggle(1, 0.1) == 0.0
+    assert f.straggle(2, 0.1) == pytest.approx(0.008)
+    assert f.straggle(4, 0.1) > f.straggle(2, 0.1)  # the slowest of more ranks
+    # A table without sync rows (profilerd's default, older snapshots): no straggler term.
+    old = fit_comm(LINK, comm_rows())
+    assert old.sync == {} and old.straggle(2, 0.1) == 0.0
+    assert "sync" not in old.to_dict()
+    assert type(old).from_dict(f.to_dict()).sync == f.sync
+
+
+def test_straggler_wait_adds_to_multi_rank_plans_only(model):
+    with_sync = replace(model, comm={LINK: fit_comm(LINK, comm_rows() + sync_rows())})
+    one = cand(batch=16)
+    dp = cand(batch=32, dp=2)
+    assert with_sync.estimate(one).seconds == pytest.approx(model.estimate(one).seconds)
+    a, b = model.estimate(dp), with_sync.estimate(dp)
+    assert b.breakdown["straggle"] > 0 and a.breakdown["straggle"] == 0
+    assert b.seconds == pytest.approx(a.seconds + b.breakdown["straggle"])
+    # The snapshot keeps the sync fit and gives the same numbers.
+    again = PerfModel.from_dict(json.loads(json.dumps(with_sync.to_dict())))
+    assert again.estimate(dp).seconds == pytest.approx(b.seconds)
