@@ -39,6 +39,13 @@ from agent.runtime.parallel.launch import free_port
 # under load). Done once in the parent, so that no forked rank — profile or grid
 # point — counts that import as device time or waits on it before its first step.
 torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+# The runtime's modules too: a forked rank (profile or grid point alike) starts its
+# first step without importing anything.
+from agent.runtime.__main__ import resolve  # noqa: E402,F401
+from agent.runtime.parallel import comm as _comm  # noqa: E402,F401
+from agent.runtime.report import Reporter  # noqa: E402,F401
+
+resolve("gpt")  # imports agent.runtime.train
 
 CORES = sorted(os.sched_getaffinity(0))
 
@@ -85,8 +92,12 @@ def _rank_main(specs: list[dict], cores: list[int], path: str, start_at: float) 
         # Colocated jobs start their step loop at the same moment.
         while time.monotonic() < start_at:
             time.sleep(0.001)
-        runs = []
+        runs, starts = [], []
         for spec in specs:
+            if spec.get("cores"):  # a profiling job sets each point's quota (cores, threads) itself
+                os.sched_setaffinity(0, spec["cores"])
+                torch.set_num_threads(int(spec.get("threads") or len(spec["cores"])))
+            starts.append(time.monotonic())
             stamps.clear()
             code = int(resolve(spec["workload"]["type"])(spec, Reporter(stream=open(os.devnull, "w"), enabled=False)))
             stamps.append(_stamp())
@@ -95,6 +106,8 @@ def _rank_main(specs: list[dict], cores: list[int], path: str, start_at: float) 
                 break
         with open(path, "w", encoding="utf-8") as f:
             json.dump(runs, f)
+        with open(path + ".starts", "w", encoding="utf-8") as f:
+            json.dump(starts, f)
     finally:
         os._exit(code)
 
@@ -166,14 +179,17 @@ def run_jobs(jobs: list[dict], warmup: int, timeout_s: float = 300.0) -> list[di
     """Run ``jobs`` concurrently; each is ``{"workload": {...}, "cores": [[rank0 cores], ...]}``
     (one core list per rank; ``workload.steps`` = warmup + measured).
 
-    Returns per job ``{"step_s", "wall_s", "cpu_util", "steps", "device_s"}``:
+    Returns per job ``{"step_s", "wall_s", "cpu_util", "steps", "raw_steps", "device_s"}``:
     ``step_s`` the median step time less other tenants' run-queue wait, ``wall_s`` the
-    raw median, ``device_s`` the run's wall time times the cores the job held. With
-    several jobs only steps inside the window where all of them were measuring count.
+    raw median, ``device_s`` its share of the run's wall time times the cores the run
+    held (the union of every job's cores, split evenly over the jobs). With several
+    jobs only steps inside the window where all of them were measuring count; they
+    start their step loops together after a short barrier, which is not counted as
+    device time (a lone job has none).
     """
     ctx = mp.get_context("fork")
-    start_at = time.monotonic() + 0.3
     t_begin = time.monotonic()
+    start_at = t_begin + (0.3 if len(jobs) > 1 else 0.0)
     procs = []
     with tempfile.TemporaryDirectory(prefix="tessera-bench-") as tmp:
         paths = []
@@ -189,12 +205,13 @@ def run_jobs(jobs: list[dict], warmup: int, timeout_s: float = 300.0) -> list[di
                 paths[-1].append(os.path.join(tmp, f"job{j}.rank{r}"))
                 procs.append(_start(ctx, [spec], job["cores"][r], paths[-1][-1], start_at))
         _join(procs, timeout_s, jobs)
-        wall = time.monotonic() - t_begin
+        wall = time.monotonic() - max(t_begin, start_at)
         stamps = []
         for ps in paths:
             stamps.append([json.load(open(p, encoding="utf-8"))[0] for p in ps])
     lo = max(st[0][warmup][0] for st in stamps)
     hi = min(st[0][-1][0] for st in stamps)
+    held = len({c for job in jobs for rc in job["cores"] for c in rc})
     out = []
     for j, job in enumerate(jobs):
         partner = None
@@ -205,43 +222,57 @@ def run_jobs(jobs: list[dict], warmup: int, timeout_s: float = 300.0) -> list[di
         st = _steps(stamps[j], lo, hi, warmup, partner)
         if len(st["raw"]) < 2:  # too little overlap: every measured step
             st = _steps(stamps[j], -1e18, 1e18, warmup, partner)
-        cores = {c for rc in job["cores"] for c in rc}
         out.append({"step_s": statistics.median(st["corrected"]), "wall_s": statistics.median(st["raw"]),
-                    "cpu_util": statistics.median(st["util"]), "steps": st["corrected"],
-                    "device_s": wall * len(cores) / len(jobs)})
+                    "cpu_util": statistics.median(st["util"]), "steps": st["corrected"], "raw_steps": st["raw"],
+                    "device_s": wall * held / len(jobs)})
     return out
 
 
-def profile_points(workloads: list[dict], cores: list[int], threads: int, warmup: int,
+def profile_points(points: list[tuple[dict, list[int]]], warmup: int,
                    timeout_s: float = 300.0) -> tuple[list[dict], float]:
-    """A cheap profiling job: one process on ``cores`` runs each single-rank workload
-    in turn (``steps`` = warmup + measured). Returns (per workload ``{"step_s",
-    "wall_s"}`` as in :func:`run_jobs`, device-seconds of the whole job)."""
+    """A cheap profiling job: one process runs each single-rank ``(workload, cores)``
+    point in turn, pinned to that point's cores with one thread per core (its quota;
+    ``steps`` = warmup + measured). Returns (per point ``{"step_s", "wall_s"}`` as in
+    :func:`run_jobs`, device-seconds of the job: each point's time, model build
+    included, times its cores, plus start-up and gaps times the cores held then)."""
     ctx = mp.get_context("fork")
     t_begin = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tessera-prof-") as tmp:
         path = os.path.join(tmp, "prof")
         specs = []
-        for w in workloads:
-            spec = make_spec(w, threads)
+        for w, cores in points:
+            spec = make_spec(w, len(cores))
             spec["dist"] = {"rank": 0, "world_size": 1}
+            spec["cores"] = list(cores)
             specs.append(spec)
-        _join([_start(ctx, specs, cores, path, 0.0)], timeout_s, workloads)
+        _join([_start(ctx, specs, list(points[0][1]), path, 0.0)], timeout_s, [w for w, _ in points])
         runs = json.load(open(path, encoding="utf-8"))
-    wall = time.monotonic() - t_begin
+        starts = json.load(open(path + ".starts", encoding="utf-8"))
+    t_end = time.monotonic()
     out = []
-    for run in runs:
+    device_s = 0.0
+    for k, run in enumerate(runs):
         st = _steps([run], -1e18, 1e18, warmup, None)
-        out.append({"step_s": statistics.median(st["corrected"]), "wall_s": statistics.median(st["raw"])})
-    return out, wall * len(cores)
+        out.append({"step_s": statistics.median(st["corrected"]), "wall_s": statistics.median(st["raw"]),
+                    "steps": st["corrected"], "raw_steps": st["raw"]})
+        device_s += (run[-1][0] - starts[k]) * len(points[k][1])
+    # Start-up and the gaps between points: the process holds the first point's cores
+    # until it moves to the next point's (conservatively: the most the two held).
+    gaps = [starts[0] - t_begin] + [starts[k + 1] - runs[k][-1][0] for k in range(len(runs) - 1)] \
+        + [t_end - runs[-1][-1][0]]
+    held = [len(points[0][1])] + [max(len(points[k][1]), len(points[k + 1][1])) for k in range(len(runs) - 1)] \
+        + [len(points[len(runs) - 1][1])]
+    device_s += sum(max(0.0, g) * c for g, c in zip(gaps, held))
+    return out, device_s
 
 
 # --------------------------------------------------------------------------- comm
 
 
-def comm_table(sizes: list[int] | None = None, reps: int = 7) -> tuple[list[dict], float]:
-    """Gloo loopback micro-benchmark over 2 processes; (rows, device-seconds). The one
-    implementation lives in profilerd/commbench.py (profilerd runs it too)."""
+def comm_table(sizes: list[int] | None = None, reps: int = 7, sync: bool = True) -> tuple[list[dict], float]:
+    """Gloo loopback micro-benchmark over 2 processes; (rows, device-seconds), with the
+    synchronisation rows (``sync``). The one implementation lives in
+    profilerd/commbench.py (profilerd runs it too)."""
     from profilerd.commbench import table
 
-    return table(sizes or [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20], reps)
+    return table(sizes or [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20], reps, sync=sync)

@@ -2,10 +2,11 @@
 
     python -m bench.estimator_accuracy [--json PATH] [--device cpu|cuda] [--quick]
 
-1. Cheap profiles (the only thing the model is fitted from): two GPT modules at a
-   few (batch, seq, quota, micro-batch) points in one profiling process per module,
-   one colocation pair per mode (split cores / shared core), and the gloo loopback
-   communication micro-benchmark (2 processes).
+1. Cheap profiles (the only thing the model is fitted from): two GPT modules at ten
+   (batch, seq, quota, micro-batch) points in one profiling process, a colocation
+   profile (one module alone, then as a pair per mode: split cores / shared core),
+   and the gloo loopback communication micro-benchmark with its synchronisation rows
+   (2 processes).
 2. A held-out grid of real configurations (no grid point is a profile point): other
    batches and sequence lengths, unseen model sizes and vocabularies, 2-thread
    quotas, gradient accumulation, colocation pairs, dp=2 / pp=2 / tp=2 over 2 gloo
@@ -14,8 +15,11 @@
    multi-rank, and the profiling cost: device-seconds of the profiles versus of
    measuring the whole grid.
 
-The grid is shuffled (fixed seed) so that the machine's background load spreads
-over the categories instead of hitting one.
+Profiles and grid points are measured by one protocol (WARMUP + MEASURED steps,
+ROUNDS rounds, lower quartile of the pooled steps), and each round shuffles the
+profiling tasks in among the grid points (fixed seed): on this shared VM a core's
+speed drifts by 20-40% over seconds, and profiles taken in one burst would carry one
+draw of that drift into every estimate (see ``measure``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import random
 import statistics
 import sys
 import time
+
+import numpy as np
 
 from tessera.perfmodel import Candidate, ComputeSample, PerfModel, fit_comm, fit_compute, fit_interference
 
@@ -45,19 +51,19 @@ PROFILED = ("A", "B")
 
 # (model, batch, seq, quota, micro_batches): profile points per module.
 PROFILE_POINTS = [
-    ("A", 4, 32, 1, 1), ("A", 16, 64, 1, 1), ("A", 32, 32, 1, 1), ("A", 8, 64, 1, 2), ("A", 8, 64, 2, 1),
-    ("A", 8, 64, 1, 1),
-    ("B", 2, 32, 1, 1), ("B", 4, 64, 1, 1), ("B", 8, 32, 1, 1), ("B", 8, 64, 1, 2), ("B", 4, 64, 2, 1),
-]
-COLO_PROFILE = ("A", 8, 64)  # alone time is the profile point ("A", 8, 64, 1, 1)
+    ("A", 4, 32, 1, 1), ("A", 16, 64, 1, 1), ("A", 32, 32, 1, 1), ("A", 8, 64, 1, 2),
+    ("B", 2, 32, 1, 1), ("B", 4, 64, 1, 1), ("B", 8, 32, 1, 1), ("B", 4, 16, 1, 1),
+    ("A", 8, 64, 2, 1), ("B", 4, 64, 2, 1),
+]  # 10 points (the fit's minimum): batch, seq, model size, micro-batches; two 2-core quotas
+COLO_PROFILE = ("A", 8, 64)  # run alone and as a pair in the same task (fresh processes both)
 
-PROFILE_WARMUP, PROFILE_MEASURED = 2, 10
-GRID_WARMUP, GRID_MEASURED = 2, 6
-# Profiles run once (a production profile is one short run). Every grid point is
-# measured in ROUNDS rounds at different times and the fastest round's median kept: on
-# a shared host, other tenants' load comes and goes, and the least disturbed round is
-# the best view of the configuration itself (the ground truth deserves the care).
-ROUNDS = 2
+# One protocol for profiles and grid points alike: WARMUP + MEASURED steps per run,
+# ROUNDS runs at different times (interleaved), lower quartile of the pooled steps.
+WARMUP, MEASURED = 4, 4
+ROUNDS = 3
+QUANTILE = 25
+COMM_SIZES = [64 << 10, 512 << 10, 4 << 20]
+COMM_REPS = 4
 
 
 def model_dict(name: str) -> dict:
@@ -132,68 +138,122 @@ def workload(model: str, batch: int, seq: int, m: int, steps: int, plan: dict | 
             "plan": {"dp": 1, "tp": 1, "pp": 1, "micro_batches": m, **(plan or {})}}
 
 
-def profile(rounds: int) -> tuple[PerfModel, dict]:
+def _profile_tasks() -> list[tuple]:
+    """The cheap profiles of one round: one profiling process (every point of both
+    modules, each on its quota), the colocation profile (one module alone, then as a
+    pair per mode) and the communication micro-benchmark."""
+    return [("prof",), ("colo",), ("comm",)]
+
+
+def step_time(steps: list[float]) -> float:
+    """The statistic of a point, profiles and grid alike: the lower quartile of its
+    measured steps pooled over the rounds. The host's disturbances (other tenants,
+    other VMs sharing the physical core's caches) only ever slow a step down, and
+    they come and go within a run: the lower quartile is the step time the
+    configuration itself gives, robust to both a disturbed round and a lucky step."""
+    return float(np.percentile(steps, QUANTILE))
+
+
+def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict], float]:
+    """Profiles and held-out grid, measured the same way and interleaved in time.
+
+    Every profile point and every grid point is a run of the runtime with the same
+    warm-up and measured steps (other tenants' run-queue wait subtracted per step),
+    repeated in ``rounds`` rounds; its value is :func:`step_time` of all its measured
+    steps. Within a round the profiling process, the colocation profile and the comm
+    micro-benchmark are shuffled in among the grid points (fixed seed), so that
+    profiles and grid see the same host: on this shared 2-core VM a core's speed
+    drifts by 20-40% over seconds, and profiles measured in one burst inherit one draw
+    of that drift for the whole fit. Only the profiles are fitted; the grid is only
+    compared against.
+
+    Returns (model, profile info with cost, measured grid points, grid device-seconds).
+    """
     from bench._measure import comm_table, profile_points, run_jobs
 
-    cost = {"compute": 0.0, "colocation": 0.0, "comm": 0.0}
-    steps = PROFILE_WARMUP + PROFILE_MEASURED
-    alone: dict[tuple, float] = {}
-    for _ in range(rounds):
-        for name in PROFILED:
-            for q in (1, 2):
-                pts = [p for p in PROFILE_POINTS if p[0] == name and p[3] == q]
-                meds, dev_s = profile_points([workload(n, b, s, m, steps) for n, b, s, _, m in pts],
-                                             list(range(q)), q, PROFILE_WARMUP)
-                cost["compute"] += dev_s
-                for pt, r in zip(pts, meds):
-                    alone[pt] = min(r["step_s"], alone.get(pt, float("inf")))
-    samples = []
-    for (n, b, s, q, m), t in alone.items():
-        layers, hidden, heads, vocab, _ = MODELS[n]
-        samples.append(ComputeSample(module=n, rows=b, seq=s, layers=layers, hidden=hidden, heads=heads,
-                                     vocab=vocab, q=q, seconds=t, micro_batches=m, seq_len=s))
-    pairs = []
-    n, b, s = COLO_PROFILE
-    for mode, cores, over in (("shared", [[0], [0]], 2.0), ("split", [[0], [1]], 1.0)):
-        best = None
-        for _ in range(rounds):
-            res = run_jobs([{"workload": workload(n, b, s, 1, steps), "cores": [c]} for c in cores], PROFILE_WARMUP)
-            cost["colocation"] += sum(r["device_s"] for r in res)
-            t = statistics.median(r["step_s"] for r in res)
-            best = t if best is None else min(best, t)
-        pairs.append({"mode": mode, "colocated": 2, "oversubscription": over, "alone_s": alone[(n, b, s, 1, 1)],
-                      "together_s": best})
-    rows, dev_s = comm_table(sizes=[4 << 10, 64 << 10, 512 << 10, 2 << 20], reps=15)
-    cost["comm"] += dev_s
-    model = PerfModel(version=1, compute={DEVICE: fit_compute(DEVICE, samples)}, comm={LINK: fit_comm(LINK, rows)},
-                      interference={DEVICE: fit_interference(pairs)})
-    return model, {"cost": cost, "samples": len(samples), "comm_rows": rows, "pairs": pairs,
-                   "profile_samples": [dict(x.__dict__) for x in samples]}
-
-
-def measure_grid(points: list[dict], rounds: int) -> tuple[list[dict], float]:
-    from bench._measure import run_jobs
-
-    steps = GRID_WARMUP + GRID_MEASURED
-    cost = 0.0
-    best: list[list[float] | None] = [None] * len(points)
+    steps = WARMUP + MEASURED
+    pcost = {"compute": 0.0, "colocation": 0.0, "comm": 0.0}
+    alone: dict[tuple, list[float]] = {}
+    alone_rounds: dict[tuple, list[float]] = {}
+    colo_steps: dict[str, list[float]] = {"solo": [], "shared": [], "split": []}
+    comm_runs: list[list[dict]] = []
+    grid_cost = 0.0
+    pool: list[list[list[float]]] = [[[] for _ in pt["jobs"]] for pt in points]
+    raw: list[list[list[float]]] = [[[] for _ in pt["jobs"]] for pt in points]
+    per_round: list[list[float]] = [[] for _ in points]
     util: list[list[float]] = [[] for _ in points]
+    colo = {"shared": [[0], [0]], "split": [[0], [1]]}
+    n, b, s_ = COLO_PROFILE
     for r in range(rounds):
-        order = list(range(len(points)))
-        random.Random(100 + r).shuffle(order)
-        for i in order:
-            jobs = [{"workload": workload(j["model"], j["batch"], j["seq"], j["m"], steps, j["plan"]),
-                     "cores": j["cores"]} for j in points[i]["jobs"]]
-            res = run_jobs(jobs, GRID_WARMUP)
-            cost += sum(x["device_s"] for x in res)
-            got = ([x["step_s"] for x in res], [x["wall_s"] for x in res])
-            # A colocated pair is kept or dropped as a whole: its two times belong together.
-            if best[i] is None or sum(got[0]) < sum(best[i][0]):
-                best[i] = got
-            util[i] += [x["cpu_util"] for x in res if x["cpu_util"] is not None]
-    out = [{**pt, "measured": b[0], "raw": b[1], "cpu_util": statistics.median(u) if u else None}
-           for pt, b, u in zip(points, best, util)]
-    return out, cost
+        tasks = [("grid", i) for i in range(len(points))] + _profile_tasks()
+        random.Random(100 + r).shuffle(tasks)
+        for task in tasks:
+            if task[0] == "prof":
+                pts = PROFILE_POINTS
+                meds, dev_s = profile_points([(workload(pn, pb, ps, pm, steps), list(range(int(pq))))
+                                              for pn, pb, ps, pq, pm in pts], WARMUP)
+                pcost["compute"] += dev_s
+                for pt, x in zip(pts, meds):
+                    alone.setdefault(pt, []).extend(x["steps"])
+                    alone_rounds.setdefault(pt, []).append(x["step_s"])
+            elif task[0] == "colo":
+                # Alone and together measured the same way (fresh processes), back to back:
+                # the ratio is the interference, not the difference between a warm
+                # profiling process and a fresh one or between two moments of the host.
+                solo = run_jobs([{"workload": workload(n, b, s_, 1, steps), "cores": [[0]]}], WARMUP)
+                pcost["colocation"] += solo[0]["device_s"]
+                colo_steps["solo"] += solo[0]["steps"]
+                for mode in ("shared", "split"):
+                    res = run_jobs([{"workload": workload(n, b, s_, 1, steps), "cores": [c]} for c in colo[mode]],
+                                   WARMUP)
+                    pcost["colocation"] += sum(x["device_s"] for x in res)
+                    for x in res:
+                        colo_steps[mode] += x["steps"]
+            elif task[0] == "comm":
+                rows, dev_s = comm_table(sizes=COMM_SIZES, reps=COMM_REPS)
+                pcost["comm"] += dev_s
+                comm_runs.append(rows)
+            else:
+                i = task[1]
+                jobs = [{"workload": workload(j["model"], j["batch"], j["seq"], j["m"], steps, j["plan"]),
+                         "cores": j["cores"]} for j in points[i]["jobs"]]
+                res = run_jobs(jobs, WARMUP)
+                grid_cost += sum(x["device_s"] for x in res)
+                per_round[i].append(sum(x["step_s"] for x in res))
+                for k, x in enumerate(res):
+                    pool[i][k] += x["steps"]
+                    raw[i][k] += x["raw_steps"]
+                util[i] += [x["cpu_util"] for x in res if x["cpu_util"] is not None]
+    samples = []
+    for (pn, pb, ps, pq, pm), ts in alone.items():
+        layers, hidden, heads, vocab, _ = MODELS[pn]
+        samples.append(ComputeSample(module=pn, rows=pb, seq=ps, layers=layers, hidden=hidden, heads=heads,
+                                     vocab=vocab, q=pq, seconds=step_time(ts), micro_batches=pm, seq_len=ps))
+    pairs = [{"mode": mode, "colocated": 2, "oversubscription": 2.0 if mode == "shared" else 1.0,
+              "alone_s": step_time(colo_steps["solo"]), "together_s": step_time(colo_steps[mode])}
+             for mode in ("shared", "split")]
+    # Comm rows: the least disturbed round of each (op, size) / sync chunk.
+    rows: dict[tuple, dict] = {}
+    for run in comm_runs:
+        for row in run:
+            key = (row["op"], row["bytes"], SYNC_CHUNK_KEY(row))
+            if key not in rows or row["seconds"] < rows[key]["seconds"]:
+                rows[key] = row
+    comm_rows = list(rows.values())
+    model = PerfModel(version=1, compute={DEVICE: fit_compute(DEVICE, samples)},
+                      comm={LINK: fit_comm(LINK, comm_rows)}, interference={DEVICE: fit_interference(pairs)})
+    measured = [{**pt, "measured": [step_time(x) for x in pl], "raw": [step_time(x) for x in rw], "rounds": pr,
+                 "cpu_util": statistics.median(u) if u else None}
+                for pt, pl, rw, pr, u in zip(points, pool, raw, per_round, util)]
+    prof = {"cost": pcost, "samples": len(samples), "comm_rows": comm_rows, "pairs": pairs,
+            "profile_samples": [dict(x.__dict__) for x in samples],
+            "profile_rounds": {"/".join(map(str, k)): v for k, v in alone_rounds.items()}}
+    return model, prof, measured, grid_cost
+
+
+def SYNC_CHUNK_KEY(row: dict) -> int:
+    """Sync rows of one chunk length share a key across rounds (their compute_s differs)."""
+    return int(row.get("chunk", 0))
 
 
 def evaluate(model: PerfModel, measured: list[dict]) -> dict:
@@ -234,6 +294,13 @@ def mape(rows: list[dict], key: str = "ape") -> float | None:
     return statistics.fmean(v) if v else None
 
 
+def _loadavg() -> list[str]:
+    try:
+        return open("/proc/loadavg").read().split()[:3]
+    except OSError:
+        return []
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
@@ -244,22 +311,20 @@ def main(argv: list[str] | None = None) -> int:
         return main_cuda(args)
     t0 = time.monotonic()
     rounds = 1 if args.quick else ROUNDS
-    model, prof = profile(1)
+    load0 = _loadavg()
+    points = grid(args.quick)
+    model, prof, measured, grid_cost = measure(points, rounds)
     fit = model.compute[DEVICE]
     print(f"profiles: {prof['samples']} compute points, 2 colocation pairs, {len(prof['comm_rows'])} comm rows; "
-          f"fit {fit.status} rel_sigma={fit.rel_sigma:.3f} p={fit.p:.2f} {fit.reason}", file=sys.stderr)
-    points = grid(args.quick)
-    measured, grid_cost = measure_grid(points, rounds)
+          f"fit {fit.status} rel_sigma={fit.rel_sigma:.3f} p={fit.p:.2f} {fit.reason}; "
+          f"sync {model.comm[LINK].sync}", file=sys.stderr)
     res = evaluate(model, measured)
     # Host contention: CPU time / wall time of single-thread, single-rank grid steps
     # (1.0 on an idle host; 0.3 means other tenants took 70% of our core).
     utils = [pt["cpu_util"] for pt in measured if pt["cpu_util"] is not None and len(pt["jobs"]) == 1
              and pt["jobs"][0]["q"] == 1 and not pt["jobs"][0]["plan"]]
     contention = statistics.median(utils) if utils else None
-    try:
-        load = open("/proc/loadavg").read().split()[:3]
-    except OSError:
-        load = []
+    load = _loadavg()
     rows = res["rows"]
     cats = sorted({r["category"] for r in rows})
     single = [r for r in rows if not r["category"].startswith("multi_")]
@@ -270,21 +335,27 @@ def main(argv: list[str] | None = None) -> int:
         "mape_single": mape(single), "mape_multi": mape(multi),
         # Against raw wall times, other tenants' load included (see bench/_measure.py).
         "mape_single_raw": mape(single, "ape_raw"), "mape_multi_raw": mape(multi, "ape_raw"),
-        # Conservative: one round of the grid (it was measured `rounds` times for a
-        # cleaner ground truth; the profiles ran once).
-        "profiling_cost_ratio": grid_cost / rounds / prof_cost if prof_cost else None,
-        "profiling_cost_ratio_all_rounds": grid_cost / prof_cost if prof_cost else None,
+        # Profiles and grid were measured with the same protocol and the same number
+        # of rounds: the ratio is the same per round and over all rounds.
+        "profiling_cost_ratio": grid_cost / prof_cost if prof_cost else None,
         "profile_device_s": prof_cost, "grid_device_s": grid_cost, "profile_cost": prof["cost"],
+        "profile_device_s_per_round": prof_cost / rounds, "grid_device_s_per_round": grid_cost / rounds,
         "categories": {c: {"mape": mape([r for r in rows if r["category"] == c]),
                            "mape_raw": mape([r for r in rows if r["category"] == c], "ape_raw"),
                            "n": sum(r["category"] == c for r in rows),
                            "max_ape": max((r["ape"] or 0) for r in rows if r["category"] == c),
                            "mean_confidence": statistics.fmean(r["confidence"] for r in rows if r["category"] == c)}
                        for c in cats},
-        "host_cpu_util": contention, "host_loadavg": load, "rounds": rounds,
+        "host_cpu_util": contention, "host_loadavg": load, "host_loadavg_start": load0, "rounds": rounds,
+        "warmup_steps": WARMUP, "measured_steps": MEASURED,
+        # Run-to-run spread of the grid: per point, (slowest - fastest round) / fastest.
+        "round_spread_median": statistics.median((max(p["rounds"]) - min(p["rounds"])) / min(p["rounds"])
+                                                 for p in measured) if rounds > 1 else None,
         "estimate_batch_s": res["eval_s"], "grid_points": len(rows),
         "model": model.to_dict(), "rows": rows, "profile_samples": prof["profile_samples"],
-        "colocation_pairs": prof["pairs"], "comm_rows": prof["comm_rows"], "wall_s": time.monotonic() - t0,
+        "colocation_pairs": prof["pairs"], "comm_rows": prof["comm_rows"], "profile_rounds": prof["profile_rounds"],
+        "grid_rounds": [{"category": p["category"], "jobs": p["jobs"], "rounds": p["rounds"]} for p in measured],
+        "wall_s": time.monotonic() - t0,
     }
     for c in cats:
         out[c] = out["categories"][c]["mape"]
@@ -295,11 +366,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{v['mean_confidence']:>5.2f}")
     print(f"{'single-device':<20} {len(single):>3} {out['mape_single']:>7.2f} {'':>7} {out['mape_single_raw']:>7.2f}")
     print(f"{'multi-rank':<20} {len(multi):>3} {out['mape_multi']:>7.2f} {'':>7} {out['mape_multi_raw']:>7.2f}")
-    print(f"profiling cost: {prof_cost:.1f} device-s (profiles, once) vs {grid_cost / rounds:.1f} device-s "
-          f"(grid, one round; {grid_cost:.1f} for all {rounds}): {out['profiling_cost_ratio']:.1f}x less; "
+    print(f"profiling cost per round: {prof_cost / rounds:.1f} device-s of profiles "
+          f"({', '.join(f'{k} {v / rounds:.1f}' for k, v in prof['cost'].items())}) vs {grid_cost / rounds:.1f} "
+          f"device-s to measure the grid: {out['profiling_cost_ratio']:.1f}x less ({rounds} rounds of both); "
           f"wall {out['wall_s']:.0f} s")
+    spread = out["round_spread_median"]
     print(f"host: CPU/wall of single-core steps {contention if contention is None else round(contention, 2)}, "
-          f"load average {' '.join(load)}; estimate_batch of {len(rows)}: {res['eval_s'] * 1e3:.1f} ms")
+          f"load average {' '.join(load0)} (start) {' '.join(load)} (end); median spread of a grid point over "
+          f"rounds {spread if spread is None else f'{spread * 100:.1f}%'}; "
+          f"estimate_batch of {len(rows)}: {res['eval_s'] * 1e3:.1f} ms")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)
