@@ -16,7 +16,7 @@
    measuring the whole grid.
 
 Profiles and grid points are measured by one protocol (WARMUP + MEASURED steps,
-ROUNDS rounds, lower quartile of the pooled steps), and each round shuffles the
+median, ROUNDS rounds, least disturbed round kept), and each round shuffles the
 profiling tasks in among the grid points (fixed seed): on this shared VM a core's
 speed drifts by 20-40% over seconds, and profiles taken in one burst would carry one
 draw of that drift into every estimate (see ``measure``).
@@ -31,8 +31,6 @@ import random
 import statistics
 import sys
 import time
-
-import numpy as np
 
 from tessera.perfmodel import Candidate, ComputeSample, PerfModel, fit_comm, fit_compute, fit_interference
 
@@ -52,16 +50,19 @@ PROFILED = ("A", "B")
 # (model, batch, seq, quota, micro_batches): profile points per module.
 PROFILE_POINTS = [
     ("A", 4, 32, 1, 1), ("A", 16, 64, 1, 1), ("A", 32, 32, 1, 1), ("A", 8, 64, 1, 2),
-    ("B", 2, 32, 1, 1), ("B", 4, 64, 1, 1), ("B", 8, 32, 1, 1), ("B", 4, 16, 1, 1),
-    ("A", 8, 64, 2, 1), ("B", 4, 64, 2, 1),
-]  # 10 points (the fit's minimum): batch, seq, model size, micro-batches; two 2-core quotas
+    ("A", 8, 64, 1, 1), ("A", 8, 64, 2, 1),
+    ("B", 2, 32, 1, 1), ("B", 8, 32, 1, 1), ("B", 4, 16, 1, 1), ("B", 4, 64, 1, 1), ("B", 4, 64, 2, 1),
+]  # batch, seq, model size, micro-batches; each 2-core point right after its 1-core twin
+# (in one process, seconds apart: the quota's speed-up is not confounded with the
+# host's drift, which decides the Amdahl fraction p for every estimate)
 COLO_PROFILE = ("A", 8, 64)  # run alone and as a pair in the same task (fresh processes both)
 
 # One protocol for profiles and grid points alike: WARMUP + MEASURED steps per run,
-# ROUNDS runs at different times (interleaved), lower quartile of the pooled steps.
-WARMUP, MEASURED = 4, 4
-ROUNDS = 3
-QUANTILE = 25
+# ROUNDS runs at different times (interleaved); median step of a run, least disturbed
+# round. Warm-up: a fresh process's steps 2-4 are still ~5-10% slow (first-touch of
+# its heap), where a profiling process's later points start warm.
+WARMUP, MEASURED = 3, 5
+ROUNDS = 5
 COMM_SIZES = [64 << 10, 512 << 10, 4 << 20]
 COMM_REPS = 4
 
@@ -145,13 +146,14 @@ def _profile_tasks() -> list[tuple]:
     return [("prof",), ("colo",), ("comm",)]
 
 
-def step_time(steps: list[float]) -> float:
-    """The statistic of a point, profiles and grid alike: the lower quartile of its
-    measured steps pooled over the rounds. The host's disturbances (other tenants,
-    other VMs sharing the physical core's caches) only ever slow a step down, and
-    they come and go within a run: the lower quartile is the step time the
-    configuration itself gives, robust to both a disturbed round and a lucky step."""
-    return float(np.percentile(steps, QUANTILE))
+def step_time(rounds: list[float]) -> float:
+    """The statistic of a point, profiles and grid alike: the median step of each
+    round's run, then the least disturbed round. The host's disturbances (other
+    tenants, other VMs sharing the physical core's caches) only ever slow a run down
+    and come and go over seconds; within a run the median keeps the configuration's
+    own step-to-step variation (time slicing of a shared core, a 2-thread quota) that
+    a lower quantile would cut away."""
+    return float(min(rounds))
 
 
 def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict], float]:
@@ -159,8 +161,8 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
 
     Every profile point and every grid point is a run of the runtime with the same
     warm-up and measured steps (other tenants' run-queue wait subtracted per step),
-    repeated in ``rounds`` rounds; its value is :func:`step_time` of all its measured
-    steps. Within a round the profiling process, the colocation profile and the comm
+    repeated in ``rounds`` rounds; its value is :func:`step_time` of its rounds.
+    Within a round the profiling process, the colocation profile and the comm
     micro-benchmark are shuffled in among the grid points (fixed seed), so that
     profiles and grid see the same host: on this shared 2-core VM a core's speed
     drifts by 20-40% over seconds, and profiles measured in one burst inherit one draw
@@ -174,12 +176,10 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
     steps = WARMUP + MEASURED
     pcost = {"compute": 0.0, "colocation": 0.0, "comm": 0.0}
     alone: dict[tuple, list[float]] = {}
-    alone_rounds: dict[tuple, list[float]] = {}
-    colo_steps: dict[str, list[float]] = {"solo": [], "shared": [], "split": []}
+    pairs: list[dict] = []  # one colocation row per mode and round; fit_interference takes the median g
     comm_runs: list[list[dict]] = []
     grid_cost = 0.0
-    pool: list[list[list[float]]] = [[[] for _ in pt["jobs"]] for pt in points]
-    raw: list[list[list[float]]] = [[[] for _ in pt["jobs"]] for pt in points]
+    best: list[tuple | None] = [None] * len(points)
     per_round: list[list[float]] = [[] for _ in points]
     util: list[list[float]] = [[] for _ in points]
     colo = {"shared": [[0], [0]], "split": [[0], [1]]}
@@ -194,21 +194,20 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                                               for pn, pb, ps, pq, pm in pts], WARMUP)
                 pcost["compute"] += dev_s
                 for pt, x in zip(pts, meds):
-                    alone.setdefault(pt, []).extend(x["steps"])
-                    alone_rounds.setdefault(pt, []).append(x["step_s"])
+                    alone.setdefault(pt, []).append(x["step_s"])
             elif task[0] == "colo":
                 # Alone and together measured the same way (fresh processes), back to back:
                 # the ratio is the interference, not the difference between a warm
                 # profiling process and a fresh one or between two moments of the host.
                 solo = run_jobs([{"workload": workload(n, b, s_, 1, steps), "cores": [[0]]}], WARMUP)
                 pcost["colocation"] += solo[0]["device_s"]
-                colo_steps["solo"] += solo[0]["steps"]
                 for mode in ("shared", "split"):
                     res = run_jobs([{"workload": workload(n, b, s_, 1, steps), "cores": [c]} for c in colo[mode]],
                                    WARMUP)
                     pcost["colocation"] += sum(x["device_s"] for x in res)
-                    for x in res:
-                        colo_steps[mode] += x["steps"]
+                    pairs.append({"mode": mode, "colocated": 2, "oversubscription": 2.0 if mode == "shared" else 1.0,
+                                  "alone_s": solo[0]["step_s"],
+                                  "together_s": statistics.median(x["step_s"] for x in res)})
             elif task[0] == "comm":
                 rows, dev_s = comm_table(sizes=COMM_SIZES, reps=COMM_REPS)
                 pcost["comm"] += dev_s
@@ -220,18 +219,16 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                 res = run_jobs(jobs, WARMUP)
                 grid_cost += sum(x["device_s"] for x in res)
                 per_round[i].append(sum(x["step_s"] for x in res))
-                for k, x in enumerate(res):
-                    pool[i][k] += x["steps"]
-                    raw[i][k] += x["raw_steps"]
+                got = ([x["step_s"] for x in res], [x["wall_s"] for x in res])
+                # A colocated pair is kept or dropped as a whole: its two times belong together.
+                if best[i] is None or sum(got[0]) < sum(best[i][0]):
+                    best[i] = got
                 util[i] += [x["cpu_util"] for x in res if x["cpu_util"] is not None]
     samples = []
     for (pn, pb, ps, pq, pm), ts in alone.items():
         layers, hidden, heads, vocab, _ = MODELS[pn]
         samples.append(ComputeSample(module=pn, rows=pb, seq=ps, layers=layers, hidden=hidden, heads=heads,
                                      vocab=vocab, q=pq, seconds=step_time(ts), micro_batches=pm, seq_len=ps))
-    pairs = [{"mode": mode, "colocated": 2, "oversubscription": 2.0 if mode == "shared" else 1.0,
-              "alone_s": step_time(colo_steps["solo"]), "together_s": step_time(colo_steps[mode])}
-             for mode in ("shared", "split")]
     # Comm rows: the least disturbed round of each (op, size) / sync chunk.
     rows: dict[tuple, dict] = {}
     for run in comm_runs:
@@ -242,12 +239,11 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
     comm_rows = list(rows.values())
     model = PerfModel(version=1, compute={DEVICE: fit_compute(DEVICE, samples)},
                       comm={LINK: fit_comm(LINK, comm_rows)}, interference={DEVICE: fit_interference(pairs)})
-    measured = [{**pt, "measured": [step_time(x) for x in pl], "raw": [step_time(x) for x in rw], "rounds": pr,
-                 "cpu_util": statistics.median(u) if u else None}
-                for pt, pl, rw, pr, u in zip(points, pool, raw, per_round, util)]
+    measured = [{**pt, "measured": bst[0], "raw": bst[1], "rounds": pr, "cpu_util": statistics.median(u) if u else None}
+                for pt, bst, pr, u in zip(points, best, per_round, util)]
     prof = {"cost": pcost, "samples": len(samples), "comm_rows": comm_rows, "pairs": pairs,
             "profile_samples": [dict(x.__dict__) for x in samples],
-            "profile_rounds": {"/".join(map(str, k)): v for k, v in alone_rounds.items()}}
+            "profile_rounds": {"/".join(map(str, k)): v for k, v in alone.items()}}
     return model, prof, measured, grid_cost
 
 
