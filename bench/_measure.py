@@ -6,10 +6,16 @@ Contract:
   set, and returns per job the median step time of rank 0 over the measured steps
   and the device-seconds the run cost. Steps are real training steps of
   ``agent.runtime.train`` (forward, backward, communication, optimizer).
+- :func:`profile_points` is a profiling job: one process runs several single-rank
+  points in turn, each pinned to its own quota (cores, one thread per core), and
+  returns each point's median step and the device-seconds of the job.
 - :func:`comm_table` runs the gloo loopback micro-benchmark (2 processes, one core
   each) and returns rows ``{"op", "bytes", "world", "seconds"}`` for all_reduce,
   all_gather, broadcast and send/recv (each timed after a short compute phase, as
-  training issues them), plus the device-seconds it cost.
+  training issues them) and the sync rows (``compute_s``: the wait for the other rank
+  after a compute chunk), plus the device-seconds it cost.
+- Every run returns its per-step times too (``steps``, ``raw_steps``), so that the
+  caller applies one statistic to profiles and grid points alike.
 
 Why a launcher of its own rather than ``parallel.launch.run_local``: the benchmark
 needs per-rank CPU affinity (the "quota"), per-step stamps on every rank (to keep only
