@@ -50,8 +50,13 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask=None) -> torch.Tensor:
+        """``attn_mask``: None (causal), a bool (B, T, T) mask (True = may attend), or a
+        layout object with ``attend(qkv, heads) -> (B, T, C)`` (packed sequences attended
+        one by one, e.g. :class:`agent.runtime.peft.varlen.SegmentLayout`)."""
         b, t, c = x.shape
+        if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
+            return self.proj(attn_mask.attend(self.qkv(x), self.heads))
         q, k, v = self.qkv(x).split(c, dim=2)
         q = q.view(b, t, self.heads, c // self.heads).transpose(1, 2)
         k = k.view(b, t, self.heads, c // self.heads).transpose(1, 2)

@@ -23,7 +23,10 @@ gradient), so activation memory is that of one micro-batch, not of all K tasks' 
 at once. Chunks are grouped by fill (real tokens, packed from column 0), fullest first,
 and each micro-batch is cut to its fullest chunk's width: the trailing pad columns that
 no chunk of it uses are never computed. The vocabulary head runs only on positions that
-have a target (no logits for pads).
+have a target (no logits for pads). Attention runs sequence by sequence
+(:mod:`varlen`: length buckets through the causal kernel, no (N, C, C) mask), and an
+adapter that no task of a micro-batch targets is skipped; a micro-batch of one task
+takes the ungathered adapter path.
 
 With ``workers`` W > 1 the micro-batches of a step run concurrently on a pool of W
 threads, each running forward + backward of whole micro-batches (taken fullest first
@@ -53,6 +56,7 @@ import torch.nn.functional as F
 from agent.runtime.model import GPT
 from agent.runtime.peft import lora
 from agent.runtime.peft.packing import PackStats, pack
+from agent.runtime.peft.varlen import SegmentLayout
 
 ADAPTER_FORMAT = "tessera-lora/1"
 
@@ -108,6 +112,9 @@ class MuxEngine:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.workers = workers
+        # Attend packed sequences one by one (varlen.SegmentLayout) instead of with the
+        # (N, C, C) block-causal mask: same result for real tokens, less work.
+        self.varlen = True
         self._pool: ThreadPoolExecutor | None = None
         # Whole chunks per micro-batch (at least one).
         self.micro_chunks = max(1, micro_batch_tokens // chunk_size)
@@ -223,7 +230,8 @@ class MuxEngine:
         batches = [(t.slot, t.dataset.batch(t.step, t.spec["batch_size"])) for t in tasks]
         p = pack(batches, self.chunk_size)
         dev = self.device
-        tokens, targets, positions, mask = p.tokens.to(dev), p.targets.to(dev), p.positions.to(dev), p.mask.to(dev)
+        tokens, targets, positions = p.tokens.to(dev), p.targets.to(dev), p.positions.to(dev)
+        mask = None if self.varlen and p.seg is not None else p.mask.to(dev)
         chunk_slot = p.chunk_slot.to(dev)
         single = tasks[0].slot if len(tasks) == 1 else None
         s = self._slots()
@@ -238,8 +246,9 @@ class MuxEngine:
         def run_mb(mb: tuple[list[int], int]) -> torch.Tensor:
             idx, w = mb
             i = torch.tensor(idx, device=dev)
-            mb_sums, _ = self.slot_loss_sums(tokens[i, :w], targets[i, :w], positions[i, :w], mask[i, :w, :w],
-                                             chunk_slot[i], single)
+            mb_sums, _ = self.slot_loss_sums(tokens[i, :w], targets[i, :w], positions[i, :w],
+                                             self.attention_layout(p, mb, mask), chunk_slot[i], single,
+                                             slots=[int(p.chunk_slot[j]) for j in idx])
             # Sum of per-task means, accumulated: d(total)/d(adapter k) = d(loss_k)/d(adapter k).
             (mb_sums / denom).sum().backward()
             return mb_sums.detach()
@@ -305,19 +314,36 @@ class MuxEngine:
         sums, counts = self.slot_loss_sums(tokens, targets, positions, mask, chunk_slot, single)
         return sums / counts.clamp(min=1).to(sums.dtype), counts
 
+    def attention_layout(self, p, mb: tuple[list[int], int], mask: torch.Tensor | None = None):
+        """What the blocks attend with for micro-batch ``mb`` = (chunk indices, width) of
+        packed step ``p``: a :class:`varlen.SegmentLayout` (sequence by sequence, no mask)
+        when ``self.varlen`` and the packing carries segment ids, else the block-causal
+        mask (``mask``: ``p.mask`` already on the device, to avoid a copy per call)."""
+        idx, w = mb
+        if self.varlen and p.seg is not None:
+            return SegmentLayout(p.seg[torch.tensor(idx), :w], self.device)
+        full = p.mask if mask is None else mask
+        return full[torch.tensor(idx, device=full.device), :w, :w]
+
     def slot_loss_sums(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
-                       mask: torch.Tensor, chunk_slot: torch.Tensor, single: int | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       mask, chunk_slot: torch.Tensor, single: int | None = None,
+                       slots: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-slot SUM of next-token losses (S,) and token counts (S,) of these chunks. The
-        head (and the cross-entropy) run only on positions with a target."""
+        head (and the cross-entropy) run only on positions with a target. ``mask``: the
+        block-causal bool mask (N, T, T) or a :class:`varlen.SegmentLayout`. ``slots``
+        (optional, host): the slot of each chunk — lets untargeted adapters be skipped
+        and a one-task micro-batch take the plain (ungathered) adapter path."""
         m = self.model
-        self.ctx.chunk_slot, self.ctx.single = chunk_slot, single
+        distinct = tuple(sorted(set(slots))) if slots is not None else None
+        if single is None and distinct is not None and len(distinct) == 1:
+            single = distinct[0]
+        self.ctx.chunk_slot, self.ctx.single, self.ctx.slots = chunk_slot, single, distinct
         try:
             x = m.embed(tokens, positions)
             for blk in m.blocks:
                 x = blk(x, mask)
         finally:
-            self.ctx.chunk_slot = self.ctx.single = None
+            self.ctx.chunk_slot = self.ctx.single = self.ctx.slots = None
         flat_t = targets.reshape(-1)
         valid = flat_t != -100
         h = m.ln_f(x.reshape(-1, x.shape[-1])[valid])

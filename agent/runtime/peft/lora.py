@@ -11,7 +11,9 @@ Contract:
 * :class:`MuxLoRALinear` wraps a frozen ``nn.Linear``:
   ``y = base(x) + scale[slot] * (x @ A[slot]) @ B[slot]`` with ``slot`` the chunk's
   task slot from the shared :class:`MuxContext`. Per-row adapters are gathered with an
-  index tensor and applied with ``bmm`` (one grouped matmul for all tasks).
+  index tensor and applied with ``bmm`` (one grouped matmul for all tasks); when the
+  context names its slots on the host and none of them targets the module, the adapter
+  is skipped (its contribution is exactly zero).
 * :class:`BankAdam` is Adam (same arithmetic as ``torch.optim.Adam``, no weight decay)
   over every bank at once with per-slot learning rate and step count, updating only
   the slots that trained this step — a finished task's slot is never touched, and
@@ -40,6 +42,9 @@ class MuxContext(threading.local):
 
     chunk_slot: torch.Tensor | None = None  # (N,) int64
     single: int | None = None  # temporal fusion: every chunk is this slot (no gather)
+    # Host copy of the distinct slots in chunk_slot (optional): a linear that none of
+    # them targets skips its adapter entirely.
+    slots: tuple[int, ...] | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -117,6 +122,8 @@ class MuxLoRALinear(nn.Module):
             return y + ((x @ self.bank.A[s]) * sc) @ self.bank.B[s]
         if ctx.chunk_slot is None:
             return y
+        if ctx.slots is not None and not any(self.bank.host_scale[s] for s in ctx.slots):
+            return y  # no chunk here belongs to a task that targets this module
         idx = ctx.chunk_slot
         # (N, T, in) x (N, in, R) -> (N, T, R); scaling the rank-R intermediate is cheapest.
         h = torch.bmm(x, self.bank.A.index_select(0, idx)) * self.bank.scale.index_select(0, idx)[:, None, None]

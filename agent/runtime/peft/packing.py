@@ -12,7 +12,9 @@ chunk row needs one LoRA adapter). :func:`pack` turns the plan into tensors:
 * ``mask`` (N, C, C) bool, block-diagonal causal: row i may attend column j iff both
   belong to the same sequence and j <= i. A pad row attends only to itself (a row with
   no allowed column would make softmax produce NaN);
-* ``chunk_slot`` (N,) the adapter slot of each chunk, ``token_slot`` (N, C) (-1 on pads).
+* ``chunk_slot`` (N,) the adapter slot of each chunk, ``token_slot`` (N, C) (-1 on pads);
+* ``seg`` (N, C) the index of each token's sequence within its chunk (-1 on pads), from
+  which :class:`varlen.SegmentLayout` attends sequence by sequence without the mask.
 
 :class:`PackStats` counts real tokens, pads after packing, and the pads that padding
 each task's batch to its longest sequence would have cost (what HF PEFT does).
@@ -82,6 +84,7 @@ class Packed:
     chunk_slot: torch.Tensor
     token_slot: torch.Tensor
     stats: PackStats
+    seg: torch.Tensor | None = None  # (N, C) sequence id within its chunk, -1 on pads
 
 
 def pack(batches: list[tuple[int, list[torch.Tensor]]], chunk_size: int) -> Packed:
@@ -113,7 +116,7 @@ def pack(batches: list[tuple[int, list[torch.Tensor]]], chunk_size: int) -> Pack
             off += ln
     mask = block_causal_mask(seg)
     token_slot = torch.where(seg >= 0, chunk_slot[:, None].expand(n, c), torch.full_like(seg, -1))
-    return Packed(tokens, targets, positions, mask, chunk_slot, token_slot, stats)
+    return Packed(tokens, targets, positions, mask, chunk_slot, token_slot, stats, seg)
 
 
 def block_causal_mask(seg: torch.Tensor) -> torch.Tensor:
