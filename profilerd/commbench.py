@@ -143,11 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="gloo loopback communication micro-benchmark (JSON rows on stdout)")
     ap.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="bytes per rank")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--sync", action="store_true", help="add the synchronisation rows (op sync, with compute_s)")
     a = ap.parse_args(argv)
     if a.reps < 1 or any(s <= 0 for s in a.sizes):
         print("--reps and --sizes must be positive", file=sys.stderr)
         return 2
-    rows, dev_s = table(a.sizes, a.reps)
+    rows, dev_s = table(a.sizes, a.reps, sync=a.sync)
     json.dump({"rows": rows, "device_s": dev_s}, sys.stdout)
     return 0
 

@@ -97,9 +97,10 @@ class Profilerd:
 
     async def comm_benchmark(self) -> int:
         """Run ``profilerd.commbench`` in a fresh process and buffer its rows as
-        ``kind="comm"`` measurements (labels op, link; values bytes, world, seconds).
+        ``kind="comm"`` measurements (labels op, link; values bytes, world, seconds, and
+        compute_s on the synchronisation rows that ``--sync`` adds).
         Returns the rows reported; a failure is logged, never raised."""
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "profilerd.commbench",
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "profilerd.commbench", "--sync",
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         try:
             out, err = await asyncio.wait_for(proc.communicate(), timeout=300)
@@ -112,9 +113,11 @@ class Profilerd:
             return 0
         doc = json.loads(out)
         for r in doc["rows"]:
+            values = {"bytes": float(r["bytes"]), "world": float(r["world"]), "seconds": float(r["seconds"])}
+            if "compute_s" in r:  # a synchronisation row: the estimator fits the straggler wait from it
+                values["compute_s"] = float(r["compute_s"])
             self.add(profiler_pb2.Measurement(kind="comm", labels={"op": r["op"], "link": self.cfg.comm_link},
-                                              values={"bytes": float(r["bytes"]), "world": float(r["world"]),
-                                                      "seconds": float(r["seconds"])}))
+                                              values=values))
         self.log.info("comm micro-benchmark reported", rows=len(doc["rows"]), link=self.cfg.comm_link,
                       device_s=round(doc["device_s"], 2))
         return len(doc["rows"])
