@@ -15,7 +15,6 @@ core-set partition.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import time
@@ -24,18 +23,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from _live import ended, live_cluster, watch_until
 
-from agent.config import AgentConfig
-from agent.main import serve as agent_serve
-from controller import main as cmain
-from controller.config import ControllerConfig
 from tessera import manifest
 from tessera.api.v1 import agent_pb2, agent_pb2_grpc
 from tessera.api.v1 import controller_pb2 as cpb
-from tessera.api.v1 import controller_pb2_grpc as cgrpc
 from tessera.api.v1 import types_pb2 as tpb
 from tessera.cli import job_view
-from tessera.etcdproc import free_port
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores for a 2-core partition")]
@@ -57,49 +51,15 @@ def peft(name: str, tasks: dict[str, int], seed: int = 0) -> tpb.JobSpec:
 
 @asynccontextmanager
 async def cluster(etcd: str, tmp: Path, prefix: str):
-    """Controller (Tessera policy) + one agent with one 2-core partition."""
-    cfg = ControllerConfig(listen=f"127.0.0.1:{free_port()}", etcd=etcd, prefix=prefix, grace_s=5.0,
-                           heartbeat_interval_s=0.3, reconcile_interval_s=0.3, policy="tessera",
-                           state_dir=str(tmp / f"{prefix.strip('/')}-ctl"),
-                           checkpoint_root=str(tmp / f"{prefix.strip('/')}-ckpt"))
-    cstop, ready = asyncio.Event(), asyncio.Event()
-    ctask = asyncio.create_task(cmain.serve(cfg, ready=ready, stop=cstop))
-    await asyncio.wait_for(ready.wait(), 20)
-    astate = tmp / f"{prefix.strip('/')}-agent"
-    acfg = AgentConfig(name="node-1", listen=f"127.0.0.1:{free_port()}", controller=cfg.listen, cpu_devices=1,
-                       state_dir=str(astate), stop_grace_s=10, report_interval_s=0.2)
-    astop = asyncio.Event()
-    atask = asyncio.create_task(agent_serve(acfg, astop))
-    ch = grpc.aio.insecure_channel(cfg.listen)
-    jobs, nodes = cgrpc.JobServiceStub(ch), cgrpc.NodeServiceStub(ch)
-    async with asyncio.timeout(30):
-        while True:
-            try:
-                if any(n.state == tpb.READY for n in (await nodes.ListNodes(cpb.ListNodesRequest())).nodes):
-                    break
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.05)
-    try:
-        yield jobs, astate, acfg.listen
-    finally:
-        astop.set()
-        await asyncio.gather(atask, return_exceptions=True)
-        await ch.close()
-        cstop.set()
-        await asyncio.wait_for(ctask, 30)
+    """Controller (Tessera policy) + one agent with one 2-core partition (``_live.live_cluster``);
+    yields the JobService stub, the agent's state dir and its address."""
+    async with live_cluster(etcd, tmp, "tessera", prefix, ready_timeout=30) as live:
+        agent = live.agents[0]
+        yield live.jobs, Path(agent.state_dir), agent.listen
 
 
 async def until(jobs, job_id: str, pred, timeout: float = 60.0) -> tpb.Job:
-    async with asyncio.timeout(timeout):
-        async for ev in jobs.WatchJobs(cpb.WatchJobsRequest(job_id=job_id)):
-            if pred(ev.job):
-                return ev.job
-    raise AssertionError("watch ended")
-
-
-def ended(j: tpb.Job) -> bool:
-    return j.status.phase in (tpb.SUCCEEDED, tpb.FAILED, tpb.CANCELLED)
+    return await watch_until(jobs, job_id, pred, timeout)
 
 
 def task(j: tpb.Job, name: str) -> tpb.TaskStatus | None:
