@@ -9,12 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 import structlog
+from _live import eventually
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -31,16 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 async def until(cond, timeout: float = 15.0, what: str = "condition"):
     """Poll ``cond`` (sync or async) until truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        r = cond()
-        if asyncio.iscoroutine(r):
-            r = await r
-        if r:
-            return r
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
+    return await eventually(cond, timeout, what, interval=0.01)
 
 
 class Estimator:
