@@ -24,11 +24,11 @@ writes and the agent RPCs around it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from controller import fusion, measured
 from controller.policy import DeviceView, JobView, NodeView, Placement, RunningJob, ScheduleRequest, Shard
+from controller.policy.multiplex import quota_units  # the one rounding rule, policy and carrying-out alike
 from controller.policy.types import ColocationGroup, Plan
 from controller.policy.snapshot_estimator import DeviceClass, JobShape, job_key, plan_for
 from tessera import manifest
@@ -37,7 +37,6 @@ from tessera.api.v1 import types_pb2
 
 P = types_pb2.JobPhase
 ACTIVE = (P.SCHEDULED, P.RUNNING)
-EPS = 1e-9
 
 
 def node_partitions(node: types_pb2.Node) -> list[types_pb2.Partition]:
@@ -81,14 +80,6 @@ def device_type(dev: types_pb2.Device) -> str:
     """The policy's device type: "cpu" for every CPU core set (core sets of one machine
     type are interchangeable), the GPU model for GPUs (the grid ranks models)."""
     return "cpu" if dev.kind == "cpu" else (dev.model or "gpu")
-
-
-def quota_units(quota: float, capacity: int) -> int:
-    """Whole units of a partition of ``capacity`` for a share ``quota`` in (0, 1]:
-    rounded down (a quota never exceeds its share), at least 1."""
-    if quota >= 1.0 - EPS:
-        return capacity
-    return max(1, min(capacity, math.floor(quota * capacity + EPS)))
 
 
 def _job_kind(job: types_pb2.Job, types_by_kind: dict[str, set[str]]) -> str:

@@ -175,7 +175,8 @@ def module_group(job: JobView, placement: Placement) -> ColocationGroup | None:
 
 def quota_units(quota: float, capacity: int) -> int:
     """Whole units of a partition of ``capacity`` for a share ``quota`` in (0, 1]: rounded
-    down, at least 1 (the rule ``controller.adapter.quota_units`` carries a quota out by)."""
+    down, at least 1 — a quota never exceeds its share. The controller carries quotas out
+    by this same function (``controller.adapter`` re-exports it)."""
     if quota >= 1.0 - QUOTA_EPS:
         return capacity
     return max(1, min(capacity, math.floor(quota * capacity + QUOTA_EPS)))
