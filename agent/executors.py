@@ -365,8 +365,10 @@ class ExecutorManager:
         backend cannot do it in place) or CapacityError (the reason names the partition, the
         free amount and the holders); a refusal changes nothing.
 
-        The runtime's torch/OpenMP thread count is fixed at start: after a shrink its
-        threads share fewer cores, after a grow some cores may stay idle until a relaunch."""
+        The ``gpt`` and ``peft`` runtimes follow at their next step boundary: their torch
+        thread count (and peft's worker pool) is rescaled to the new core count
+        (``agent.runtime.threads``; a ``threads`` event in the executor log). The
+        ``multimodal`` runtime keeps its per-module core sets until a relaunch."""
         if units < 1:
             raise BadRequest(f"units: must be >= 1, got {units}")
         ex = self.executors.get((allocation_id, rank))

@@ -30,6 +30,7 @@ from agent.runtime.parallel.stage import StageModule, merge_pieces
 from agent.runtime.parallel.tp import shard, unshard
 from agent.runtime.plan import Plan, replica_rows, stage_layers, validate
 from agent.runtime.report import Reporter
+from agent.runtime.threads import ThreadFollower
 from tessera import log
 from tessera.errors import SpecError
 
@@ -267,6 +268,7 @@ def train(job: GPTJob, reporter: Reporter) -> int:
     """The training loop proper (spec already validated)."""
     if job.threads:
         torch.set_num_threads(job.threads)
+    follower = ThreadFollower(job.threads)
     logger = log.get(job_id=job.job_id, rank=job.rank)
     t0 = time.perf_counter()
     ctx = pctx.init(job.plan, job.dist)
@@ -308,6 +310,10 @@ def train(job: GPTJob, reporter: Reporter) -> int:
         for step in range(start_step, job.steps):
             t_start = time.perf_counter()
             comm.TIMER.reset()
+            threads = follower.poll()  # the agent may have changed our cores live (UpdateGrant)
+            if threads is not None:
+                logger.info("threads follow the grant", threads=threads, cores=follower.cores, step=step)
+                reporter.event("threads", job_id=job.job_id, threads=threads, cores=follower.cores, step=step)
             if job.step_delay_s:
                 # Input-bound: the step waits for its batch (cores idle); a SIGTERM ends the wait.
                 STOP.wait(job.step_delay_s)

@@ -41,6 +41,17 @@ async def _free_units(stub, n: int) -> bool:
     return (await stub.GetStatus(agent_pb2.GetStatusRequest())).partitions[0].free_units == n
 
 
+def _threads_events(log: Path) -> list[tuple[int, int]]:
+    """(threads, cores) of every ``threads`` event the executor printed so far."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        if "TESSERA_EVENT" in line:
+            ev = json.loads(line.split("TESSERA_EVENT", 1)[1])
+            if ev.get("event") == "threads":
+                out.append((ev["threads"], ev["cores"]))
+    return out
+
+
 async def _executor_units(stub, job_id: str, units: int) -> agent_pb2.ExecutorStatus | None:
     ex = (await running_executors(stub))[job_id]
     return ex if ex.units == units else None
@@ -92,10 +103,14 @@ async def test_update_grant_repins_running_executor_and_refuses_beyond_capacity(
             assert (r.pid, r.old_units, r.units, r.partition_id) == (pa, 1, 2, "cpu0")
             assert set(r.cores) == ca | cb == cpus(pa)
             assert all(t == ca | cb for t in thread_cpus(pa))
+            # The runtime follows at its next step: two intra-op threads on the two cores.
+            log = Path(acfg.state_dir) / "logs" / f"{a}.log"
+            await eventually(lambda: _threads_events(log) == [(2, 2)], 60, "threads event after the grow")
             # And back to one core (the one it started on).
             req.units = 1
             r = await stub.UpdateGrant(req)
             assert (r.pid, r.units) == (pa, 1) and cpus(pa) == ca and all(t == ca for t in thread_cpus(pa))
+            await eventually(lambda: _threads_events(log) == [(2, 2), (1, 1)], 60, "threads event after the shrink")
             # Not restarted, still training.
             step = (await jobs.GetJob(cpb.GetJobRequest(job_id=a))).status.step
             j = await watch_until(jobs, a, lambda j: j.status.step > step + 5)

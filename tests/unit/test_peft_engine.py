@@ -325,3 +325,34 @@ def test_bank_adam_touches_only_targeted_modules_of_active_slots():
     assert not e.banks[proj].A[s].any() and not e.opt.state[proj]["Am"][s].any()
     assert e.opt.state[qkv]["Am"][s].any() and e.opt.state[qkv]["Bv"][s].any()
     assert not e.opt.state[qkv]["Am"][s + 1].any()  # inactive slot untouched
+
+
+def test_set_workers_between_steps_keeps_the_serial_result():
+    """The worker count can change between steps (the runtime follows a live change of the
+    executor's cores): the pool is rebuilt for the new count and the run still equals the
+    serial one; a count below one is refused and changes nothing."""
+    def run(counts):
+        torch.manual_seed(0)
+        e = MuxEngine(GPT(CFG), 32, "spatial", slots=4, micro_batch_tokens=32, workers=counts[0])
+        for t in THREE:
+            e.add_task(t, dataset(t))
+        randomize_b(e)
+        reps = []
+        for n in counts:
+            e.set_workers(n)
+            assert e.workers == n
+            reps.append(e.step())
+            assert (e._pool is not None) == (n > 1)
+        e.close()
+        return e, reps
+
+    serial, r1 = run([1, 1, 1, 1])
+    varied, r2 = run([2, 3, 1, 2])
+    for a, b in zip(r1, r2):
+        for n in a.losses:
+            assert b.losses[n] == pytest.approx(a.losses[n], rel=RTOL)
+    for k in serial.banks:
+        torch.testing.assert_close(varied.banks[k].A, serial.banks[k].A, rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match="workers"):
+        varied.set_workers(0)
+    assert varied.workers == 2

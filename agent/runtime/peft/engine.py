@@ -299,6 +299,15 @@ class MuxEngine:
         finally:
             torch.set_num_threads(old)
 
+    def set_workers(self, workers: int) -> None:
+        """Run later steps' micro-batches on ``workers`` threads (between steps only). The
+        pool is rebuilt lazily at the next threaded step; ValueError if ``workers`` < 1."""
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        if workers != self.workers:
+            self.close()
+            self.workers = workers
+
     def close(self) -> None:
         """Stop the micro-batch worker pool (if any); the engine stays usable (a later
         threaded step starts a new pool)."""

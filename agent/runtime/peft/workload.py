@@ -8,7 +8,9 @@ otherwise. ``spec`` is ``{"job_id", "workload", "dist", "checkpoint_dir", "threa
 and optionally ``"control_file"``. ``threads`` (the executor's thread budget) is both
 the intra-op thread count and the engine's micro-batch worker count (``MuxEngine``
 ``workers``: that many micro-batches run at once, one intra-op thread each); absent,
-one worker.
+one worker. When the agent changes the executor's cores live, the thread count and the
+worker count follow at the next step boundary (:class:`agent.runtime.threads.ThreadFollower`;
+a ``threads`` event says so).
 
 Events: ``start``; ``task`` per task (``task``, ``phase``: running | succeeded |
 cancelled, ``step``, ``steps``, ``loss``, ``tokens_per_s``) when it starts, every
@@ -48,6 +50,7 @@ from agent.runtime.model import GPT, GPTConfig
 from agent.runtime.peft.data import make_dataset
 from agent.runtime.peft.engine import MuxEngine, TaskState
 from agent.runtime.report import Reporter
+from agent.runtime.threads import ThreadFollower
 from tessera import log
 from tessera.errors import SpecError
 from tessera.spec.peft import validate_peft, validate_task
@@ -310,7 +313,14 @@ def _run(spec: dict, reporter: Reporter) -> int:
                    backbone_params=sum(p.numel() for p in runner.model.parameters() if not p.requires_grad))
     for i, t in enumerate(sec["tasks"]):
         runner.add_task(t, f"workload.peft.tasks[{i}]")
+    follower = ThreadFollower(int(spec.get("threads") or 0))
     while True:
+        threads = follower.poll()  # the agent may have changed our cores live (UpdateGrant)
+        if threads is not None:
+            runner.engine.set_workers(threads)
+            runner.log.info("threads follow the grant", threads=threads, cores=follower.cores)
+            reporter.event("threads", job_id=spec.get("job_id"), threads=threads, cores=follower.cores,
+                           step=runner.engine.steps_done)
         if STOP.is_set():
             runner.checkpoint_running()
             runner.log.info("stopped", running=[t.name for t in runner.engine.running()])
