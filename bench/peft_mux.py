@@ -1,6 +1,6 @@
 """Benchmark: K LoRA tasks on one backbone — HF PEFT instances vs Tessera fusion.
 
-``python -m bench.peft_mux [--json PATH] [--device cpu|cuda] [--quick]``
+``python -m bench.peft_mux [--json PATH] [--device cpu|cuda] [--quick] [--rounds R]``
 
 Rows, all training the SAME K tasks (same backbone class, size and weights; same
 LoRA ranks/targets/learning rates; the same sequences, so the same effective tokens):
@@ -22,6 +22,11 @@ live processes sampled every 10 ms (HF rows) and VmHWM (Tessera rows, which can 
 over-state them); on GPU, ``torch.cuda.max_memory_allocated`` summed over concurrent
 processes, max over sequential ones. ``speedup_vs_peft`` / ``memory_reduction_vs_peft``
 compare Tessera spatial with the better HF row for each figure.
+
+``--rounds R`` (default 3) runs the four rows R times, interleaved (a b c d a b c d ...),
+so that a slow spell of this shared machine hits every row alike; each row reports its
+median-throughput round (``tokens_per_s_rounds`` lists them all) and the worst round's
+peak memory.
 """
 
 from __future__ import annotations
@@ -288,6 +293,19 @@ def _row(name: str, procs: int, res: list[dict], concurrent: bool, sampled_mb: f
     return row
 
 
+def median_row(rounds: list[dict]) -> dict:
+    """One row from its rounds: the round of median throughput (the lower middle one for
+    an even count), with every round's throughput and wall time beside it, and the peak
+    memory of the worst round (memory is not a figure to take a median of)."""
+    order = sorted(rounds, key=lambda r: r["tokens_per_s"])
+    row = dict(order[(len(order) - 1) // 2])
+    row["rounds"] = len(rounds)
+    row["tokens_per_s_rounds"] = [r["tokens_per_s"] for r in rounds]
+    row["wall_s_rounds"] = [r["wall_s"] for r in rounds]
+    row["peak_mem_mb"] = max(r["peak_mem_mb"] for r in rounds)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.peft_mux", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the results here")
@@ -296,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4, help="steps per task")
     ap.add_argument("--quick", action="store_true", help="tiny backbone (smoke test, not a measurement)")
     ap.add_argument("--rows", default="a,b,c,d", help="which rows to run (a,b,c,d)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="run every row this many times, interleaved (a b c d a b c d ...); each row "
+                         "reports its median-throughput round (default 3)")
     ap.add_argument("--workers", type=int, default=0,
                     help="Tessera micro-batch worker threads (default: one per core on CPU, 1 on GPU)")
     ap.add_argument("--worker", nargs=2, metavar=("KIND", "ARGS"), help=argparse.SUPPRESS)
@@ -306,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res), flush=True)
         return 0
 
+    if a.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {a.rounds}")
     want = set(a.rows.split(","))
     if want & {"a", "b"}:
         require_peft()
@@ -315,25 +338,30 @@ def main(argv: list[str] | None = None) -> int:
         a.steps = 20  # a GPU step is short: train longer for a stable figure
     tasks = make_tasks(a.tasks, model["seq_len"], a.steps)
     common = {"model": model, "seed": 0, "device": a.device}
-    rows: list[dict] = []
     per_proc = max(1, cores // len(tasks)) if a.device == "cpu" else cores
     # Tessera's micro-batch workers: on CPU one per core (each with one intra-op thread);
     # on GPU one (the kernels already fill the device).
     workers = a.workers or (cores if a.device == "cpu" else 1)
-    if "a" in want:
-        res, peak = _run_group([("hf", {**common, "task": t, "threads": per_proc}) for t in tasks], True)
-        rows.append(_row("hf_peft_concurrent", len(tasks), res, True, peak, a.device))
-    if "b" in want:
-        res, peak = _run_group([("hf", {**common, "task": t, "threads": cores}) for t in tasks], False)
-        rows.append(_row("hf_peft_sequential", len(tasks), res, False, peak, a.device))
-    for key, mode in (("c", "temporal"), ("d", "spatial")):
-        if key in want:
-            args = {**common, "tasks": tasks, "threads": cores, "mode": mode, "chunk_size": model["seq_len"],
-                    "workers": workers}
-            res, peak = _run_group([("tessera", args)], False)
-            rows.append(_row(f"tessera_{mode}", 1, res, False, peak, a.device))
+    rounds: dict[str, list[dict]] = {}
+    for r in range(a.rounds):
+        if a.rounds > 1:
+            print(f"round {r + 1}/{a.rounds}", file=sys.stderr, flush=True)
+        if "a" in want:
+            res, peak = _run_group([("hf", {**common, "task": t, "threads": per_proc}) for t in tasks], True)
+            rounds.setdefault("a", []).append(_row("hf_peft_concurrent", len(tasks), res, True, peak, a.device))
+        if "b" in want:
+            res, peak = _run_group([("hf", {**common, "task": t, "threads": cores}) for t in tasks], False)
+            rounds.setdefault("b", []).append(_row("hf_peft_sequential", len(tasks), res, False, peak, a.device))
+        for key, mode in (("c", "temporal"), ("d", "spatial")):
+            if key in want:
+                args = {**common, "tasks": tasks, "threads": cores, "mode": mode, "chunk_size": model["seq_len"],
+                        "workers": workers}
+                res, peak = _run_group([("tessera", args)], False)
+                rounds.setdefault(key, []).append(_row(f"tessera_{mode}", 1, res, False, peak, a.device))
+    rows = [median_row(rounds[k]) for k in "abcd" if k in rounds]
 
-    out: dict = {"device": a.device, "cores": cores, "tessera_workers": workers, "model": model, "tasks": len(tasks), "steps_per_task": a.steps,
+    out: dict = {"device": a.device, "cores": cores, "tessera_workers": workers, "model": model, "tasks": len(tasks),
+                 "steps_per_task": a.steps, "rounds": a.rounds,
                  "rows": rows, **{r["row"]: r for r in rows}}
     hf = [r for r in rows if r["row"].startswith("hf")]
     tess = {r["row"]: r for r in rows if r["row"].startswith("tessera")}
