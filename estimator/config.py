@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from tessera.errors import SpecError
 
+from .models import MIN_MEASURED
+
 
 @dataclass(frozen=True)
 class EstimatorConfig:
@@ -13,6 +15,14 @@ class EstimatorConfig:
     state_dir: str = field(default=".tessera/estimator", metadata={"help": "directory of the measurement log"})
     grace_s: float = field(default=3.0, metadata={"help": "seconds in-flight RPCs get on SIGTERM"})
     min_refit_interval_s: float = field(default=1.0, metadata={"help": "at most one model refit per this many seconds"})
+    step_window: int = field(default=4096, metadata={
+        "help": "step samples kept per job, per model key and per (job, model key): the most recent ones"})
+    run_steps: int = field(default=64, metadata={
+        "help": "measured steps kept per single-device run (besides its warm-up steps): the latest ones"})
+    row_window: int = field(default=256, metadata={
+        "help": "comm rows kept per (link, op, bytes, world) and colocation rows per (device kind, mode, colocated)"})
+    compact_bytes: int = field(default=64 << 20, metadata={
+        "help": "rewrite the measurement log to what is retained once it exceeds this many bytes (0: never)"})
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -23,3 +33,11 @@ class EstimatorConfig:
             raise SpecError("min_refit_interval_s", f"must be >= 0, got {self.min_refit_interval_s}")
         if self.grace_s < 0:
             raise SpecError("grace_s", f"must be >= 0, got {self.grace_s}")
+        if self.step_window < 1:
+            raise SpecError("step_window", f"must be >= 1, got {self.step_window}")
+        if self.run_steps < MIN_MEASURED:  # fewer could never make a profile point
+            raise SpecError("run_steps", f"must be >= {MIN_MEASURED}, got {self.run_steps}")
+        if self.row_window < 1:
+            raise SpecError("row_window", f"must be >= 1, got {self.row_window}")
+        if self.compact_bytes < 0:
+            raise SpecError("compact_bytes", f"must be >= 0 (0 disables compaction), got {self.compact_bytes}")

@@ -16,14 +16,20 @@ from tessera.errors import SpecError
 from .api import EstimatorService
 from .config import EstimatorConfig
 from .models import ModelKeeper
-from .store import MeasurementStore
+from .store import MeasurementStore, Retention
 
 SERVICE = grpcserver.full_name(estimator_pb2, "EstimatorService")
 
 
+def open_store(cfg: EstimatorConfig) -> MeasurementStore:
+    """The measurement store of ``cfg`` (its directory, retention windows, compaction threshold)."""
+    return MeasurementStore(cfg.state_dir, Retention(step_window=cfg.step_window, run_steps=cfg.run_steps,
+                                                     row_window=cfg.row_window), compact_bytes=cfg.compact_bytes)
+
+
 async def start(cfg: EstimatorConfig) -> tuple[grpcserver.Running, MeasurementStore]:
     """Open the store and start serving; the caller stops the server, then closes the store."""
-    store = MeasurementStore(cfg.state_dir)
+    store = open_store(cfg)
     try:
         svc = EstimatorService(store, ModelKeeper(store, cfg.state_dir, min_refit_interval_s=cfg.min_refit_interval_s))
         running = await grpcserver.start([(estimator_pb2_grpc.add_EstimatorServiceServicer_to_server, svc)],
@@ -38,7 +44,7 @@ async def start(cfg: EstimatorConfig) -> tuple[grpcserver.Running, MeasurementSt
 async def serve(cfg: EstimatorConfig, stop: asyncio.Event | None = None) -> None:
     """Run until ``stop`` is set (SIGTERM/SIGINT when None)."""
     logger = log.get(component="estimator")
-    store = MeasurementStore(cfg.state_dir)
+    store = open_store(cfg)
 
     def started(r: grpcserver.Running) -> None:
         logger.info("estimator started", listen=cfg.listen, port=r.port, state_dir=cfg.state_dir)
@@ -49,7 +55,8 @@ async def serve(cfg: EstimatorConfig, stop: asyncio.Event | None = None) -> None
                                [SERVICE], cfg.listen, stop=stop, grace=cfg.grace_s, on_started=started)
     finally:
         store.close()
-        logger.info("estimator stopped", measurements=store.count, duplicates=store.duplicates)
+        logger.info("estimator stopped", measurements=store.count, duplicates=store.duplicates, retained=store.retained,
+                    compactions=store.compactions)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,18 +1,37 @@
-"""Durable measurement store: an append-only log, fsynced before a batch is acknowledged.
+"""Durable measurement store: an append-only log, fsynced before a batch is acknowledged,
+with bounded retention and crash-safe compaction.
 
 File ``<state_dir>/measurements.log``: records of ``u32 length | u32 crc32 | Measurement``
 (little endian). On open the log is replayed to rebuild the per-source watermarks and the
-in-memory step index; a torn or corrupt tail (a crash mid-write) is truncated away, which
+in-memory windows; a torn or corrupt tail (a crash mid-write) is truncated away, which
 loses only measurements that were never acknowledged.
+
+Retention (``Retention``, the rule itself in ``Windows``): memory keeps the most recent
+``step_window`` step samples per job, per model key and per (job, model key); per
+single-device run the warm-up steps plus the ``run_steps`` latest measured steps; the
+most recent ``row_window`` comm rows per (link, op, bytes, world) and colocation rows per
+(device kind, mode, colocated); and each source's latest record (its watermark).
+
+Compaction: once the log exceeds ``compact_bytes`` it is rewritten to exactly the records
+the windows hold (in log order) followed by one checkpoint record (``META_KIND``, empty
+source) carrying ``count`` and ``model_revision``; written to ``TMP_NAME``, fsynced,
+``os.replace``d over the log, directory fsynced. A crash leaves the old or the new log;
+a stray temp file is removed on open. Replaying any subsequence of the log that contains
+every retained record in order yields the same windows, because every window keeps the
+last N of its key (runs: the lowest and highest step numbers, each at its last value).
+Device samples and kinds this version does not index are dropped by compaction.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import os
 import struct
 import zlib
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tessera import log
@@ -23,6 +42,15 @@ from .profiles import StepSample
 
 _HEADER = struct.Struct("<II")
 LOG_NAME = "measurements.log"
+TMP_NAME = LOG_NAME + ".compact.tmp"
+META_KIND = "estimator.checkpoint"
+DEFAULT_COMPACT_BYTES = 64 << 20
+# Windows whose change moves ``model_revision`` (the performance model's inputs).
+MODEL_INPUTS = frozenset({"run", "comm", "colocation"})
+
+# A record's place in one window: ((window name, key), value held there). The "run"
+# window's value is (step, seconds); the others keep the last N values of their key.
+Slot = tuple[tuple[str, Hashable], object]
 
 
 def encode(m: profiler_pb2.Measurement) -> bytes:
@@ -50,30 +78,189 @@ def read_log(path: Path) -> tuple[list[profiler_pb2.Measurement], int]:
     return out, off
 
 
+@dataclass(frozen=True)
+class Retention:
+    """How much the store keeps per key (see the module docstring); each limit >= 1."""
+
+    step_window: int = 4096
+    run_steps: int = 64
+    row_window: int = 256
+
+    def __post_init__(self) -> None:
+        for k in ("step_window", "run_steps", "row_window"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"{k}: must be >= 1, got {getattr(self, k)}")
+
+    def limit(self, window: str) -> int:
+        """How many records a last-N window of this name keeps per key."""
+        if window in ("job", "model", "job_model"):
+            return self.step_window
+        if window in ("comm", "colocation"):
+            return self.row_window
+        if window == "source":
+            return 1  # a source's records arrive in seq order: the last is its watermark
+        raise ValueError(f"unknown window {window!r}")
+
+
+def slots(m: profiler_pb2.Measurement) -> list[Slot]:
+    """The windows a measurement takes part in and what it holds in each (pure). Every
+    record is in its source's window, so the watermark record survives compaction."""
+    out: list[Slot] = [(("source", m.source), None)]
+    if m.kind == "step":
+        s = StepSample(m.step_time_s, dict(m.phases), m.time)
+        if m.job_id:
+            out.append((("job", m.job_id), s))
+        if m.model_key:
+            out.append((("model", m.model_key), s))
+        if m.job_id and m.model_key:
+            out.append((("job_model", (m.job_id, m.model_key)), s))
+        key = models.run_key(m)
+        if key is not None:
+            out.append((("run", key), (m.step, m.step_time_s)))
+    elif m.kind == "comm":
+        row = models.comm_row(m)
+        if row is not None:
+            out.append((("comm", (row["link"], row["op"], row["bytes"], row["world"])), row))
+    elif m.kind == "colocation":
+        row = models.colocation_row(m)
+        if row is not None:
+            out.append((("colocation", (row["device_kind"], row["mode"], row["colocated"])), row))
+    return out
+
+
+class Windows:
+    """The retention rule (pure: no I/O, no clock), fed records in log order by index.
+
+    Last-N windows (``Retention.limit``) keep the most recent N records of each key.
+    A "run" window keeps, per step number, the last record that reported it, for the
+    ``models.WARMUP_STEPS`` lowest step numbers and the ``run_steps`` highest ones (an
+    executor numbers steps in order, so these are its warm-up and its latest steps).
+    A record is retained while at least one window holds it (``refs``)."""
+
+    def __init__(self, retention: Retention, warmup: int = models.WARMUP_STEPS) -> None:
+        self.retention = retention
+        self.warmup = warmup
+        self.last: dict[str, dict[Hashable, deque[tuple[int, object]]]] = {}
+        self.runs: dict[tuple, dict[int, float]] = {}       # run key -> step -> seconds
+        self.run_records: dict[tuple, dict[int, int]] = {}  # run key -> step -> record index
+        self.refs: dict[int, int] = {}
+
+    def _ref(self, i: int) -> None:
+        self.refs[i] = self.refs.get(i, 0) + 1
+
+    def _unref(self, i: int, dropped: list[int]) -> None:
+        n = self.refs[i] - 1
+        if n:
+            self.refs[i] = n
+        else:
+            del self.refs[i]
+            dropped.append(i)
+
+    def add(self, i: int, record_slots: Iterable[Slot]) -> tuple[set[str], list[int]]:
+        """Record ``i`` (greater than every earlier one) enters its windows. Returns the
+        names of the windows whose content changed and the records no window holds any
+        more (``i`` itself when it is kept nowhere)."""
+        changed: set[str] = set()
+        dropped: list[int] = []
+        self._ref(i)  # held while it enters, so evicting and re-adding cannot drop it early
+        for (name, key), value in record_slots:
+            if name == "run":
+                if self._add_run(i, key, value, dropped):
+                    changed.add(name)
+                continue
+            by_key = self.last.setdefault(name, {})
+            d = by_key.get(key)
+            if d is None:
+                d = by_key[key] = deque(maxlen=self.retention.limit(name))
+            self._ref(i)
+            if len(d) == d.maxlen:
+                self._unref(d[0][0], dropped)
+            d.append((i, value))
+            changed.add(name)
+        self._unref(i, dropped)
+        return changed, dropped
+
+    def _add_run(self, i: int, key: tuple, value: tuple[int, float], dropped: list[int]) -> bool:
+        step, seconds = value
+        recs = self.run_records.setdefault(key, {})
+        vals = self.runs.setdefault(key, {})
+        self._ref(i)
+        if step in recs:  # reported again (e.g. a resent or replayed step): the last one counts
+            old, before = recs[step], vals[step]
+            recs[step], vals[step] = i, seconds
+            self._unref(old, dropped)
+            return before != seconds
+        recs[step], vals[step] = i, seconds
+        if len(recs) <= self.warmup + self.retention.run_steps:
+            return True
+        victim = sorted(recs)[self.warmup]  # the oldest measured step
+        self._unref(recs.pop(victim), dropped)
+        del vals[victim]
+        return victim != step
+
+    def window(self, name: str, key: Hashable) -> deque[tuple[int, object]]:
+        """(record, value) pairs of one last-N window, oldest first (empty if unknown)."""
+        return self.last.get(name, {}).get(key, deque())
+
+    def rows(self, name: str) -> list:
+        """The values of every key's window of ``name``, in record order."""
+        return [v for _, v in heapq.merge(*self.last.get(name, {}).values(), key=lambda e: e[0])]
+
+
+def survivors(records: Iterable[Iterable[Slot]], retention: Retention) -> list[int]:
+    """Indices of the records (each given by its ``slots``) that the windows retain."""
+    w = Windows(retention)
+    for i, s in enumerate(records):
+        w.add(i, s)
+    return sorted(w.refs)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class MeasurementStore:
     """Measurements by (source, seq), deduplicated by each source's watermark (the
     highest persisted seq; a profilerd numbers in order, so anything at or below it has
-    been seen). ``append`` is safe to call from concurrent RPCs."""
+    been seen). ``append`` is safe to call from concurrent RPCs.
 
-    def __init__(self, state_dir: str | os.PathLike) -> None:
+    ``count``: measurements accepted over the log's life (kept across compaction);
+    ``duplicates``: dropped since open; ``retained``: records held in memory;
+    ``compactions``: log rewrites since open."""
+
+    def __init__(self, state_dir: str | os.PathLike, retention: Retention | None = None, *,
+                 compact_bytes: int = DEFAULT_COMPACT_BYTES) -> None:
+        if compact_bytes < 0:
+            raise ValueError(f"compact_bytes: must be >= 0, got {compact_bytes}")
         self.dir = Path(state_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / LOG_NAME
         self.log = log.get(component="estimator.store")
+        self.retention = retention or Retention()
+        self.compact_bytes = compact_bytes
         self.watermarks: dict[str, int] = {}
-        self.by_job: dict[str, list[StepSample]] = {}
-        self.by_model: dict[str, list[StepSample]] = {}
-        self.by_job_model: dict[tuple[str, str], list[StepSample]] = {}
         self.count = 0
         self.duplicates = 0
+        self.compactions = 0
+        self._w = Windows(self.retention)
         # Inputs of the performance model (estimator/models.py): single-device runs
         # (run key -> {step: seconds}), communication rows, colocation pairs; the
         # revision moves only when one of them changed (device samples do not refit).
-        self.runs: dict[tuple, dict[int, float]] = {}
-        self.comm_rows: list[dict] = []
-        self.colocation_rows: list[dict] = []
+        self.runs = self._w.runs
         self.model_revision = 0
+        # Encoded records the windows hold, by record index; insertion order is log order.
+        self._blobs: dict[int, bytes] = {}
+        self._next = 0
+        self._retained_bytes = 0
         self._lock = asyncio.Lock()
+        tmp = self.dir / TMP_NAME
+        if tmp.exists():  # a compaction that crashed before its replace: the log is the old one
+            self.log.warning("removing an interrupted compaction", path=str(tmp), bytes=tmp.stat().st_size)
+            tmp.unlink()
         records, good = read_log(self.path)
         size = self.path.stat().st_size if self.path.exists() else 0
         if good < size:
@@ -83,44 +270,84 @@ class MeasurementStore:
                 f.flush()
                 os.fsync(f.fileno())
         for m in records:
-            self._index(m)
+            self._index(m, encode(m))
         self._file = open(self.path, "ab")
-        self.log.info("measurement store opened", path=str(self.path), measurements=self.count, sources=len(self.watermarks))
+        self._size = good
+        self.log.info("measurement store opened", path=str(self.path), measurements=self.count,
+                      retained=self.retained, sources=len(self.watermarks), bytes=good)
 
-    def _index(self, m: profiler_pb2.Measurement) -> None:
+    @property
+    def retained(self) -> int:
+        """Records held in memory (what a compaction would keep, less its checkpoint)."""
+        return len(self._blobs)
+
+    @property
+    def comm_rows(self) -> list[dict]:
+        """Retained communication rows, in arrival order."""
+        return self._w.rows("comm")
+
+    @property
+    def colocation_rows(self) -> list[dict]:
+        """Retained colocation pairs, in arrival order."""
+        return self._w.rows("colocation")
+
+    def _index(self, m: profiler_pb2.Measurement, blob: bytes) -> None:
+        if m.kind == META_KIND and not m.source:  # a compaction's checkpoint: restore the counters
+            self.count = int(m.values["count"])
+            self.model_revision = int(m.values["model_revision"])
+            return
         self.watermarks[m.source] = max(self.watermarks.get(m.source, 0), m.seq)
         self.count += 1
-        if m.kind == "step":
-            s = StepSample(m.step_time_s, dict(m.phases), m.time)
-            if m.job_id:
-                self.by_job.setdefault(m.job_id, []).append(s)
-            if m.model_key:
-                self.by_model.setdefault(m.model_key, []).append(s)
-            if m.job_id and m.model_key:
-                self.by_job_model.setdefault((m.job_id, m.model_key), []).append(s)
-            key = models.run_key(m)
-            if key is not None:
-                self.runs.setdefault(key, {})[m.step] = m.step_time_s
-                self.model_revision += 1
-        elif m.kind == "comm":
-            row = models.comm_row(m)
-            if row is not None:
-                self.comm_rows.append(row)
-                self.model_revision += 1
-        elif m.kind == "colocation":
-            row = models.colocation_row(m)
-            if row is not None:
-                self.colocation_rows.append(row)
-                self.model_revision += 1
+        i = self._next
+        self._next += 1
+        self._blobs[i] = blob
+        self._retained_bytes += len(blob)
+        changed, dropped = self._w.add(i, slots(m))
+        for j in dropped:
+            self._retained_bytes -= len(self._blobs.pop(j))
+        if changed & MODEL_INPUTS:
+            self.model_revision += 1
 
     def _write(self, blob: bytes) -> None:
         self._file.write(blob)
         self._file.flush()
         os.fsync(self._file.fileno())
+        self._size = self._file.tell()
+
+    def _compaction_due(self) -> bool:
+        # Also wait until at least half the log is garbage, so that a retained set near
+        # compact_bytes is not rewritten on every append (nor after every restart).
+        return self.compact_bytes > 0 and self._size > max(self.compact_bytes, 2 * self._retained_bytes)
+
+    def _compact(self) -> None:
+        """Rewrite the log to the retained records plus a checkpoint (caller holds the lock)."""
+        before, kept = self._size, len(self._blobs)
+        meta = profiler_pb2.Measurement(kind=META_KIND, values={"count": self.count,
+                                                                "model_revision": self.model_revision})
+        blob = b"".join(self._blobs.values()) + encode(meta)
+        tmp = self.dir / TMP_NAME
+        try:
+            with open(tmp, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        # From here on the old file is unlinked: appends must go to the new one.
+        self._file.close()
+        self._file = open(self.path, "ab")
+        _fsync_dir(self.dir)
+        self._size = len(blob)
+        self.compactions += 1
+        self.log.info("measurement log compacted", path=str(self.path), bytes_before=before, bytes_after=len(blob),
+                      records_kept=kept, measurements=self.count)
 
     async def append(self, measurements: Iterable[profiler_pb2.Measurement]) -> tuple[int, int]:
         """Persist (write + fsync) the measurements not yet seen, then index them.
-        Returns (accepted, duplicates). When it returns, the accepted ones are durable."""
+        Returns (accepted, duplicates). When it returns, the accepted ones are durable.
+        May compact the log first (a failed compaction is logged; the batch stays durable)."""
         async with self._lock:
             seen = dict(self.watermarks)
             new: list[profiler_pb2.Measurement] = []
@@ -132,9 +359,15 @@ class MeasurementStore:
                 seen[m.source] = m.seq
                 new.append(m)
             if new:
-                await asyncio.to_thread(self._write, b"".join(encode(m) for m in new))
-                for m in new:
-                    self._index(m)
+                blobs = [encode(m) for m in new]
+                await asyncio.to_thread(self._write, b"".join(blobs))
+                for m, b in zip(new, blobs):
+                    self._index(m, b)
+                if self._compaction_due():
+                    try:
+                        await asyncio.to_thread(self._compact)
+                    except OSError as e:
+                        self.log.error("measurement log compaction failed", path=str(self.path), error=str(e))
             self.duplicates += dups
             return len(new), dups
 
@@ -143,12 +376,15 @@ class MeasurementStore:
         return self.watermarks.get(source, 0)
 
     def steps(self, job_id: str = "", model_key: str = "") -> list[StepSample]:
-        """Step samples of a job, a model key, or both (intersection)."""
+        """The most recent ``step_window`` step samples of a job, a model key, or both
+        (intersection), oldest first."""
         if job_id and model_key:
-            return self.by_job_model.get((job_id, model_key), [])
-        if job_id:
-            return self.by_job.get(job_id, [])
-        return self.by_model.get(model_key, [])
+            d = self._w.window("job_model", (job_id, model_key))
+        elif job_id:
+            d = self._w.window("job", job_id)
+        else:
+            d = self._w.window("model", model_key)
+        return [s for _, s in d]
 
     def close(self) -> None:
         self._file.close()
