@@ -240,7 +240,8 @@ class _Sampler:
 
 
 def _spawn(kind: str, args: dict) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS=str(args["threads"]), PYTHONPATH=ROOT)
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args["threads"]), PYTHONPATH=path)
     return subprocess.Popen([sys.executable, "-m", "bench.peft_mux", "--worker", kind, json.dumps(args)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
 

@@ -15,9 +15,12 @@ DIR="${OUT:-bench/out/gpu}"
 mkdir -p "$DIR"
 DIR="$(cd "$DIR" && pwd)"
 BUDGET_S=${TESSERA_GPU_BUDGET_S:-540}   # stay under the 10-minute command limit with margin
+# The interpreter that holds torch: the repo's venv if any, else python3 (the device
+# image's torch lives there), else python.
 PY=python3
-[ -x .venv/bin/python ] && PY=.venv/bin/python
-command -v python >/dev/null 2>&1 && [ ! -x .venv/bin/python ] && PY=python
+if [ -x .venv/bin/python ]; then PY=.venv/bin/python
+elif ! python3 -c "import torch" >/dev/null 2>&1 && command -v python >/dev/null 2>&1; then PY=python
+fi
 STEPS="$DIR/steps.jsonl"
 : > "$STEPS"
 
@@ -61,6 +64,20 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1 \
   echo "no CUDA GPU on this machine (nvidia-smi or torch.cuda unavailable): nothing to check"
   summary false "no CUDA GPU: nvidia-smi or torch.cuda.is_available() failed"
   exit 0
+fi
+
+# -- 0b. pure-Python dependencies the device image lacks (structlog), from bench/gpu/wheels --
+# The image has torch, grpcio, protobuf, peft, nvidia-ml-py but not structlog (the logging
+# library every daemon and executor imports); nothing can be fetched there.
+if ! "$PY" -c "import structlog" >/dev/null 2>&1; then
+  SITE=/tmp/tessera-site
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+       bench/gpu/wheels/*.whl > "$DIR/wheels.log" 2>&1; then
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    echo '{"step":"wheels","rc":0,"installed":"bench/gpu/wheels"}' >> "$STEPS"
+  else
+    echo '{"step":"wheels","rc":1,"note":"structlog missing and bench/gpu/wheels did not install; see wheels.log"}' >> "$STEPS"
+  fi
 fi
 
 # -- 1. devices and MIG state, read-only, through the agent ------------------------------
@@ -128,9 +145,11 @@ fi
 
 # -- 4. the runtime benchmarks that exist, each bounded ------------------------------------
 for mod in peft_mux mm_colocate mm_reshard; do  # estimator_accuracy ran above, under MPS
-  limit=60; [ "$mod" = peft_mux ] && limit=120   # peft_mux starts 16 HF processes
+  limit=60; extra=""
+  # peft_mux starts 16 HF processes per round: one round on the GPU (device time is scarce)
+  [ "$mod" = peft_mux ] && limit=120 && extra="--rounds 1"
   if "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('bench.$mod') else 1)" 2>/dev/null; then
-    step "$mod" "$limit" "$PY" -m "bench.$mod" --device cuda --json "$DIR/$mod.json"
+    step "$mod" "$limit" "$PY" -m "bench.$mod" --device cuda --json "$DIR/$mod.json" $extra
   else
     echo "{\"step\":\"$mod\",\"skipped\":\"module bench.$mod not present\"}" >> "$STEPS"
   fi
