@@ -368,7 +368,8 @@ class ExecutorManager:
         The ``gpt`` and ``peft`` runtimes follow at their next step boundary: their torch
         thread count (and peft's worker pool) is rescaled to the new core count
         (``agent.runtime.threads``; a ``threads`` event in the executor log). The
-        ``multimodal`` runtime keeps its per-module core sets until a relaunch."""
+        ``multimodal`` runtime keeps its thread budgets; its module workers, re-pinned with
+        every other thread, share the new cores (the per-module split returns at a relaunch)."""
         if units < 1:
             raise BadRequest(f"units: must be >= 1, got {units}")
         ex = self.executors.get((allocation_id, rank))
