@@ -39,6 +39,7 @@ class Leadership:
                     await self._wait_vacant()
                     continue
                 self.store.fencing_token = token
+                self.store.deposed = False
                 self.is_leader.set()
                 self.log.info("elected", fencing_token=token)
                 await on_elected()
@@ -50,6 +51,7 @@ class Leadership:
                 self.log.warning("election error", error=str(e))
             if self.is_leader.is_set():
                 self.is_leader.clear()
+                self.store.deposed = True  # before the token goes: in-flight writes fail Fenced
                 self.store.fencing_token = None
                 self.log.warning("leadership lost")
                 await on_lost()
@@ -91,15 +93,19 @@ class Leadership:
         while True:
             await asyncio.sleep(self.ttl / 3)
             try:
+                # Refresh and ownership check within one TTL/3: a slow etcd must end
+                # leadership here, before the lease can expire on the server.
                 async with asyncio.timeout(self.ttl / 3):
                     resp = await self.lease.refresh()
+                    if resp is None or resp.TTL <= 0 or not await self.store.is_leader():
+                        return
             except TimeoutError:
-                return
-            if resp is None or resp.TTL <= 0 or not await self.store.is_leader():
                 return
 
     async def resign(self) -> None:
         """Give up leadership now (on shutdown), so a standby takes over at once."""
+        if self.store.fencing_token is not None:
+            self.store.deposed = True
         self.is_leader.clear()
         self.store.fencing_token = None
         if self.lease is not None:

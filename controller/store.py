@@ -55,6 +55,11 @@ class Store:
         self.c = client
         self.prefix = prefix.rstrip("/")
         self.fencing_token: int | None = None  # create revision of our leader key
+        # Set when this controller's leadership ended (lost or resigned) and cleared when it
+        # is elected again: every transaction then fails with Fenced, also the ones of a
+        # round or an RPC that passed its leader check before the loss (a fence of None
+        # would compare nothing and let them through).
+        self.deposed = False
 
     # -- keys -------------------------------------------------------------------------
     def k(self, *parts: str) -> bytes:
@@ -87,6 +92,8 @@ class Store:
     async def txn(self, compare: list, success: list) -> int:
         """Run a fenced transaction; return its header revision. Raises ``Fenced`` when
         the leader check failed, ``Conflict`` when another compare failed."""
+        if self.deposed:
+            raise Fenced("this controller lost its leadership: it writes nothing until elected again")
         fence = self._fence()
         ok, resp = await self.c.transaction(compare=fence + compare, success=success, failure=[])
         if ok:

@@ -47,8 +47,46 @@ async def test_deposed_leader_write_is_fenced(etcd_server):
     await c.put(store.leader_key(), b"b")
     with pytest.raises(Fenced):
         await stale.create_job(types_pb2.Job(id="j-2"), "")
-    assert await c.get(store.job_key("j-2")) is None
+    # The deposed controller's OWN store (whose token was cleared when it resigned): a
+    # write of a round or RPC that passed its leader check before the loss is fenced too.
+    assert store.fencing_token is None and store.deposed
+    with pytest.raises(Fenced):
+        await store.create_job(types_pb2.Job(id="j-3"), "")
+    assert await c.get(store.job_key("j-2")) is None and await c.get(store.job_key("j-3")) is None
     assert await c.get(store.job_key("j-1")) is not None
+    await c.close()
+
+
+async def test_leadership_lost_to_an_expired_lease_fences_in_flight_writes(etcd_server):
+    """Leadership lost without resigning (the lease revoked under us, another controller
+    elected): the keepalive notices, and the deposed store refuses every write until it is
+    elected again — then it writes again."""
+    c = await client(etcd_server)
+    store = Store(c, "/fence2")
+    elected, lost = asyncio.Event(), asyncio.Event()
+
+    async def on_elected():
+        elected.set()
+
+    async def on_lost():
+        lost.set()
+
+    lead = Leadership(c, store, "a", ttl=2)
+    task = asyncio.create_task(lead.campaign(on_elected, on_lost))
+    await asyncio.wait_for(elected.wait(), 10)
+    await c.revoke_lease(lead.lease.id)  # as if the lease expired on the server
+    await asyncio.wait_for(lost.wait(), 10)
+    assert store.deposed
+    with pytest.raises(Fenced):
+        await store.create_job(types_pb2.Job(id="j-late"), "")
+    assert await c.get(store.job_key("j-late")) is None
+    elected.clear()
+    await asyncio.wait_for(elected.wait(), 15)  # the key is vacant: re-elected
+    assert not store.deposed
+    await store.create_job(types_pb2.Job(id="j-new"), "")
+    assert await c.get(store.job_key("j-new")) is not None
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
     await c.close()
 
 
