@@ -20,6 +20,14 @@ a stray temp file is removed on open. Replaying any subsequence of the log that 
 every retained record in order yields the same windows, because every window keeps the
 last N of its key (runs: the lowest and highest step numbers, each at its last value).
 Device samples and kinds this version does not index are dropped by compaction.
+
+Failure handling: a write or fsync that fails truncates the log back to its last good
+size before the error reaches the caller, so no garbage sits before later batches; if
+even that truncate fails the store refuses every further append (``StoreFailed``). A
+caller cancelled (e.g. an RPC deadline) while its write or compaction runs in a thread
+keeps the lock until the thread is done, and a finished write is indexed before the
+cancellation propagates. Replay skips a record whose seq is at or below its source's
+watermark so far, so the log never yields a measurement twice.
 """
 
 from __future__ import annotations
@@ -215,6 +223,22 @@ def survivors(records: Iterable[Iterable[Slot]], retention: Retention) -> list[i
     return sorted(w.refs)
 
 
+class StoreFailed(OSError):
+    """The log could not be restored to a known-good state after a failed write; the
+    store refuses appends until it is reopened (which truncates any torn tail)."""
+
+
+async def _settle(fut: asyncio.Future) -> None:
+    """Wait until ``fut`` (a thread's work) is done, whatever cancellations arrive."""
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            continue
+        except BaseException:  # its own error: the caller reads it from ``fut``
+            break
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -257,6 +281,8 @@ class MeasurementStore:
         self._next = 0
         self._retained_bytes = 0
         self._lock = asyncio.Lock()
+        self._failed: str | None = None  # why appends are refused (see StoreFailed)
+        self.replay_duplicates = 0  # records skipped on open: at or below their source's watermark
         tmp = self.dir / TMP_NAME
         if tmp.exists():  # a compaction that crashed before its replace: the log is the old one
             self.log.warning("removing an interrupted compaction", path=str(tmp), bytes=tmp.stat().st_size)
@@ -270,11 +296,20 @@ class MeasurementStore:
                 f.flush()
                 os.fsync(f.fileno())
         for m in records:
+            if not (m.kind == META_KIND and not m.source) and m.seq <= self.watermarks.get(m.source, 0):
+                self.replay_duplicates += 1  # e.g. a batch resent after its ack was lost
+                continue
             self._index(m, encode(m))
-        self._file = open(self.path, "ab")
+        self._file = self._open_append()
         self._size = good
         self.log.info("measurement store opened", path=str(self.path), measurements=self.count,
-                      retained=self.retained, sources=len(self.watermarks), bytes=good)
+                      retained=self.retained, sources=len(self.watermarks), bytes=good,
+                      replay_duplicates=self.replay_duplicates)
+
+    def _open_append(self):
+        # Unbuffered: a failed write leaves nothing in a user-space buffer that a later
+        # flush could put after the truncation point.
+        return open(self.path, "ab", buffering=0)
 
     @property
     def retained(self) -> int:
@@ -309,10 +344,30 @@ class MeasurementStore:
             self.model_revision += 1
 
     def _write(self, blob: bytes) -> None:
-        self._file.write(blob)
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._size = self._file.tell()
+        """Append and fsync ``blob``; on any failure the log is cut back to its last good
+        size (``self._size``) before the error propagates, or the store is marked failed."""
+        if self._failed is not None:
+            raise StoreFailed(f"measurement store {self.path} refuses appends: {self._failed}")
+        fd = self._file.fileno()
+        try:
+            view = memoryview(blob)
+            while view:  # unbuffered: a write may be short
+                n = self._file.write(view)
+                view = view[n:]
+            os.fsync(fd)
+        except BaseException as e:
+            try:
+                os.ftruncate(fd, self._size)
+                os.lseek(fd, self._size, os.SEEK_SET)
+            except OSError as t:
+                self._failed = f"write failed ({e!r}) and truncating back to {self._size} bytes failed ({t!r})"
+                self.log.error("measurement log left in an unknown state; refusing appends", path=str(self.path),
+                               error=self._failed)
+                raise StoreFailed(f"measurement store {self.path}: {self._failed}") from e
+            self.log.error("measurement log write failed; truncated back to the last good size",
+                           path=str(self.path), bytes=self._size, error=repr(e))
+            raise
+        self._size += len(blob)
 
     def _compaction_due(self) -> bool:
         # Also wait until at least half the log is garbage, so that a retained set near
@@ -337,7 +392,7 @@ class MeasurementStore:
             raise
         # From here on the old file is unlinked: appends must go to the new one.
         self._file.close()
-        self._file = open(self.path, "ab")
+        self._file = self._open_append()
         _fsync_dir(self.dir)
         self._size = len(blob)
         self.compactions += 1
@@ -360,16 +415,38 @@ class MeasurementStore:
                 new.append(m)
             if new:
                 blobs = [encode(m) for m in new]
-                await asyncio.to_thread(self._write, b"".join(blobs))
-                for m, b in zip(new, blobs):
-                    self._index(m, b)
+                # The lock must not be released while a thread still works on the file:
+                # when the caller is cancelled, wait for the thread, index what it wrote
+                # (it is durable), then let the cancellation through.
+                fut = asyncio.ensure_future(asyncio.to_thread(self._write, b"".join(blobs)))
+                try:
+                    await asyncio.shield(fut)
+                except asyncio.CancelledError:
+                    await _settle(fut)
+                    if not fut.cancelled() and fut.exception() is None:
+                        self._index_batch(new, blobs)
+                        self.duplicates += dups
+                    raise
+                self._index_batch(new, blobs)
                 if self._compaction_due():
+                    fut = asyncio.ensure_future(asyncio.to_thread(self._compact))
                     try:
-                        await asyncio.to_thread(self._compact)
+                        await asyncio.shield(fut)
+                    except asyncio.CancelledError:
+                        await _settle(fut)
+                        if not fut.cancelled() and fut.exception() is not None:
+                            self.log.error("measurement log compaction failed", path=str(self.path),
+                                           error=str(fut.exception()))
+                        self.duplicates += dups
+                        raise
                     except OSError as e:
                         self.log.error("measurement log compaction failed", path=str(self.path), error=str(e))
             self.duplicates += dups
             return len(new), dups
+
+    def _index_batch(self, new: list[profiler_pb2.Measurement], blobs: list[bytes]) -> None:
+        for m, b in zip(new, blobs):
+            self._index(m, b)
 
     def watermark(self, source: str) -> int:
         """Highest persisted seq of ``source`` (0: nothing from it)."""
