@@ -13,6 +13,7 @@ from agent.runtime.model import GPT, GPTConfig
 from agent.runtime.peft.engine import merge_adapter
 from agent.runtime.peft.workload import PeftRunner, load_adapter, parse, run
 from agent.runtime.report import Reporter, parse_line
+from tessera.errors import SpecError
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -86,7 +87,11 @@ def test_control_file_adds_and_cancels_mid_run(tmp_path):
     assert e["c"].step == 1 and e["a"].step == 3 and "e" not in e and "d" not in e
     errs = [x for x in events(buf) if x["event"] == "error"]
     assert [x["field"] for x in errs] == ["control[2].task", "control[3].task.rank"]
-    assert os.path.exists(os.path.join(tmp_path, "peft", "b", "adapter.pt"))  # cancelled: adapter so far
+    # Cancelled: its state so far and its outcome, no adapter.pt (that one means "succeeded").
+    assert not os.path.exists(os.path.join(tmp_path, "peft", "b", "adapter.pt"))
+    assert load_adapter(os.path.join(tmp_path, "peft", "b", "state.pt"))["adapter"]["step"] == 2
+    with open(os.path.join(tmp_path, "peft", "b", "outcome.json")) as f:
+        assert json.load(f) == {"phase": "cancelled", "step": 2, "steps": 6}
     with open(r.control_file, "a") as f:
         f.write(', "steps": 1}}\n')
     while r.step():
@@ -104,7 +109,7 @@ def test_adapter_file_loads_back_to_training_outputs(tmp_path):
     x = torch.randint(0, 64, (2, 20))
     during = r.engine.forward_task("a", x)
     r.cancel_task("a")
-    ad = load_adapter(os.path.join(tmp_path, "peft", "a", "adapter.pt"))
+    ad = load_adapter(os.path.join(tmp_path, "peft", "a", "state.pt"))["adapter"]  # cancelled: the adapter so far
     torch.manual_seed(0)  # workload.seed: the same frozen backbone
     merged = merge_adapter(GPT(GPTConfig(**MODEL)), ad)
     with torch.no_grad():
@@ -131,6 +136,75 @@ def test_resume_from_task_state_continues_the_same_trajectory(tmp_path):
     third, buf3 = runner(tmp_path / "run", tasks)
     assert third.engine.running() == []
     assert [e["phase"] for e in events(buf3) if e["event"] == "task"] == ["succeeded", "succeeded"]
+
+
+def test_cancelled_task_stays_cancelled_after_a_relaunch(tmp_path):
+    tasks = [{"name": "a", "steps": 6}, {"name": "b", "steps": 6}]
+    first, _ = runner(tmp_path, tasks)
+    assert first.step() and first.step()
+    with open(first.control_file, "a") as f:
+        f.write(json.dumps({"op": "cancel", "task": "b"}) + "\n")
+    assert first.step()
+    assert first.engine.tasks["b"].status == "cancelled" and first.engine.tasks["b"].step == 2
+    first.checkpoint_running()  # preempted: SIGTERM
+    # The relaunched executor reads the same checkpoint dir and replays the control file.
+    again, buf = runner(tmp_path, tasks)
+    assert [t.name for t in again.engine.running()] == ["a"] and again.engine.tasks["a"].step == 3
+    while again.step():
+        pass
+    ev = events(buf)
+    b = [(e["phase"], e["step"], e["steps"], e.get("resumed")) for e in ev if e["event"] == "task" and e["task"] == "b"]
+    assert b == [("cancelled", 2, 6, True)]
+    assert not [e for e in ev if e["event"] == "error"]  # the replayed cancel of b is a no-op
+    assert again.engine.tasks["a"].status == "succeeded" and again.engine.tasks["a"].step == 6
+    assert not os.path.exists(os.path.join(tmp_path, "peft", "b", "adapter.pt"))
+    # A third executor: a succeeded, b still cancelled at step 2, nothing retrained.
+    third, buf3 = runner(tmp_path, tasks)
+    assert third.engine.running() == [] and not third.step()
+    assert [(e["task"], e["phase"], e["step"]) for e in events(buf3) if e["event"] == "task"] == [
+        ("a", "succeeded", 6), ("b", "cancelled", 2)]
+    assert not [e for e in events(buf3) if e["event"] == "error"]
+
+
+def test_cancel_of_an_ended_task_changes_nothing(tmp_path):
+    r, buf = runner(tmp_path, [{"name": "a", "steps": 1}, {"name": "b", "steps": 3}])
+    assert r.step()
+    assert r.engine.tasks["a"].status == "succeeded"
+    r.cancel_task("a")
+    r.cancel_task("b")
+    r.cancel_task("b")
+    ends = [(e["task"], e["phase"]) for e in events(buf) if e["event"] == "task" and e["phase"] != "running"]
+    assert ends == [("a", "succeeded"), ("b", "cancelled")]
+    assert r.engine.tasks["a"].status == "succeeded"
+    assert os.path.exists(os.path.join(tmp_path, "peft", "a", "adapter.pt"))
+    assert not os.path.exists(os.path.join(tmp_path, "peft", "a", "outcome.json"))
+
+
+def test_legacy_adapter_of_a_cancelled_task_is_reported_cancelled(tmp_path):
+    # Before outcome.json, a cancel wrote adapter.pt too: its step < steps tells it apart.
+    r, _ = runner(tmp_path, [{"name": "a", "steps": 6}])
+    r.step()
+    ad = r.engine.adapter(r.engine.tasks["a"])
+    os.makedirs(tmp_path / "peft" / "a")
+    torch.save(ad, os.path.join(tmp_path, "peft", "a", "adapter.pt"))
+    again, buf = runner(tmp_path, [{"name": "a", "steps": 6}])
+    assert again.engine.running() == []
+    assert [(e["phase"], e["step"]) for e in events(buf) if e["event"] == "task"] == [("cancelled", 1)]
+
+
+def test_reserved_fused_name_only_through_a_fused_add(tmp_path):
+    fused = "j-0123456789ab_t0"
+    with pytest.raises(SpecError) as ei:
+        parse(workload([{"name": "a"}, {"name": fused}]))
+    assert ei.value.field == "workload.peft.tasks[1].name" and "reserved" in str(ei.value)
+    r, buf = runner(tmp_path, [{"name": "a", "steps": 2}])
+    with open(r.control_file, "a") as f:
+        f.write(json.dumps({"op": "add", "task": {"name": fused, "steps": 1}}) + "\n")  # no dir: not fused
+        f.write(json.dumps({"op": "add", "task": {"name": fused, "steps": 1},
+                            "dir": str(tmp_path / "guest" / "peft" / "t0")}) + "\n")
+    r.step()
+    assert set(r.engine.tasks) == {"a", fused}
+    assert [e["field"] for e in events(buf) if e["event"] == "error"] == ["control[0].task.name"]
 
 
 def test_file_datasets(tmp_path):

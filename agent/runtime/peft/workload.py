@@ -21,16 +21,25 @@ the step's tasks, ``step_time_s``, ``tokens``, ``tasks``, ``pad_removed``);
 others keep training); ``done`` (``final_loss``, per-task summary, packing totals).
 
 Files under ``checkpoint_dir``: ``peft/<task>/adapter.pt`` (adapter only, written when
-the task ends) and ``peft/<task>/state.pt`` (adapter + optimizer, every
-``workload.checkpoint_every`` steps of the task; a restarted executor resumes from it).
-Both are written atomically (temp file, fsync, os.replace, fsync of the directory).
+the task succeeds: its existence means "succeeded") and ``peft/<task>/state.pt`` (adapter
++ optimizer, every ``workload.checkpoint_every`` steps of the task; a restarted executor
+resumes from it). A cancelled task leaves no ``adapter.pt``: its end writes ``state.pt``
+(its adapter so far is ``torch.load(state.pt)["adapter"]``; a ``checkpoint`` event says
+so) and then ``peft/<task>/outcome.json`` (``{"phase": "cancelled", "step", "steps"}``).
+A later executor (relaunch, requeued fused guest) reports a task with ``adapter.pt`` as
+succeeded and one with ``outcome.json`` as that phase at that step (``task`` event with
+``resumed: true``), and retrains neither; a replayed ``cancel`` of such a task is a
+no-op, not an error. (An ``adapter.pt`` written by an older runner for a cancelled task
+has ``step`` < ``steps`` and is reported as cancelled at that step.) All files are
+written atomically (temp file, fsync, os.replace, fsync of the directory).
 
 Control: a JSONL file (``spec["control_file"]``, default
 ``<checkpoint_dir>/peft-control.jsonl``) read at every step boundary; each complete
 line is ``{"op": "add", "task": {...task spec...}}`` or ``{"op": "cancel", "task":
 "name"}``. An "add" may also carry ``"dir"`` (the task's checkpoint directory instead of
 ``<checkpoint_dir>/peft/<name>``: a task fused in from another job checkpoints into that
-job's directory) and ``"allocation"`` (applied only by the executor of that allocation,
+job's directory; only such an add may use a reserved ``j-<12 hex>_`` task name, see
+:mod:`tessera.spec.peft`) and ``"allocation"`` (applied only by the executor of that allocation,
 ``spec["allocation_id"]``: a later executor of another allocation reading the same file
 does not re-add another job's tasks). :class:`PeftRunner` exposes the same operations as
 methods.
@@ -103,12 +112,21 @@ def resolve_task(t: dict, chunk_size: int, path: str) -> dict:
 
 def atomic_torch_save(obj: Any, path: str) -> None:
     """Write ``obj`` to ``path`` so that readers see the old or the new file, never a torn one."""
+    _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def atomic_json_save(obj: Any, path: str) -> None:
+    """:func:`atomic_torch_save` for a small JSON document."""
+    _atomic_write(path, lambda f: f.write(json.dumps(obj).encode() + b"\n"))
+
+
+def _atomic_write(path: str, write: Any) -> None:
     d = os.path.dirname(path)
     os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".pt")
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.splitext(path)[1])
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -145,6 +163,7 @@ class PeftRunner:
         self._control_line = 0
         self.allocation_id = allocation_id
         self._task_dirs: dict[str, str] = {}  # tasks checkpointing outside peft/<name> (fused in)
+        self.ended_before: dict[str, str] = {}  # task -> phase, for tasks that ended in an earlier run
         torch.manual_seed(params["seed"])
         self.model = GPT(cfg).to(device)  # the shared, frozen backbone
         self.engine = MuxEngine(self.model, section["chunk_size"], section["mode"], slots=max(1, len(section["tasks"])),
@@ -158,13 +177,16 @@ class PeftRunner:
             return self._task_dirs[name]
         return os.path.join(self.ckpt_dir, "peft", name) if self.ckpt_dir else None
 
-    def add_task(self, task: dict, path: str | None = None, task_dir: str | None = None) -> TaskState | None:
+    def add_task(self, task: dict, path: str | None = None, task_dir: str | None = None,
+                 fused: bool = False) -> TaskState | None:
         """Validate, resolve and start a task (resuming its state.pt if any); None if it
-        already finished in an earlier run (its adapter.pt exists). ``task_dir``: where
-        its files live (default ``<checkpoint_dir>/peft/<name>``)."""
+        already ended in an earlier run (its adapter.pt: succeeded; its outcome.json:
+        cancelled), reported as such. ``task_dir``: where its files live (default
+        ``<checkpoint_dir>/peft/<name>``). ``fused``: the task is another job's, fused in
+        by the controller, so its name may (must) have the reserved ``<job id>_`` form."""
         path = path or f"tasks[{self._added}]"
         p = self.params
-        t = validate_task(task, path, self._added, defaults=p)
+        t = validate_task(task, path, self._added, defaults=p, fused=fused)
         t = resolve_task(t, self.section["chunk_size"], path)
         if task_dir is not None:
             if not isinstance(task_dir, str) or not os.path.isabs(task_dir):
@@ -174,8 +196,11 @@ class PeftRunner:
             t["dataset"]["seed"] = p["seed"] + self._added
         self._added += 1
         tdir = self.task_dir(t["name"])
-        if tdir and os.path.exists(os.path.join(tdir, "adapter.pt")):
-            self.rep.event("task", task=t["name"], phase="succeeded", step=t["steps"], steps=t["steps"],
+        ended = self._ended_in_earlier_run(tdir, t["steps"]) if tdir else None
+        if ended is not None:
+            phase, step = ended
+            self.ended_before[t["name"]] = phase
+            self.rep.event("task", task=t["name"], phase=phase, step=step, steps=t["steps"],
                            loss=None, tokens_per_s=None, resumed=True)
             return None
         ds = make_dataset(t["dataset"], self.cfg.vocab, t["dataset"]["max_len"], t["dataset"]["seed"])
@@ -187,10 +212,30 @@ class PeftRunner:
         self._task_event(st)
         return st
 
+    @staticmethod
+    def _ended_in_earlier_run(tdir: str, steps: int) -> tuple[str, int] | None:
+        """(phase, step) of a task whose files say it ended; None when it is to run."""
+        adapter = os.path.join(tdir, "adapter.pt")
+        if os.path.exists(adapter):
+            step = int(load_adapter(adapter).get("step", steps))
+            # Before outcome.json, a cancel also wrote adapter.pt: its step tells it apart.
+            return ("succeeded" if step >= steps else "cancelled"), step
+        outcome = os.path.join(tdir, "outcome.json")
+        if os.path.exists(outcome):
+            with open(outcome) as f:
+                o = json.load(f)
+            return str(o["phase"]), int(o["step"])
+        return None
+
     def cancel_task(self, name: str) -> TaskState:
-        """Cancel a running task now (its adapter so far is saved); KeyError if unknown."""
+        """Cancel a running task now (its state so far is saved); KeyError if unknown. A
+        task that already ended is left as it is."""
+        t = self.engine.tasks[name]
+        if t.status != "running":
+            return t
+        state = self.engine.task_state(t) if self.ckpt_dir else None  # before cancel frees the slot
         st = self.engine.cancel(name)
-        self._end(st)
+        self._end(st, state)
         return st
 
     def poll_control(self) -> None:
@@ -214,9 +259,12 @@ class PeftRunner:
                 if cmd["op"] == "add":
                     if cmd.get("allocation") and self.allocation_id and cmd["allocation"] != self.allocation_id:
                         continue  # another allocation's fused task (an earlier executor of this dir)
-                    self.add_task(cmd.get("task"), f"{field}.task", cmd.get("dir"))
+                    # Only the controller's fused adds carry "dir" (the guest's own directory).
+                    self.add_task(cmd.get("task"), f"{field}.task", cmd.get("dir"), fused=cmd.get("dir") is not None)
                 else:
                     name = cmd.get("task")
+                    if name not in self.engine.tasks and name in self.ended_before:
+                        continue  # replayed cancel of a task that ended in an earlier run
                     if name not in self.engine.tasks:
                         raise SpecError(f"{field}.task", f"no task named {name!r}")
                     self.cancel_task(name)
@@ -269,11 +317,20 @@ class PeftRunner:
                        loss=None if t.step == 0 else t.loss, tokens_per_s=t.tokens_per_s(now),
                        slot=t.slot, rank=t.spec["rank"])
 
-    def _end(self, t: TaskState) -> None:
-        if self.ckpt_dir and t.final_adapter is not None:
+    def _end(self, t: TaskState, state: dict | None = None) -> None:
+        """Files and events of a task that just ended; ``state``: its :meth:`MuxEngine.task_state`
+        taken before a cancel (the engine frees the slot when the task ends)."""
+        if self.ckpt_dir and t.status == "succeeded" and t.final_adapter is not None:
             path = os.path.join(self.task_dir(t.name), "adapter.pt")
             atomic_torch_save(t.final_adapter, path)
             self.rep.event("checkpoint", task=t.name, path=path, step=t.step, adapter_only=True)
+        elif self.ckpt_dir and state is not None:
+            # Not adapter.pt (that means "succeeded"): the state so far, then the outcome.
+            tdir = self.task_dir(t.name)
+            path = os.path.join(tdir, "state.pt")
+            atomic_torch_save(state, path)
+            self.rep.event("checkpoint", task=t.name, path=path, step=t.step)
+            atomic_json_save({"phase": t.status, "step": t.step, "steps": t.steps}, os.path.join(tdir, "outcome.json"))
         self.log.info("task_ended", task=t.name, phase=t.status, step=t.step, loss=t.loss,
                       tokens_per_s=round(t.tokens_per_s(), 1), running=len(self.engine.running()))
         self._task_event(t)
