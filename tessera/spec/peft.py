@@ -13,7 +13,9 @@ Section (defaults in brackets)::
     micro_batch_tokens: int >= 1             [512]  tokens per forward/backward within a step
                                              (whole chunks, at least one; bounds activation memory)
     tasks: non-empty list, unique names, each:
-      name: str (lower-case, digits, '-', '_'), required
+      name: str (lower-case, digits, '-', '_'), required; not ``j-<12 hex>_...``
+                                             (reserved: a task fused in from job j-... is
+                                             named ``<job id>_<task>`` in the host's executor)
       rank: int >= 1                         [8]
       alpha: number > 0                      [2 * rank]
       target_modules: non-empty list of qkv|proj|fc|out, no repeats   [[qkv, proj]]
@@ -43,6 +45,10 @@ TARGETS = ("qkv", "proj", "fc", "out")
 KINDS = ("synthetic", "jsonl", "text")
 DISTRIBUTIONS = ("uniform", "longtail")
 NAME_RE = re.compile(r"^[a-z0-9]([-_a-z0-9]*[a-z0-9])?$")
+# ``<job id>_<task>``: the name of a task fused into another job's executor (the
+# controller's LoRA fusion, controller/fusion.py ``_FUSED_RE``). A job's own task named
+# this way would be taken for a stray guest task and cancelled, so specs may not use it.
+FUSED_PREFIX_RE = re.compile(r"^j-[0-9a-f]{12}_")
 
 _TOP = ("mode", "chunk_size", "micro_batch_tokens", "tasks")
 _TASK = ("name", "rank", "alpha", "target_modules", "learning_rate", "batch_size", "steps", "dataset")
@@ -127,8 +133,10 @@ def _dataset(d: dict, path: str, seed: int | None) -> dict:
     return out
 
 
-def validate_task(t: Any, path: str, index: int = 0, defaults: dict | None = None) -> dict:
-    """One task of the section (also used for tasks added at run time); see module doc."""
+def validate_task(t: Any, path: str, index: int = 0, defaults: dict | None = None, fused: bool = False) -> dict:
+    """One task of the section (also used for tasks added at run time); see module doc.
+    ``fused``: the task is another job's fused in by the controller, whose name has the
+    reserved ``<job id>_`` prefix (allowed only then)."""
     t = _mapping(t, path)
     _unknown(t, _TASK, path)
     dflt = defaults or {}
@@ -137,6 +145,9 @@ def validate_task(t: Any, path: str, index: int = 0, defaults: dict | None = Non
     name = t["name"]
     if not isinstance(name, str) or not NAME_RE.match(name) or len(name) > 63:
         raise SpecError(f"{path}.name", f"must be 1-63 of a-z, 0-9, '-', '_' (alphanumeric at both ends), got {name!r}")
+    if not fused and FUSED_PREFIX_RE.match(name):
+        raise SpecError(f"{path}.name", f"the prefix 'j-<12 hex digits>_' is reserved for fused tasks "
+                                         f"(<job id>_<task>), got {name!r}")
     rank = _int(t.get("rank", 8), f"{path}.rank", 1)
     alpha = _pos_float(t.get("alpha", 2.0 * rank), f"{path}.alpha")
     tm = t.get("target_modules", ["qkv", "proj"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tessera.errors import SpecError
-from tessera.spec.peft import validate_peft
+from tessera.spec.peft import validate_peft, validate_task
 
 DEFAULTS = {"learning_rate": 0.003, "batch_size": 8, "steps": 100, "seed": 5}
 
@@ -72,6 +72,7 @@ T = "workload.peft.tasks"
     ({"tasks": [{"name": "a", "dataset": {"kind": "text", "path": "/x", "field": "t"}}]}, f"{T}[0].dataset.field"),
     ({"tasks": [{"name": "a", "dataset": {"seed": -1}}]}, f"{T}[0].dataset.seed"),
     ({"tasks": [{"name": "a", "dataset": {"size": 3}}]}, f"{T}[0].dataset.size"),
+    ({"tasks": [{"name": "a"}, {"name": "j-0123456789ab_t0"}]}, f"{T}[1].name"),
 ])
 def test_errors_name_the_field(section, field):
     with pytest.raises(SpecError) as ei:
@@ -85,3 +86,13 @@ def test_manifest_uses_validator():
     doc = load_file("examples/lora-8tasks.yaml")
     peft = doc["workload"]["peft"]
     assert len(peft["tasks"]) == 8 and peft["chunk_size"] == 64
+
+
+def test_fused_task_name_prefix_is_reserved():
+    with pytest.raises(SpecError) as ei:
+        validate_peft({"tasks": [{"name": "j-0123456789ab_t0"}]})
+    assert ei.value.field == "workload.peft.tasks[0].name" and "reserved for fused tasks" in str(ei.value)
+    # Only the exact fused form is reserved; the fusion path itself may use it.
+    ok = ["j-0123_t0", "j-0123456789ab", "j-0123456789ag_t0", "job-0123456789ab_t0", "xj-0123456789ab_t0"]
+    assert [t["name"] for t in validate_peft({"tasks": [{"name": n} for n in ok]})["tasks"]] == ok
+    assert validate_task({"name": "j-0123456789ab_t0"}, "t", fused=True)["name"] == "j-0123456789ab_t0"
