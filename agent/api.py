@@ -5,7 +5,8 @@ when the quota asked exceeds the partition's free capacity (the reason names the
 partition, the amounts and the holders), at launch and at a live UpdateGrant;
 FAILED_PRECONDITION also for an UpdateGrant on a partition that cannot change live
 (MPS, MIG: checkpoint and relaunch instead); INVALID_ARGUMENT for a bad request;
-NOT_FOUND for logs of a job this node never ran.
+NOT_FOUND for logs of a job this node never ran; UNAVAILABLE for a launch once the agent
+has begun shutting down.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import grpc
 
 from tessera.api.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 
-from .executors import BadRequest, CapacityError, ExecutorManager, NotRunning
+from .executors import BadRequest, CapacityError, ExecutorManager, NotRunning, ShuttingDown
 from .partitions import NotLive
 
 
@@ -53,6 +54,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         self.stop_grace_s = stop_grace_s
 
     async def LaunchExecutor(self, request, context):
+        if self.mgr.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "agent is shutting down; not launching new executors")
         why = self.node.check_token(request.fencing_token)
         if why:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
@@ -82,6 +85,8 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except BadRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ShuttingDown as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return agent_pb2.LaunchExecutorResponse(pid=ex.proc.pid if ex.proc else 0, already_running=already)
 
     async def StopExecutor(self, request, context):

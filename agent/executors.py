@@ -40,6 +40,10 @@ class NotRunning(Exception):
     """No running executor of that allocation and rank on this node."""
 
 
+class ShuttingDown(Exception):
+    """The agent is stopping: no new executors (the API answers UNAVAILABLE)."""
+
+
 @dataclass
 class Executor:
     allocation_id: str
@@ -95,6 +99,28 @@ def process_cpu_s(pid: int) -> float | None:
         return None
 
 
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields 3.. of ``/proc/<pid>/stat`` (index 0 is field 3, the state), or None when
+    the process does not exist or the file cannot be parsed."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+        # The command name (field 2) may hold spaces and parentheses: split after its ")".
+        rest = raw[raw.rindex(")") + 2:].split()
+        return rest if len(rest) >= 20 else None
+    except (OSError, ValueError):
+        return None
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of live process ``pid`` (field 22 of ``/proc/<pid>/stat``, clock ticks
+    since boot): with the pid, it names one process, never a later one that reuses the
+    pid. None when there is no such process or it is a zombie (already dead)."""
+    rest = _proc_stat(pid)
+    if rest is None or rest[0] in ("Z", "X"):
+        return None
+    return int(rest[19])
+
+
 def busy_fraction(cpu_s: float, wall_s: float, cores: int) -> float | None:
     """CPU busy fraction of a quota of ``cores`` over an interval: ``cpu_s`` CPU seconds
     used in ``wall_s`` seconds, / (wall_s x cores), clamped to [0, 1]; None when the
@@ -130,9 +156,12 @@ class ExecutorManager:
         # without (older callers), a device is held whole by one allocation.
         self.parts = parts
         self.executors: dict[tuple[str, int], Executor] = {}
+        # Set (for good) when the agent shuts down, before stop_all: launches are refused.
+        self.stopping = False
         self.log = log.get(component="executors")
         (self.state_dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.state_dir / "specs").mkdir(parents=True, exist_ok=True)
+        (self.state_dir / "executors").mkdir(parents=True, exist_ok=True)
 
     # -- queries ----------------------------------------------------------------------
     def holders(self, device_id: str) -> set[str]:
@@ -171,7 +200,10 @@ class ExecutorManager:
         With partitions: grants ``units`` (0: all) + ``memory_bytes`` of ``partition_id``
         (empty: ``device_ids[0]``'s partition) first; ``CapacityError`` with the ledger's
         reason when that exceeds the partition's free capacity, ``BadRequest`` for an
-        unknown partition. The grant is released when the executor exits."""
+        unknown partition. The grant is released when the executor exits. ``ShuttingDown``
+        once ``stopping`` is set (an executor whose start raced with it is stopped)."""
+        if self.stopping:
+            raise ShuttingDown("agent is shutting down; not launching new executors")
         key = (allocation_id, rank)
         if key in self.executors and self.executors[key].running:
             return self.executors[key], True
@@ -182,12 +214,17 @@ class ExecutorManager:
             grant = self._grant(allocation_id, rank, device_ids, partition_id, units, memory_bytes)
             device_ids = device_ids or [grant.device_id]
         try:
-            return await self._launch(key, allocation_id, job_id, rank, world_size, device_ids, master_addr,
-                                      master_port, runtime_spec, checkpoint_dir, grant)
+            ex, already = await self._launch(key, allocation_id, job_id, rank, world_size, device_ids, master_addr,
+                                             master_port, runtime_spec, checkpoint_dir, grant)
         except BaseException:
             if grant is not None:
                 self.parts.release(grant.grant_id)
             raise
+        if self.stopping:
+            # Shutdown began while it was starting: stop_all may not have seen it.
+            await self.stop(allocation_id, 0.0)
+            raise ShuttingDown("agent is shutting down; not launching new executors")
+        return ex, already
 
     def _grant(self, allocation_id: str, rank: int, device_ids: list[str], partition_id: str, units: int,
                memory_bytes: int) -> Grant:
@@ -261,6 +298,7 @@ class ExecutorManager:
         if devs[0].kind == "cpu" and cores:
             ex.cores = len(cores)
             ex.cpu_mark = (0.0, time.monotonic())  # a fresh process: no CPU time used yet
+        self._write_record(ex)
         self.executors[key] = ex
         self.log.info("executor started", job_id=job_id, allocation=allocation_id, rank=rank, pid=ex.proc.pid,
                       devices=device_ids, cores=cores, partition=grant.partition_id if grant else "",
@@ -303,6 +341,7 @@ class ExecutorManager:
             self.parts.release(ex.grant_id)
         if ex.fault and ex.exit_code == 0:
             ex.exit_code = 1  # a faulted executor never counts as a success
+        self._record_path(ex.allocation_id, ex.rank).unlink(missing_ok=True)
         ex.done.set()
         await self.on_report(ex, {"kind": "EXITED", "exit_code": ex.exit_code,
                                   "message": ex.fault[:400] if ex.fault else
@@ -408,7 +447,18 @@ class ExecutorManager:
                     await e.done.wait()
             except TimeoutError:
                 _signal(e, signal.SIGKILL)
-                await e.done.wait()
+                try:
+                    async with asyncio.timeout(KILL_WAIT_S):
+                        await e.done.wait()
+                except TimeoutError:
+                    # SIGKILL took the whole group, yet its stdout is still open: a process
+                    # that left the group (setsid) holds it. End the log pump at EOF so the
+                    # exit is reported and the grant released.
+                    self.log.warning("executor output still open after SIGKILL of its process group; "
+                                     "closing it", job_id=e.job_id, allocation=e.allocation_id, rank=e.rank)
+                    if e.proc is not None and e.proc.stdout is not None:
+                        e.proc.stdout.feed_eof()
+                    await e.done.wait()
         if targets:
             self.log.info("executors stopped", allocation=allocation_id, count=len(targets))
         return len(targets)
@@ -448,6 +498,103 @@ class ExecutorManager:
         counts = await asyncio.gather(*(self.stop(a, grace_s) for a in allocs))
         return sum(counts)
 
+    # -- executors of a previous agent process ----------------------------------------
+    def _record_path(self, allocation_id: str, rank: int) -> Path:
+        return self.state_dir / "executors" / f"{allocation_id}-r{rank}.json"
+
+    def _write_record(self, ex: Executor) -> None:
+        """Record the running executor's process group (atomically: a crash leaves the old
+        record or the new one), so that an agent restarted after a crash can kill it."""
+        assert ex.proc is not None
+        pid = ex.proc.pid
+        try:
+            pgid = os.getpgid(pid)
+        except ProcessLookupError:
+            pgid = pid  # already gone; it led its own session
+        rec = {"pid": pid, "pgid": pgid, "start_ticks": process_start_ticks(pid),
+               "allocation_id": ex.allocation_id, "job_id": ex.job_id, "rank": ex.rank}
+        path = self._record_path(ex.allocation_id, ex.rank)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(rec, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            self.log.warning("cannot record executor process; a crash of this agent would leave it running",
+                             path=str(path), error=str(e), allocation=ex.allocation_id, rank=ex.rank)
+
+    async def kill_orphans(self, wait_s: float = 5.0) -> list[dict]:
+        """Kill the executors a previous agent process on this state dir left running (it
+        crashed: they lead their own sessions and outlive it), before this agent registers
+        and the controller relaunches their jobs here. Each recorded process group is
+        SIGKILLed when it is provably the recorded one: its leader's /proc start time
+        matches the record, or (the leader gone) a member of the group still carries the
+        executor's TESSERA_ALLOCATION_ID and TESSERA_RANK; a pid or pgid reused by another
+        process is never signalled. Waits up to ``wait_s`` for them to die; removes every
+        record. Returns the records of the groups killed."""
+        killed: list[dict] = []
+        pids: list[int] = []
+        for path in sorted((self.state_dir / "executors").glob("*.json*")):
+            try:
+                rec = json.loads(path.read_text()) if path.suffix == ".json" else None
+            except (OSError, ValueError):
+                rec = None
+            if isinstance(rec, dict):
+                members = _orphan_members(rec)
+                if members:
+                    try:
+                        os.killpg(int(rec["pgid"]), signal.SIGKILL)
+                        killed.append(rec)
+                        pids += members
+                        self.log.warning("killed the executor of a previous agent process", pid=rec.get("pid"),
+                                         pgid=rec.get("pgid"), allocation=rec.get("allocation_id"),
+                                         job_id=rec.get("job_id"), rank=rec.get("rank"), processes=len(members))
+                    except ProcessLookupError:
+                        pass
+                else:
+                    self.log.info("executor of a previous agent process already gone", pid=rec.get("pid"),
+                                  allocation=rec.get("allocation_id"), rank=rec.get("rank"))
+            path.unlink(missing_ok=True)
+        deadline = time.monotonic() + wait_s
+        while pids and time.monotonic() < deadline:
+            pids = [p for p in pids if process_start_ticks(p) is not None]
+            if pids:
+                await asyncio.sleep(0.05)
+        return killed
+
+
+KILL_WAIT_S = 5.0  # after SIGKILL of a group, how long stop waits for the executor's output to close
+
+
+def _orphan_members(rec: dict) -> list[int]:
+    """The live processes of a recorded executor's group that are provably its own: the
+    leader when its start time matches the record, else the group's members whose
+    environment names the record's allocation and rank."""
+    try:
+        pid, pgid, ticks = int(rec["pid"]), int(rec["pgid"]), rec.get("start_ticks")
+        alloc, rank = str(rec["allocation_id"]), str(rec["rank"])
+    except (KeyError, TypeError, ValueError):
+        return []
+    if ticks is not None and process_start_ticks(pid) == int(ticks):
+        return [pid]
+    want = {f"TESSERA_ALLOCATION_ID={alloc}".encode(), f"TESSERA_RANK={rank}".encode()}
+    members = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        rest = _proc_stat(int(d))
+        if rest is None or rest[0] in ("Z", "X") or int(rest[2]) != pgid:
+            continue
+        try:
+            env = set(Path(f"/proc/{d}/environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if want <= env:
+            members.append(int(d))
+    return members
+
 
 def pin_process(pid: int, cores) -> None:
     """Pin every thread of running process ``pid`` to ``cores``: sched_setaffinity on a pid
@@ -468,7 +615,12 @@ def pin_process(pid: int, cores) -> None:
 def _signal(e: Executor, sig: int) -> None:
     # The executor leads its own session: signal the whole group, so that anything it
     # spawned (data-loader workers, local ranks) goes too.
-    if e.proc is None or e.proc.returncode is not None:
+    # Not "the leader exited": a member that ignores SIGTERM (and holds the output open)
+    # outlives it. Until ``done`` (the pump saw EOF of the output and reaped the leader)
+    # the group is this executor's: a pgid is not reused while a member lives, and once
+    # the last holder of the output is gone the pump ends at once; a signal to an empty
+    # group is a ProcessLookupError.
+    if e.proc is None or e.done.is_set():
         return
     try:
         os.killpg(e.proc.pid, sig)

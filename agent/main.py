@@ -178,6 +178,9 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event | None = None) -> None:
         agent = Agent(cfg)
     except ValueError as e:  # an explicit partition mode that cannot apply to a device
         raise SystemExit(f"--partition-mode: {e}") from None
+    # Executors a crashed predecessor left running (own sessions): killed before this
+    # incarnation registers, or the controller would relaunch their jobs beside them.
+    await agent.mgr.kill_orphans()
     agent.parts.start()  # MPS daemons; stopped (idempotently) when the agent stops
     server = grpc.aio.server()
     agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentService(agent.node, agent.mgr, cfg.stop_grace_s), server)
@@ -199,6 +202,7 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event | None = None) -> None:
         await stop.wait()
     finally:
         agent.log.info("agent stopping")
+        agent.mgr.stopping = True  # LaunchExecutor: UNAVAILABLE from now on
         await hs.enter_graceful_shutdown()
         beats.cancel()
         faults.cancel()
