@@ -37,6 +37,7 @@ from tessera import log
 from .base import Grant, Ledger, LedgerBackend, PartitionError
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
+_MAX_PARTIAL_LINE = 64 * 1024  # a server.log "line" longer than this is matched as it is
 MIB = 1024 * 1024
 
 # Why these: CUDA's own error strings for a client ended by the server
@@ -163,10 +164,21 @@ class MpsBackend(LedgerBackend):
         self.daemon = daemon or MpsDaemon(device.uuid or str(device.index), Path(state_dir) / "mps" / device.id,
                                           binary)
         self.ledgers[device.id] = Ledger(device.id, self.kind, 100, "sm_percent", device.memory_bytes)
+        # Bytes of server.log already looked at, and a trailing partial line kept for the
+        # next poll (a line split across two polls is matched whole).
         self._log_offset = 0
+        self._log_partial = b""
         self.log = log.get(component="partitions", backend=self.kind, device_id=device.id)
 
     def start(self) -> None:
+        # The log directory persists under the state dir: what an earlier run (before an
+        # agent restart) wrote there is not about this run's clients, so skip it. Taken
+        # before the daemon starts, so nothing this run's server writes is skipped.
+        try:
+            self._log_offset = self.daemon.server_log().stat().st_size
+        except FileNotFoundError:
+            self._log_offset = 0
+        self._log_partial = b""
         self.daemon.start()
 
     def stop(self) -> None:
@@ -204,16 +216,24 @@ class MpsBackend(LedgerBackend):
 
     def poll_faults(self) -> list[Grant]:
         """Read the server log written since the last poll; all grants when it reports a
-        fatal fault, else []. Call it periodically (cheap: reads only new bytes)."""
+        fatal fault, else []. Call it periodically (cheap: reads only new bytes). What the
+        log held when ``start`` ran (an earlier run's lines) is never read; a trailing
+        line without its newline yet is kept and matched whole on a later poll."""
         path = self.daemon.server_log()
         try:
             with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < self._log_offset:  # truncated or replaced: read it anew
+                    self._log_offset, self._log_partial = 0, b""
                 f.seek(self._log_offset)
-                text = f.read().decode(errors="replace")
+                data = self._log_partial + f.read()
                 self._log_offset = f.tell()
         except FileNotFoundError:
             return []
-        lines = fatal_log_lines(text)
+        end = data.rfind(b"\n") + 1
+        if end == 0 and len(data) > _MAX_PARTIAL_LINE:
+            end = len(data)  # no newline in a long stretch: do not hold it forever
+        data, self._log_partial = data[:end], data[end:]
+        lines = fatal_log_lines(data.decode(errors="replace"))
         if not lines:
             return []
         hit = self.affected_grants()

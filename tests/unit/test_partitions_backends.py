@@ -242,3 +242,40 @@ def test_partitions_routes_and_describes(tmp_path, fake_mps):
     assert [p.to_dict()["free_units"] for p in parts.describe() if p.id == "gpu0"] == [100]
     parts.stop()
     assert nv.mutations == []
+
+
+def test_mps_fault_poll_skips_an_earlier_runs_log(tmp_path, fake_mps):
+    # An earlier agent run: its server hit a fatal fault, and the log dir persists.
+    b = MpsBackend(GPU, tmp_path, fake_mps)
+    b.start()
+    with open(b.daemon.server_log(), "a") as f:
+        f.write("[t] Server 42 hit a fatal GPU exception, terminating clients\n")
+    b.stop()
+    # The agent restarts: healthy clients of this run must not be failed for it.
+    b2 = MpsBackend(GPU, tmp_path, fake_mps)
+    b2.start()
+    b2.grant("a", "gpu0", 50)
+    b2.grant("b", "gpu0", 50)
+    assert b2.poll_faults() == []
+    with open(b2.daemon.server_log(), "a") as f:
+        f.write("[t] New client 7 connected\n")
+    assert b2.poll_faults() == []
+    with open(b2.daemon.server_log(), "a") as f:
+        f.write("[t] Server 43 crashed: fatal exception\n")
+    assert {g.grant_id for g in b2.poll_faults()} == {"a", "b"}
+    b2.stop()
+
+
+def test_mps_fault_poll_matches_a_line_split_across_polls(tmp_path, fake_mps):
+    b = MpsBackend(GPU, tmp_path, fake_mps)
+    b.start()
+    b.grant("a", "gpu0", 50)
+    log = b.daemon.server_log()
+    with open(log, "a") as f:
+        f.write("[t] New client 1 connected\n[t] NVRM: X")  # the server is mid-line
+    assert b.poll_faults() == []
+    with open(log, "a") as f:
+        f.write("id 79, GPU has fallen off the bus\n")
+    assert {g.grant_id for g in b.poll_faults()} == {"a"}
+    assert b.poll_faults() == []
+    b.stop()
