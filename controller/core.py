@@ -101,6 +101,9 @@ class Controller:
         self.clock = clock
         self.agents = AgentPool()
         self.heartbeats: dict[str, float] = {}
+        # Each node's last heartbeat: its time and the allocations it said were running (a
+        # SCHEDULED job whose executor never started is found by their absence).
+        self.node_allocs: dict[str, tuple[float, frozenset[str]]] = {}
         # The agents' last partition reports (free amounts), in memory like heartbeats.
         self.part_reports: dict[str, dict[str, types_pb2.Partition]] = {}
         # What the policy may ask for estimates (controller.policy.estimator.Estimator): a
@@ -123,6 +126,7 @@ class Controller:
         # times lived in its memory only.
         self.elected_at = self.clock()
         self.heartbeats.clear()
+        self.node_allocs.clear()
         self.kick.set()
 
     async def on_lost(self) -> None:
@@ -355,7 +359,7 @@ class Controller:
         self.heartbeats[node.name] = node.last_heartbeat
         self.part_reports[node.name] = {p.id: p for p in req.partitions}
         # Executors of an earlier incarnation are gone or stale: requeue their jobs.
-        await self._requeue_node_jobs(node.name, "node re-registered (agent restarted)")
+        await self._requeue_node_jobs({node.name: "node re-registered (agent restarted)"})
         self.log.info("node registered", node_id=node.name, incarnation=node.incarnation, devices=len(node.devices))
         self.kick.set()
         return node
@@ -367,6 +371,7 @@ class Controller:
             raise PreconditionFailed(f"node {req.name}: incarnation {req.incarnation!r} is not current; register again")
         now = self.clock()
         self.heartbeats[req.name] = now
+        self.node_allocs[req.name] = (now, frozenset(req.running_allocations))
         node = v.value
         if node.state != types_pb2.READY:
             node.state = types_pb2.READY
@@ -421,12 +426,6 @@ class Controller:
             return False  # never stale: the executor is the host's, its own tasks go on
         stale = [False]
         after: list = []
-        if r.kind == K.EXITED:
-            try:
-                await self.store.put_exit(r.allocation_id, r.rank, r.exit_code)
-            except Fenced as e:
-                raise NotLeader(str(e)) from None
-        exits = await self.store.rank_exits(r.allocation_id) if r.kind == K.EXITED else {}
 
         async def fn(job):
             st = job.status
@@ -458,6 +457,10 @@ class Controller:
                         st.reason = why
                 return ([], []) if changed or started else None
             if r.kind == K.EXITED:
+                # The rank's exit is recorded in the same transaction as the job, and only
+                # for the current allocation: a late EXITED of a stopped allocation (whose
+                # exits the reallocation deleted) writes nothing, so no key is left behind.
+                exits = {**await self.store.rank_exits(r.allocation_id), r.rank: r.exit_code}
                 if r.exit_code != 0:
                     after[:] = [(st.allocation_id, list(st.placement))]
                     cmp, ops = await self.store.realloc_ops(drop=st.allocation_id, drop_keys=alloc_keys(st.placement))
@@ -468,7 +471,7 @@ class Controller:
                     cmp, ops = await self.store.realloc_ops(drop=st.allocation_id, drop_keys=alloc_keys(st.placement))
                     transition(job, P.SUCCEEDED, f"all {world} ranks exited 0", now)
                     return cmp, ops
-                return None
+                return [], [self.store.put_exit_op(r.allocation_id, r.rank, r.exit_code)]
             return ([], []) if started else None
 
         job = await self._rmw(r.job_id, fn)
@@ -502,8 +505,11 @@ class Controller:
         t0 = time.perf_counter()
         now = self.clock()
         nodes = [v for v in await self.store.list_nodes()]
-        # 1. liveness
+        # 1. liveness. Every round, not only the one that marks a node NOT_READY: the jobs
+        # of any node that is not READY are requeued (idempotent), so a sweep cut short by
+        # a crash, a failover or an error is finished by the next round or the next leader.
         lost = 0
+        down: dict[str, str] = {}
         for v in nodes:
             n = v.value
             last = self.heartbeats.get(n.name, max(self.elected_at, 0.0))
@@ -515,7 +521,12 @@ class Controller:
                     continue
                 lost += 1
                 self.log.warning("node not ready", node_id=n.name, silent_s=round(now - last, 1))
-                await self._requeue_node_jobs(n.name, f"node {n.name} stopped heartbeating for {self.cfg.grace_s:g}s")
+                down[n.name] = f"node {n.name} stopped heartbeating for {self.cfg.grace_s:g}s"
+            elif n.state != types_pb2.READY:
+                down[n.name] = f"node {n.name} is not ready"
+        if down:
+            await self._requeue_node_jobs(down)
+        await self._requeue_never_launched(now)
         # 2. schedule: the policy sees every partition and every pending and running job;
         # its reply is carried out as fenced writes, then agent RPCs.
         nodes = [v.value for v in await self.store.list_nodes()]
@@ -814,10 +825,12 @@ class Controller:
         if stray[0]:
             key = (r.allocation_id, r.task)
             if r.task_phase == "running" and key not in self._strays:
-                self._strays.add(key)
                 self.log.info("stray fused task: cancelling it in the executor", job_id=guest_id, host=r.job_id,
                               allocation=r.allocation_id, task=r.task)
-                await self._control(r.node, r.allocation_id, "cancel", r.task, quiet=True)
+                # Remembered only once the cancel went through: a failed one is retried at
+                # the task's next running report.
+                if not await self._control(r.node, r.allocation_id, "cancel", r.task, quiet=True):
+                    self._strays.add(key)
             return
         if ended[0] and g is not None:
             self.log.info("job ended", job_id=g.id, phase=P.Name(g.status.phase), reason=g.status.reason,
@@ -965,11 +978,43 @@ class Controller:
         self.log.warning("job requeued", job_id=job_id, reason=reason)
         self.kick.set()
 
-    async def _requeue_node_jobs(self, node: str, reason: str) -> None:
+    async def _requeue_never_launched(self, now: float) -> None:
+        """Requeue (transient) every job SCHEDULED for more than ``grace_s`` whose
+        allocation a node of its placement left out of a heartbeat sent more than
+        ``grace_s`` after the scheduling: its launch never happened (the controller that
+        wrote it died or was deposed before the RPC, or the launch failed and its requeue
+        did not go through). Fused guests have no executor of their own: skipped."""
+        grace = self.cfg.grace_s
         jobs, _ = await self.store.list_jobs()
         for j in jobs:
-            if j.status.phase in ACTIVE and any(s.node == node for s in j.status.placement):
-                await self._requeue(j.id, j.status.allocation_id, reason)
+            st = j.status
+            if st.phase != P.SCHEDULED or st.fused_into or not st.allocation_id:
+                continue
+            since = max((h.time for h in st.history if h.phase == P.SCHEDULED), default=0.0)
+            if now - since <= grace:
+                continue
+            missing = [s.node for s in st.placement
+                       if (hb := self.node_allocs.get(s.node)) is not None and hb[0] > since + grace
+                       and st.allocation_id not in hb[1]]
+            if missing:
+                try:
+                    await self._requeue(j.id, st.allocation_id,
+                                        f"executor never started on {missing[0]} (allocation {st.allocation_id} "
+                                        f"absent from its heartbeats {grace:g}s after scheduling)", transient=True)
+                except Conflict as e:
+                    self.log.warning("requeue of a never-launched job deferred", job_id=j.id, error=str(e))
+
+    async def _requeue_node_jobs(self, down: dict[str, str]) -> None:
+        """Requeue every active job placed on a node of ``down`` (node -> reason). A job
+        whose requeue conflicts is left for the next round; the others still go."""
+        jobs, _ = await self.store.list_jobs()
+        for j in jobs:
+            hit = [s.node for s in j.status.placement if s.node in down]
+            if j.status.phase in ACTIVE and hit:
+                try:
+                    await self._requeue(j.id, j.status.allocation_id, down[hit[0]])
+                except Conflict as e:
+                    self.log.warning("requeue of a lost node's job deferred", job_id=j.id, error=str(e))
 
     async def _stop_alloc(self, alloc_id: str, shards, reason: str) -> None:
         """Best effort: the heartbeat reply stops anything that this misses."""

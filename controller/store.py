@@ -217,8 +217,9 @@ class Store:
         cmp = [] if mod_revision is None else [self.c.transactions.mod(self.node_key(node.name)) == mod_revision]
         return await self.txn(cmp, [self.c.transactions.put(self.node_key(node.name), node.SerializeToString())])
 
-    async def put_exit(self, alloc_id: str, rank: int, code: int) -> None:
-        await self.txn([], [self.c.transactions.put(self.exit_key(alloc_id, rank), str(code).encode())])
+    def put_exit_op(self, alloc_id: str, rank: int, code: int):
+        """The write of one rank's exit code (for a caller's transaction)."""
+        return self.c.transactions.put(self.exit_key(alloc_id, rank), str(code).encode())
 
 
 def _holders(raw: bytes) -> dict[str, int]:

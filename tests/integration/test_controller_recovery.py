@@ -1,0 +1,169 @@
+"""The controller finishes what an interrupted leader left half done, against a real etcd:
+jobs of a node already marked NOT_READY are requeued by any later round (not only by the
+round that marked it), a job SCHEDULED whose launch never reached its agent is requeued
+once the node's heartbeats leave it out past the grace period, a late EXITED report of a
+stopped allocation leaves no key behind, and a stray fused task whose cancel failed is
+cancelled again at its next report (real gRPC on loopback to a recording agent servicer)."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import grpc
+import pytest
+
+from controller.config import ControllerConfig
+from controller.core import Controller
+from controller.policy import FirstFit
+from controller.store import Store
+from tessera.api.v1 import agent_pb2, agent_pb2_grpc, controller_pb2
+from tessera.api.v1 import types_pb2 as tpb
+
+P = tpb.JobPhase
+K = controller_pb2.ExecutorReport
+GRACE = 3.0
+
+
+async def _client(addr: str):
+    import aetcd
+
+    host, port = addr.rsplit(":", 1)
+    c = aetcd.Client(host=host, port=int(port))
+    await c.connect()
+    return c
+
+
+def node(name: str, ready: bool = True, address: str = "127.0.0.1:1") -> tpb.Node:
+    n = tpb.Node(name=name, state=tpb.READY if ready else tpb.NOT_READY, incarnation="inc1", agent_address=address)
+    n.devices.add(id="cpu0", kind="cpu", model="x", capacity=2)
+    n.partitions.add(id="cpu0", kind="cpuset", device_id="cpu0", capacity_units=2, unit="cores")
+    return n
+
+
+def job(jid: str, phase: int, node_name: str, alloc: str, at: float, ranks: int = 1) -> tpb.Job:
+    j = tpb.Job(id=jid, created=1.0)
+    j.spec.tenant, j.spec.name = "t", jid
+    j.spec.workload.type, j.spec.workload.steps = "gpt", 100
+    j.spec.resources.devices, j.spec.resources.device_kind = ranks, "cpu"
+    j.status.phase, j.status.allocation_id = phase, alloc
+    j.status.history.add(phase=P.SCHEDULED, time=at, reason="placed")
+    if phase == P.RUNNING:
+        j.status.history.add(phase=P.RUNNING, time=at + 1, reason="started")
+    j.status.placement.add(node=node_name, device_ids=["cpu0"] * ranks, partition_ids=["cpu0"] * ranks, first_rank=0)
+    return j
+
+
+@pytest.fixture
+async def ctl(etcd_server, request):
+    c = await _client(etcd_server)
+    store = Store(c, f"/rec-{request.node.name[:40]}")
+    await c.put(store.leader_key(), b"me")
+    store.fencing_token = (await c.get(store.leader_key())).create_revision
+    now = [1000.0]
+    ctl = Controller(store, ControllerConfig(grace_s=GRACE), FirstFit(), clock=lambda: now[0])
+    await ctl.on_elected()
+    yield ctl, store, c, now
+    await c.close()
+
+
+async def _hold(c, store: Store, node_name: str, alloc: str, units: int = 2) -> None:
+    await c.put(store.alloc_key(node_name, "cpu0"), json.dumps({alloc: units}).encode())
+
+
+async def test_jobs_of_a_node_already_not_ready_are_requeued_by_a_later_round(ctl):
+    ctl, store, c, now = ctl
+    # The previous leader marked n1 NOT_READY and died before requeueing its job.
+    await store.put_node(node("n1", ready=False), None)
+    await store.create_job(job("j-000000000001", P.RUNNING, "n1", "a-1", now[0] - 50), "")
+    await _hold(c, store, "n1", "a-1")
+    await ctl.reconcile_once()
+    j = (await store.get_job("j-000000000001")).value
+    assert j.status.phase in (P.PENDING, P.SCHEDULED) and j.status.allocation_id != "a-1"
+    assert any(h.phase == P.PENDING and "node n1 is not ready" in h.reason for h in j.status.history)
+    assert "a-1" not in {a for hs in (await store.list_holders()).values() for a in hs}
+
+
+async def test_scheduled_job_never_launched_is_requeued_after_the_grace(ctl):
+    ctl, store, c, now = ctl
+    await store.put_node(node("n2"), None)
+    await store.create_job(job("j-000000000002", P.SCHEDULED, "n2", "a-2", now[0]), "")
+    await _hold(c, store, "n2", "a-2")
+    hb = controller_pb2.HeartbeatRequest(name="n2", incarnation="inc1", running_allocations=[])
+    # Within the grace: the launch may still be on its way — nothing happens.
+    now[0] += GRACE / 2
+    await ctl.heartbeat(hb)
+    await ctl._requeue_never_launched(now[0])
+    assert (await store.get_job("j-000000000002")).value.status.phase == P.SCHEDULED
+    # A heartbeat past the grace that lists the allocation: it runs, nothing happens.
+    now[0] += GRACE
+    await ctl.heartbeat(controller_pb2.HeartbeatRequest(name="n2", incarnation="inc1", running_allocations=["a-2"]))
+    await ctl._requeue_never_launched(now[0])
+    assert (await store.get_job("j-000000000002")).value.status.phase == P.SCHEDULED
+    # A later heartbeat without it: never launched -> requeued as transient (a preemption).
+    now[0] += 1
+    await ctl.heartbeat(hb)
+    await ctl._requeue_never_launched(now[0])
+    j = (await store.get_job("j-000000000002")).value
+    assert j.status.phase == P.PENDING and j.status.allocation_id == "" and j.status.preemptions == 1
+    assert "executor never started on n2" in j.status.reason
+    assert "a-2" not in {a for hs in (await store.list_holders()).values() for a in hs}
+
+
+async def test_exit_of_a_stopped_allocation_leaves_no_key_and_exits_of_the_current_one_complete_it(ctl):
+    ctl, store, c, now = ctl
+    await store.put_node(node("n3"), None)
+    await store.create_job(job("j-000000000003", P.RUNNING, "n3", "a-3", now[0], ranks=2), "")
+    await _hold(c, store, "n3", "a-3")
+    # Late EXITED of an allocation the job no longer holds: stale, nothing written.
+    stale = await ctl.report(K(kind=K.EXITED, job_id="j-000000000003", allocation_id="a-old", rank=0, exit_code=143,
+                               node="n3"))
+    assert stale and await store.rank_exits("a-old") == {}
+    # The current allocation: rank 0's exit is recorded with the job, rank 1's completes it.
+    assert not await ctl.report(K(kind=K.EXITED, job_id="j-000000000003", allocation_id="a-3", rank=0, exit_code=0,
+                                  node="n3"))
+    assert await store.rank_exits("a-3") == {0: 0}
+    assert (await store.get_job("j-000000000003")).value.status.phase == P.RUNNING
+    await ctl.report(K(kind=K.EXITED, job_id="j-000000000003", allocation_id="a-3", rank=1, exit_code=0, node="n3"))
+    assert (await store.get_job("j-000000000003")).value.status.phase == P.SUCCEEDED
+    assert await store.rank_exits("a-3") == {}
+
+
+class RecordingAgent(agent_pb2_grpc.AgentServiceServicer):
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    async def ControlTask(self, request, context):
+        self.calls.append((request.op, request.task))
+        return agent_pb2.ControlTaskResponse()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_stray_fused_task_cancel_is_retried_until_it_goes_through(ctl):
+    ctl, store, c, now = ctl
+    # The agent is unreachable first (a real RPC that fails), then answers.
+    await store.put_node(node("n4", address=f"127.0.0.1:{_port()}"), None)
+    host = job("j-00000000000a", P.RUNNING, "n4", "a-4", now[0])
+    await store.create_job(host, "")
+    stray = K(kind=K.TASK, job_id="j-00000000000a", allocation_id="a-4", node="n4",
+              task="j-0000000000bb_t0", task_phase="running", step=3, total_steps=10)
+    await ctl.report(stray)  # guest j-0000000000bb unknown: a stray; the cancel fails
+    assert ("a-4", "j-0000000000bb_t0") not in ctl._strays
+    agent = RecordingAgent()
+    server = grpc.aio.server()
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
+    port = _port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    try:
+        await store.put_node(node("n4", address=f"127.0.0.1:{port}"), None)
+        await ctl.report(stray)  # retried, and it goes through
+        await ctl.report(stray)  # remembered: not sent again
+        assert agent.calls == [("cancel", "j-0000000000bb_t0")]
+    finally:
+        await server.stop(None)
