@@ -71,6 +71,9 @@ async def serve(cfg: ControllerConfig, ready: asyncio.Event | None = None, stop:
 
     async def lost():
         await ctl.on_lost()
+        # A standby again: health checks (and load balancers) must stop sending it work.
+        for n in names[:2] + [""]:
+            await hs.set(n, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     campaign = asyncio.create_task(leadership.campaign(elected, lost))
     reconcile = asyncio.create_task(ctl.run(loop_stop))

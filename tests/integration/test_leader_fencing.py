@@ -119,3 +119,35 @@ async def test_one_leader_among_two_and_takeover_on_resign(etcd_server):
     await asyncio.gather(tb, return_exceptions=True)
     await c1.close()
     await c2.close()
+
+
+async def test_controller_health_follows_its_leadership(controller, etcd_server):
+    """The controller's gRPC health says SERVING while it leads and NOT_SERVING once it
+    lost the leadership (a standby must not get work from a health-checking balancer),
+    SERVING again when re-elected."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    S, N = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    cfg = controller
+    name = "tessera.api.v1.JobService"
+    c = await client(etcd_server)
+    async with grpc.aio.insecure_channel(cfg.listen) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+
+        async def status():
+            return (await stub.Check(health_pb2.HealthCheckRequest(service=name))).status
+
+        async def until(want):
+            for _ in range(400):
+                if await status() == want:
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"health never became {want}")
+
+        await until(S)
+        leader = await c.get(f"{cfg.prefix}/leader".encode())
+        await c.revoke_lease(leader.lease)  # the lease is gone: leadership lost
+        await until(N)
+        await until(S)  # nobody else campaigns: re-elected
+    await c.close()
