@@ -957,7 +957,7 @@ class Controller:
             if j.status.fused_into:
                 # Fused into a host's executor: no units or executor of its own to release
                 # (the allocation is the host's). Not a failure: it resumes from its tasks'
-                # checkpoints (state.pt; tasks with an adapter.pt are done).
+                # checkpoints (state.pt; ended tasks: adapter.pt if succeeded, outcome.json if cancelled).
                 j.status.allocation_id = ""
                 j.status.fused_into = ""
                 if not refused:

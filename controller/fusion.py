@@ -39,7 +39,7 @@ rides on H's grant):
   resized, requeued after node loss, succeeded while a guest task had not ended) or runs
   under another allocation, or whose tasks never reported within ``grace_s`` of the fuse,
   goes back to PENDING, counted as a preemption (not a failure); it resumes from its
-  tasks' ``state.pt`` (finished tasks, with ``adapter.pt``, are not rerun).
+  tasks' ``state.pt`` (ended tasks are not rerun: ``adapter.pt`` if succeeded, ``outcome.json`` if cancelled).
 """
 
 from __future__ import annotations
