@@ -24,4 +24,4 @@ class ProfilerService(profiler_pb2_grpc.ProfilerServiceServicer):
     async def GetStats(self, request, context):
         c = self.core.buffer.counters()
         return profiler_pb2.ProfilerStats(buffered=c.buffered, sent=c.sent, dropped=c.dropped, next_seq=c.next_seq,
-                                          connected=self.core.connected)
+                                          connected=self.core.connected, stream_errors=self.core.stream_errors)

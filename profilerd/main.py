@@ -59,6 +59,11 @@ class Profilerd:
     def connected(self) -> bool:
         return self.streamer is not None and self.streamer.connected
 
+    @property
+    def stream_errors(self) -> int:
+        """Streaming sessions that ended by an unexpected (non-gRPC) error so far."""
+        return self.streamer.errors if self.streamer is not None else 0
+
     def add(self, m: profiler_pb2.Measurement) -> int:
         """Stamp (source, node, time when unset), number and buffer ``m``; returns its seq."""
         m.source = self.source

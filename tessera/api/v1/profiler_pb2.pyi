@@ -70,15 +70,17 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ProfilerStats(_message.Message):
-    __slots__ = ("buffered", "sent", "dropped", "next_seq", "connected")
+    __slots__ = ("buffered", "sent", "dropped", "next_seq", "connected", "stream_errors")
     BUFFERED_FIELD_NUMBER: _ClassVar[int]
     SENT_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ERRORS_FIELD_NUMBER: _ClassVar[int]
     buffered: int
     sent: int
     dropped: int
     next_seq: int
     connected: bool
-    def __init__(self, buffered: _Optional[int] = ..., sent: _Optional[int] = ..., dropped: _Optional[int] = ..., next_seq: _Optional[int] = ..., connected: _Optional[bool] = ...) -> None: ...
+    stream_errors: int
+    def __init__(self, buffered: _Optional[int] = ..., sent: _Optional[int] = ..., dropped: _Optional[int] = ..., next_seq: _Optional[int] = ..., connected: _Optional[bool] = ..., stream_errors: _Optional[int] = ...) -> None: ...
