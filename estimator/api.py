@@ -17,7 +17,7 @@ from tessera.perfmodel import FORMAT, Candidate, Estimate
 from . import models
 from .models import ModelKeeper
 from .profiles import summarize
-from .store import MeasurementStore
+from .store import MeasurementStore, StoreFailed
 
 MAX_BATCH = 100_000
 
@@ -84,7 +84,12 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServiceServicer):
                     # earlier batches of this stream stay persisted; the client learns
                     # how far it got from GetWatermark
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
-            a, d = await self.store.append(batch.measurements)
+            try:
+                a, d = await self.store.append(batch.measurements)
+            except OSError as e:  # nothing of this batch acknowledged; the client resends later
+                self.log.error("measurements not persisted", error=str(e), failed=isinstance(e, StoreFailed))
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"measurements not persisted ({e}); retry later (earlier batches are kept)")
             accepted += a
             dups += d
             sources.update(m.source for m in batch.measurements)

@@ -169,3 +169,33 @@ async def test_bad_candidate_is_invalid_argument_naming_the_field(tmp_path, rpc,
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await getattr(e.stub, rpc)(req)
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and ei.value.details().startswith(expect)
+
+
+async def test_a_write_that_fails_is_unavailable_and_acknowledges_nothing(tmp_path, monkeypatch):
+    """A disk error while persisting (ENOSPC here, injected at the file write) answers
+    UNAVAILABLE — the client keeps the batch and resends — and moves no watermark; the
+    next report, once the disk is back, is accepted."""
+    import errno
+    import os as _os
+
+    ms = [profiler_pb2.Measurement(source=SRC, seq=i, kind="step", job_id="j", step=i, step_time_s=0.01)
+          for i in (1, 2)]
+    async with Est(tmp_path / "est") as est:
+        real_fsync = _os.fsync
+        broken = [True]
+
+        def fsync(fd):
+            if broken[0] and fd == est.store._file.fileno():
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_fsync(fd)
+
+        monkeypatch.setattr(_os, "fsync", fsync)
+        batch = estimator_pb2.MeasurementBatch(measurements=ms)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await est.stub.ReportMeasurements(iter([batch]))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "not persisted" in e.value.details()
+        assert (await est.stub.GetWatermark(estimator_pb2.GetWatermarkRequest(source=SRC))).seq == 0
+        assert est.store.path.stat().st_size == 0  # cut back: no half-written record left
+        broken[0] = False
+        ack = await est.stub.ReportMeasurements(iter([batch]))
+        assert ack.accepted == 2 and ack.watermark[SRC] == 2
