@@ -540,6 +540,9 @@ class Controller:
             jobs, _ = await self.store.list_jobs()
         pending = [j for j in jobs if j.status.phase == P.PENDING]
         active = [j for j in jobs if j.status.phase in ACTIVE]
+        # Cancels remembered for strays of allocations that ended: their executors are gone.
+        live = {j.status.allocation_id for j in active}
+        self._strays = {k for k in self._strays if k[0] in live}
         if not pending and not active:
             return {"placed": 0, "lost_nodes": lost}
         decision_id = "d-" + secrets.token_hex(4)

@@ -165,5 +165,9 @@ async def test_stray_fused_task_cancel_is_retried_until_it_goes_through(ctl):
         await ctl.report(stray)  # retried, and it goes through
         await ctl.report(stray)  # remembered: not sent again
         assert agent.calls == [("cancel", "j-0000000000bb_t0")]
+        # The host's allocation ends: what was remembered for it goes at the next round.
+        await c.delete(store.job_key("j-00000000000a"))
+        await ctl.reconcile_once()
+        assert not ctl._strays
     finally:
         await server.stop(None)
