@@ -32,6 +32,8 @@ def _code(e: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.ALREADY_EXISTS
     if isinstance(e, PreconditionFailed):
         return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(e, aetcd.ClientError) and "request is too large" in str(e):
+        return grpc.StatusCode.INVALID_ARGUMENT  # etcd will never take it: retrying cannot help
     if isinstance(e, (NotLeader, Conflict, aetcd.ClientError, ConnectionError)):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL

@@ -9,6 +9,8 @@ servicers (api.py) only translate messages and exceptions.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import inspect
 import json
 import os
@@ -74,7 +76,7 @@ class AgentPool:
 
     def stub(self, address: str) -> agent_pb2_grpc.AgentServiceStub:
         if address not in self._stubs:
-            ch = grpc.aio.insecure_channel(address)
+            ch = grpc.aio.insecure_channel(address, options=GRPC_MESSAGE_OPTIONS)
             self._channels[address] = ch
             self._stubs[address] = agent_pb2_grpc.AgentServiceStub(ch)
         return self._stubs[address]
@@ -84,6 +86,36 @@ class AgentPool:
             await ch.close(None)
         self._channels.clear()
         self._stubs.clear()
+
+
+# A normalised job spec larger than this is refused (etcd refuses requests over ~1.5 MiB,
+# and every list reads every job).
+MAX_SPEC_BYTES = 256 << 10
+MAX_REASON_CHARS = 500
+# Replies up to the largest log tail (GetJobLogs: 4 MiB per node) plus framing.
+GRPC_MESSAGE_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+def _check_reason(reason: str) -> None:
+    if len(reason) > MAX_REASON_CHARS:
+        raise SpecError("reason", f"must be at most {MAX_REASON_CHARS} characters, got {len(reason)}")
+
+
+def _encode_page_token(last: types_pb2.Job) -> str:
+    """Opaque page token: the (created, id) of the last job of a page."""
+    return base64.urlsafe_b64encode(json.dumps([last.created, last.id]).encode()).decode()
+
+
+def _decode_page_token(token: str) -> tuple[float, str] | None:
+    """(created, id) after which the next page starts; None for the first page;
+    SpecError("page_token") for anything this server did not issue."""
+    if not token:
+        return None
+    try:
+        created, job_id = json.loads(base64.urlsafe_b64decode(token.encode()))
+        return float(created), str(job_id)
+    except (ValueError, TypeError, binascii.Error):
+        raise SpecError("page_token", f"not a token this server issued: {token!r}") from None
 
 
 @dataclass
@@ -170,6 +202,9 @@ class Controller:
             raise SpecError("idempotency_key", "must not contain '/'")
         self._require_leader()
         norm = manifest.to_proto(doc)
+        if norm.ByteSize() > MAX_SPEC_BYTES:
+            raise SpecError("spec", f"is {norm.ByteSize()} bytes once normalised; at most {MAX_SPEC_BYTES} are "
+                                    "accepted (split the job, or shorten its task list)")
         for _ in range(RETRIES):
             # Optimistic: one transaction creates the job and claims the key; only when
             # that fails (the key, or rarely the id, exists) is the key read back.
@@ -216,23 +251,23 @@ class Controller:
         tasks follow it as jobs of their own (``<job id>/<task>``)."""
         if page_size < 0 or page_size > 1000:
             raise SpecError("page_size", f"must be between 0 and 1000, got {page_size}")
-        try:
-            offset = int(page_token) if page_token else 0
-        except ValueError:
-            raise SpecError("page_token", f"not a token this server issued: {page_token!r}") from None
-        if offset < 0:
-            raise SpecError("page_token", f"not a token this server issued: {page_token!r}")
+        after = _decode_page_token(page_token)
         jobs, rev = await self.store.list_jobs()
         jobs.sort(key=lambda j: (j.created, j.id))
         if include_tasks:
             jobs = [x for j in jobs for x in [j, *peft_tasks.views(j)]]
         jobs = [j for j in jobs if (not tenant or j.spec.tenant == tenant) and (not phases or j.status.phase in phases)]
+        if after is not None:
+            # Keyset, not offset: a job that changed phase (left the filter) between two
+            # pages must not shift the next page past a job never returned.
+            jobs = [j for j in jobs if (j.created, j.id) > after]
         size = page_size or 100
-        page = jobs[offset: offset + size]
-        nxt = str(offset + size) if offset + size < len(jobs) else ""
+        page = jobs[:size]
+        nxt = _encode_page_token(page[-1]) if len(jobs) > size else ""
         return page, nxt, rev
 
     async def cancel(self, job_id: str, reason: str) -> types_pb2.Job:
+        _check_reason(reason)
         if "/" in job_id:
             return await self.cancel_task(job_id, reason)
         self._require_leader()
@@ -283,6 +318,7 @@ class Controller:
         it. Returns the task's view. NotFound for an unknown job or task;
         PreconditionFailed when the task already succeeded or the job is not running;
         ConnectionError (retry) when the agent cannot be reached."""
+        _check_reason(reason)
         self._require_leader()
         parent_id, task = peft_tasks.split_id(task_id)
         target: list = []
@@ -335,6 +371,10 @@ class Controller:
             seen.add(d.id)
             if d.kind not in ("cpu", "gpu"):
                 raise SpecError(f"devices[{i}].kind", f"must be 'cpu' or 'gpu', got {d.kind!r}")
+            if d.capacity < 0:
+                raise SpecError(f"devices[{i}].capacity", f"must be >= 0, got {d.capacity}")
+            if d.memory_bytes < 0:
+                raise SpecError(f"devices[{i}].memory_bytes", f"must be >= 0, got {d.memory_bytes}")
         pseen: set[str] = set()
         for i, p in enumerate(req.partitions):
             if not p.id or p.id in pseen or "/" in p.id:

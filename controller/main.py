@@ -38,7 +38,9 @@ async def serve(cfg: ControllerConfig, ready: asyncio.Event | None = None, stop:
     """Run the controller until ``stop`` is set (or SIGTERM/SIGINT when run as a daemon)."""
     logger = log.get(component="controller")
     host, port = cfg.etcd.rsplit(":", 1)
-    client = aetcd.Client(host=host, port=int(port), timeout=10)
+    # Every round reads every job in one range: lift gRPC's 4 MiB default reply limit.
+    client = aetcd.Client(host=host, port=int(port), timeout=10,
+                          options={"grpc.max_receive_message_length": 512 << 20})
     await client.connect()
     store = Store(client, cfg.prefix)
     ctl = Controller(store, cfg, make_policy(cfg.policy))

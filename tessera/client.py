@@ -46,6 +46,8 @@ TESTBED_FILE = Path(".tessera") / "testbed.json"
 TERMINAL_PHASES = frozenset({types_pb2.SUCCEEDED, types_pb2.FAILED, types_pb2.CANCELLED})
 DEFAULT_TIMEOUT_S = 10.0
 _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE,)
+# Replies up to GetJobLogs' largest tail (4 MiB per node, several nodes) fit.
+MESSAGE_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
 
 
 class TesseraError(Exception):
@@ -125,7 +127,7 @@ class Client:
                  channel: grpc.Channel | None = None) -> None:
         self.address = resolve_address(address) if channel is None else (address or "")
         self.timeout = timeout
-        self._channel = channel or grpc.insecure_channel(self.address)
+        self._channel = channel or grpc.insecure_channel(self.address, options=MESSAGE_OPTIONS)
         self.jobs = controller_pb2_grpc.JobServiceStub(self._channel)
         self.nodes_stub = controller_pb2_grpc.NodeServiceStub(self._channel)
 
@@ -253,7 +255,7 @@ class AsyncClient:
                  channel: grpc.aio.Channel | None = None) -> None:
         self.address = resolve_address(address) if channel is None else (address or "")
         self.timeout = timeout
-        self._channel = channel or grpc.aio.insecure_channel(self.address)
+        self._channel = channel or grpc.aio.insecure_channel(self.address, options=MESSAGE_OPTIONS)
         self.jobs = controller_pb2_grpc.JobServiceStub(self._channel)
         self.nodes_stub = controller_pb2_grpc.NodeServiceStub(self._channel)
 

@@ -152,3 +152,55 @@ async def test_node_register_heartbeat_and_grace(stubs):
             break
         await asyncio.sleep(0.05)
     assert ls.nodes[0].state == tpb.NOT_READY
+
+
+async def test_pages_do_not_skip_a_job_when_another_leaves_the_filter(stubs):
+    """Keyset pages: a job that changes phase between two pages (leaves the filter) does
+    not shift the next page past a job never returned."""
+    jobs, _, _ = stubs
+    await wait_leader(jobs)
+    ids = [(await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec(name=f"k{i}", tenant="kim")))).job.id
+           for i in range(3)]
+    first = await jobs.ListJobs(cpb.ListJobsRequest(tenant="kim", phases=[tpb.PENDING], page_size=1))
+    assert [j.id for j in first.jobs] == ids[:1] and first.next_page_token
+    await jobs.CancelJob(cpb.CancelJobRequest(job_id=ids[0]))  # leaves the PENDING filter
+    seen, token = [], first.next_page_token
+    while token:
+        page = await jobs.ListJobs(cpb.ListJobsRequest(tenant="kim", phases=[tpb.PENDING], page_size=1,
+                                                       page_token=token))
+        seen += [j.id for j in page.jobs]
+        token = page.next_page_token
+    assert seen == ids[1:]
+
+
+async def test_oversized_inputs_are_invalid_argument_naming_the_field_and_change_nothing(stubs):
+    jobs, nodes, _ = stubs
+    await wait_leader(jobs)
+    r = await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec(name="long-reason")))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await jobs.CancelJob(cpb.CancelJobRequest(job_id=r.job.id, reason="r" * 501))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("reason")
+    assert (await jobs.GetJob(cpb.GetJobRequest(job_id=r.job.id))).status.phase == tpb.PENDING
+    dev = tpb.Device(id="cpu0", kind="cpu", model="x", capacity=-3)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await nodes.RegisterNode(cpb.RegisterNodeRequest(name="bad", agent_address="127.0.0.1:1", devices=[dev]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "devices[0].capacity" in e.value.details()
+    dev = tpb.Device(id="cpu0", kind="cpu", model="x", capacity=1, memory_bytes=-1)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await nodes.RegisterNode(cpb.RegisterNodeRequest(name="bad", agent_address="127.0.0.1:1", devices=[dev]))
+    assert "devices[0].memory_bytes" in e.value.details()
+    assert "bad" not in [n.name for n in (await nodes.ListNodes(cpb.ListNodesRequest())).nodes]
+
+
+async def test_a_spec_over_the_size_limit_is_invalid_argument(stubs, monkeypatch):
+    """The normalised spec's size is bounded (etcd refuses large requests and every list
+    reads every job); the limit is lowered here so that an ordinary spec crosses it."""
+    from controller import core
+
+    jobs, _, _ = stubs
+    await wait_leader(jobs)
+    monkeypatch.setattr(core, "MAX_SPEC_BYTES", 64)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec(name="big", tenant="sz")))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("spec")
+    assert list((await jobs.ListJobs(cpb.ListJobsRequest(tenant="sz"))).jobs) == []
