@@ -4,13 +4,16 @@ Each daemon declares one frozen dataclass; ``load(cls, argv, env_prefix)`` build
 argparse parser from its fields (``field(metadata={"help": ...})``), reads the YAML
 file named by ``--config`` (or ``<PREFIX>CONFIG``), then the environment variables
 ``<PREFIX><FIELD>`` (upper case), then the flags. Unknown file keys and values of the
-wrong type are errors naming the key, raised as ``SpecError``.
+wrong type are errors naming the key, raised as ``SpecError``; so are a config file that
+cannot be read or is not valid YAML (naming the file), and a float that is not finite
+(``nan``, ``inf``) from any source.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import typing
 from pathlib import Path
@@ -37,9 +40,12 @@ def _coerce(name: str, typ: Any, raw: Any) -> Any:
         try:
             if typ is int and isinstance(raw, float) and not raw.is_integer():
                 raise ValueError
-            return typ(raw)
-        except (TypeError, ValueError):
+            v = typ(raw)
+        except (TypeError, ValueError, OverflowError):
             raise SpecError(name, f"expected {typ.__name__}, got {raw!r}") from None
+        if typ is float and not math.isfinite(v):
+            raise SpecError(name, f"expected a finite number, got {raw!r}")
+        return v
     return raw
 
 
@@ -61,7 +67,14 @@ def load(cls: type[T], argv: list[str] | None, env_prefix: str, description: str
     values: dict[str, Any] = {}
     cfg_path = ns.config or os.environ.get(env_prefix + "CONFIG")
     if cfg_path:
-        data = yaml.safe_load(Path(cfg_path).read_text()) or {}
+        try:
+            data = yaml.safe_load(Path(cfg_path).read_text(encoding="utf-8")) or {}
+        except OSError as e:
+            raise SpecError(cfg_path, f"cannot read config file: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise SpecError(cfg_path, "config file is not UTF-8 text") from None
+        except yaml.YAMLError as e:
+            raise SpecError(cfg_path, f"config file is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise SpecError(cfg_path, "config file must be a mapping")
         names = {f.name for f in fields}

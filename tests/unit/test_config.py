@@ -40,3 +40,44 @@ def test_errors_name_the_key(tmp_path, monkeypatch):
     with pytest.raises(SpecError) as e:
         config.load(Cfg, [], "T_")
     assert e.value.field == "T_N"
+
+
+def test_unreadable_or_invalid_config_file_is_a_spec_error_naming_it(tmp_path):
+    missing = str(tmp_path / "nonexistent.yaml")
+    with pytest.raises(SpecError) as e:
+        config.load(Cfg, ["--config", missing], "T_")
+    assert e.value.field == missing and "cannot read" in e.value.message
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("listen: [unclosed\n")
+    with pytest.raises(SpecError) as e:
+        config.load(Cfg, ["--config", str(bad)], "T_")
+    assert e.value.field == str(bad) and "YAML" in e.value.message
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"listen: \xff\xfe\n")
+    with pytest.raises(SpecError) as e:
+        config.load(Cfg, ["--config", str(binary)], "T_")
+    assert e.value.field == str(binary)
+    d = tmp_path / "adir"
+    d.mkdir()
+    with pytest.raises(SpecError) as e:
+        config.load(Cfg, ["--config", str(d)], "T_")
+    assert e.value.field == str(d)
+
+
+@pytest.mark.parametrize("src", ["file", "env", "flag"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", ".inf", ".nan"])
+def test_float_fields_must_be_finite(tmp_path, monkeypatch, src, value):
+    argv: list[str] = []
+    if src == "file":
+        f = tmp_path / "c.yaml"
+        f.write_text(f"grace_s: {value}\n")
+        argv = ["--config", str(f)]
+    elif src == "env":
+        monkeypatch.setenv("T_GRACE_S", value)
+    else:
+        argv = [f"--grace-s={value}"]
+    if value.startswith(".") and src != "file":
+        return  # YAML spellings: only the file parses them
+    with pytest.raises(SpecError) as e:
+        config.load(Cfg, argv, "T_")
+    assert "finite" in e.value.message
