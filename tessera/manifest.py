@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,13 @@ WORKLOAD_DEFAULTS = {
     "seed": 0,
     "checkpoint_every": 50,
 }
+# Largest values of the API's integer fields (proto/tessera/api/v1/types.proto): a larger
+# one would validate here and then fail to fit the message.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+# Sane upper bounds of the model's dimensions (each also fits its int32 field): beyond
+# them a job could only fail in its executor, after being queued and placed.
+MODEL_MAX = {"vocab": 1 << 22, "seq_len": 1 << 20, "layers": 4096, "hidden": 1 << 16, "heads": 4096}
 # Validators of the workload-specific sections: pure functions (section, path) -> dict.
 SECTION_VALIDATORS = {
     "peft": ("tessera.spec.peft", "validate_peft"),
@@ -72,20 +80,30 @@ def _no_unknown(d: dict, allowed: set[str], path: str) -> None:
             raise SpecError(where, f"unknown field (allowed: {', '.join(sorted(allowed))})")
 
 
-def _int(v: Any, path: str, minimum: int | None = None) -> int:
+def _int(v: Any, path: str, minimum: int | None = None, maximum: int = INT32_MAX) -> int:
+    """An integer in [minimum, maximum]; ``maximum`` defaults to the int32 limit (pass
+    ``INT64_MAX`` for an int64 field) so that every validated value fits its proto field."""
     if isinstance(v, bool) or not isinstance(v, int):
         raise SpecError(path, f"must be an integer, got {type(v).__name__} {v!r}")
     if minimum is not None and v < minimum:
         raise SpecError(path, f"must be >= {minimum}, got {v}")
+    if v > maximum:
+        raise SpecError(path, f"must be <= {maximum}, got {v}")
     return v
 
 
 def _float(v: Any, path: str, positive: bool = False) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise SpecError(path, f"must be a number, got {type(v).__name__} {v!r}")
-    if positive and not v > 0:
+    try:
+        f = float(v)
+    except OverflowError:  # an int too large for a double
+        raise SpecError(path, f"must be a finite number, got {v}") from None
+    if not math.isfinite(f):
+        raise SpecError(path, f"must be a finite number, got {v}")
+    if positive and not f > 0:
         raise SpecError(path, f"must be > 0, got {v}")
-    return float(v)
+    return f
 
 
 def _str(v: Any, path: str) -> str:
@@ -156,16 +174,17 @@ def _workload(w: dict) -> dict:
     out: dict = {"type": typ}
     m = _mapping(w.get("model", {}), "workload.model")
     _no_unknown(m, set(MODEL_DEFAULTS), "workload.model")
-    out["model"] = {k: _int(m.get(k, dv), f"workload.model.{k}", 1) for k, dv in MODEL_DEFAULTS.items()}
+    out["model"] = {k: _int(m.get(k, dv), f"workload.model.{k}", 1, MODEL_MAX[k]) for k, dv in MODEL_DEFAULTS.items()}
     if out["model"]["hidden"] % out["model"]["heads"]:
         raise SpecError("workload.model.heads", "must divide workload.model.hidden")
     if "steps" not in w:
         raise SpecError("workload.steps", "is required")
-    out["steps"] = _int(w["steps"], "workload.steps", 1)
+    out["steps"] = _int(w["steps"], "workload.steps", 1, INT64_MAX)
     out["batch_size"] = _int(w.get("batch_size", WORKLOAD_DEFAULTS["batch_size"]), "workload.batch_size", 1)
     out["learning_rate"] = _float(w.get("learning_rate", WORKLOAD_DEFAULTS["learning_rate"]), "workload.learning_rate", True)
-    out["seed"] = _int(w.get("seed", 0), "workload.seed", 0)
-    out["checkpoint_every"] = _int(w.get("checkpoint_every", WORKLOAD_DEFAULTS["checkpoint_every"]), "workload.checkpoint_every", 1)
+    out["seed"] = _int(w.get("seed", 0), "workload.seed", 0, INT64_MAX)
+    out["checkpoint_every"] = _int(w.get("checkpoint_every", WORKLOAD_DEFAULTS["checkpoint_every"]),
+                                   "workload.checkpoint_every", 1, INT64_MAX)
     # Seconds each step waits for its input (gpt only; 0 = none): an input-bound job, e.g.
     # one fed by a slow loader, that leaves its cores mostly idle. Omitted when 0.
     if "step_delay_s" in w:
@@ -213,7 +232,25 @@ def _section(section: str, value: Any, mod: str, fn: str) -> dict:
         # The workload's own validator is not installed: keep the section as given and
         # let the executor refuse it. Structure was still checked above.
         return value
-    return validator(value, path)
+    out = validator(value, path)
+    _struct_safe(out, path)
+    return out
+
+
+# A section travels as a protobuf Struct, whose numbers are doubles: an integer beyond
+# 2**53 would not come back as itself (and one beyond the double range not convert at all).
+STRUCT_INT_MAX = 2**53
+
+
+def _struct_safe(v: Any, path: str) -> None:
+    if isinstance(v, dict):
+        for k, x in v.items():
+            _struct_safe(x, f"{path}.{k}")
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            _struct_safe(x, f"{path}[{i}]")
+    elif isinstance(v, int) and not isinstance(v, bool) and abs(v) > STRUCT_INT_MAX:
+        raise SpecError(path, f"must be at most {STRUCT_INT_MAX} in magnitude, got {v}")
 
 
 def _resources(r: dict) -> dict:
@@ -234,10 +271,13 @@ def _resources(r: dict) -> dict:
 
 
 def load_file(path: str | Path) -> dict:
-    """Read and validate a manifest file. ``SpecError`` for YAML syntax errors too."""
+    """Read and validate a manifest file. ``SpecError`` (naming the file) for YAML syntax
+    errors and text that is not UTF-8 too; ``OSError`` when it cannot be read."""
     p = Path(path)
     try:
-        doc = yaml.safe_load(p.read_text())
+        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise SpecError(str(p), f"not UTF-8 text (byte {e.start}: {e.reason})") from None
     except yaml.YAMLError as e:
         raise SpecError(str(p), f"not valid YAML: {e}") from None
     return validate(doc)

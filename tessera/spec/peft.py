@@ -12,7 +12,7 @@ Section (defaults in brackets)::
     chunk_size: int >= 2 | null              [null = model.seq_len]  tokens per packed chunk
     micro_batch_tokens: int >= 1             [512]  tokens per forward/backward within a step
                                              (whole chunks, at least one; bounds activation memory)
-    tasks: non-empty list, unique names, each:
+    tasks: non-empty list of at most MAX_TASKS (256), unique names, each:
       name: str (lower-case, digits, '-', '_'), required; not ``j-<12 hex>_...``
                                              (reserved: a task fused in from job j-... is
                                              named ``<job id>_<task>`` in the host's executor)
@@ -49,6 +49,10 @@ NAME_RE = re.compile(r"^[a-z0-9]([-_a-z0-9]*[a-z0-9])?$")
 # controller's LoRA fusion, controller/fusion.py ``_FUSED_RE``). A job's own task named
 # this way would be taken for a stray guest task and cancelled, so specs may not use it.
 FUSED_PREFIX_RE = re.compile(r"^j-[0-9a-f]{12}_")
+
+# Most tasks one job may carry: the whole spec is one etcd value, which etcd caps at
+# about 1.5 MiB ("request is too large"); 256 tasks stay far below that.
+MAX_TASKS = 256
 
 _TOP = ("mode", "chunk_size", "micro_batch_tokens", "tasks")
 _TASK = ("name", "rank", "alpha", "target_modules", "learning_rate", "batch_size", "steps", "dataset")
@@ -191,6 +195,8 @@ def validate_peft(section: Any, path: str = "workload.peft", defaults: dict | No
         raise SpecError(f"{path}.tasks", "is required (a non-empty list)")
     if not isinstance(tasks, list) or not tasks:
         raise SpecError(f"{path}.tasks", f"must be a non-empty list, got {tasks!r}")
+    if len(tasks) > MAX_TASKS:
+        raise SpecError(f"{path}.tasks", f"at most {MAX_TASKS} tasks per job, got {len(tasks)}")
     seen: set[str] = set()
     out["tasks"] = []
     for i, t in enumerate(tasks):

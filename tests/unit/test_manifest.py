@@ -87,3 +87,54 @@ def test_step_delay_round_trips_and_is_omitted_when_zero():
 def test_examples_are_valid():
     for p in sorted(manifest.Path(__file__).resolve().parents[2].joinpath("examples").glob("*.yaml")):
         manifest.load_file(p)
+
+
+@pytest.mark.parametrize("patch,field", [
+    ({"workload__batch_size": 2**32}, "workload.batch_size"),
+    ({"workload__batch_size": 2**31}, "workload.batch_size"),
+    ({"workload__steps": 2**63}, "workload.steps"),
+    ({"workload__seed": 2**63}, "workload.seed"),
+    ({"workload__checkpoint_every": 2**64}, "workload.checkpoint_every"),
+    ({"workload__plan": {"micro_batches": 2**31}}, "workload.plan.micro_batches"),
+    ({"resources__devices": 2**31}, "resources.devices"),
+    ({"workload__model__vocab": 2**31}, "workload.model.vocab"),
+    ({"workload__model__seq_len": 10**9}, "workload.model.seq_len"),
+    ({"workload__model__layers": 10**6}, "workload.model.layers"),
+    ({"workload__model__hidden": 2**30, "workload__model__heads": 4}, "workload.model.hidden"),
+    ({"workload__type": "peft", "workload__peft": {"tasks": [{"name": "a", "rank": 2**60}]}},
+     "workload.peft.tasks[0].rank"),
+])
+def test_values_beyond_their_proto_field_are_refused_by_name(patch, field):
+    d = doc(**patch)
+    with pytest.raises(SpecError) as e:
+        manifest.validate(d)
+    assert e.value.field == field, str(e.value)
+
+
+def test_largest_int_values_fit_the_proto():
+    d = manifest.validate(doc(workload__batch_size=2**31 - 1, workload__steps=2**63 - 1, workload__seed=2**63 - 1,
+                              workload__checkpoint_every=2**63 - 1))
+    assert manifest.validate(manifest.from_proto(manifest.to_proto(d))) == d
+
+
+@pytest.mark.parametrize("v", [float("inf"), float("-inf"), float("nan"), 10**400])
+def test_learning_rate_must_be_finite(v):
+    with pytest.raises(SpecError) as e:
+        manifest.validate(doc(workload__learning_rate=v))
+    assert e.value.field == "workload.learning_rate"
+
+
+def test_yaml_inf_learning_rate_is_refused(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text("apiVersion: tessera/v1\nname: a\nworkload: {type: gpt, steps: 1, learning_rate: .inf}\n")
+    with pytest.raises(SpecError) as e:
+        manifest.load_file(p)
+    assert e.value.field == "workload.learning_rate"
+
+
+def test_non_utf8_manifest_is_a_spec_error_naming_the_file(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_bytes(b"apiVersion: tessera/v1\nname: \xff\xfe\n")
+    with pytest.raises(SpecError) as e:
+        manifest.load_file(p)
+    assert e.value.field == str(p) and "UTF-8" in e.value.message

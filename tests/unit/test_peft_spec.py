@@ -96,3 +96,25 @@ def test_fused_task_name_prefix_is_reserved():
     ok = ["j-0123_t0", "j-0123456789ab", "j-0123456789ag_t0", "job-0123456789ab_t0", "xj-0123456789ab_t0"]
     assert [t["name"] for t in validate_peft({"tasks": [{"name": n} for n in ok]})["tasks"]] == ok
     assert validate_task({"name": "j-0123456789ab_t0"}, "t", fused=True)["name"] == "j-0123456789ab_t0"
+
+
+def test_task_count_is_capped():
+    from tessera.spec.peft import MAX_TASKS
+
+    validate_peft({"tasks": [{"name": f"t{i}"} for i in range(MAX_TASKS)]})
+    with pytest.raises(SpecError) as e:
+        validate_peft({"tasks": [{"name": f"t{i}"} for i in range(MAX_TASKS + 1)]})
+    assert e.value.field == "workload.peft.tasks" and str(MAX_TASKS) in e.value.message
+
+
+def test_largest_peft_spec_fits_one_etcd_value():
+    # etcd refuses a request over ~1.5 MiB; keep the biggest valid spec well below it.
+    from tessera import manifest
+    from tessera.spec.peft import MAX_TASKS
+
+    name = "x" * 40
+    tasks = [{"name": f"{name}-{i:03d}", "target_modules": ["qkv", "proj", "fc", "out"],
+              "dataset": {"kind": "jsonl", "path": "/" + "p" * 200, "field": "f" * 50}} for i in range(MAX_TASKS)]
+    d = manifest.validate({"apiVersion": "tessera/v1", "name": "a",
+                           "workload": {"type": "peft", "steps": 1, "peft": {"tasks": tasks}}})
+    assert len(manifest.to_proto(d).SerializeToString()) < 512 * 1024
