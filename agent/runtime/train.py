@@ -249,19 +249,44 @@ def _save(job, stage, opt, ctx, step, first_loss, last_loss, reporter) -> None:
     reporter.event("checkpoint", job_id=job.job_id, path=path, step=step)
 
 
-def _reduce_step(loss_local: float, stop: bool, ctx: pctx.ParallelContext) -> tuple[float, bool]:
-    """Global mean loss and "any rank asked to stop" in one all-reduce.
+def _grads_finite(params) -> bool:
+    """Whether every gradient of ``params`` is finite (one fused check per tensor)."""
+    return all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+
+
+def _reduce_step(loss_local: float, stop: bool, ctx: pctx.ParallelContext,
+                 grads_ok: bool = True) -> tuple[float, bool, bool]:
+    """Global mean loss, "any rank asked to stop" and "every rank's gradients are finite"
+    in one all-reduce.
 
     Only tensor shard 0 of the last stage counts its loss (the other shards hold the
     same value); replicas are averaged. Agreeing on stop makes every rank leave at the
-    same step, so the final checkpoint's collectives cannot hang.
+    same step, so the final checkpoint's collectives cannot hang; agreeing on the
+    gradients makes every rank fail at the same step, before any update (a non-finite
+    gradient must never reach the weights, nor a checkpoint).
     """
     if not ctx.initialized:
-        return loss_local, stop
+        return loss_local, stop, grads_ok
     counts = ctx.last_stage and ctx.coord.tp == 0
-    t = torch.tensor([loss_local if counts else 0.0, 1.0 if stop else 0.0], dtype=torch.float64, device=ctx.device)
+    t = torch.tensor([loss_local if counts else 0.0, 1.0 if stop else 0.0, 0.0 if grads_ok else 1.0],
+                     dtype=torch.float64, device=ctx.device)
     comm.all_reduce(t, ctx.world_group)
-    return float(t[0]) / ctx.plan.dp, bool(t[1] > 0)
+    return float(t[0]) / ctx.plan.dp, bool(t[1] > 0), not bool(t[2] > 0)
+
+
+def _agree_on_start(start_step: int, ctx: pctx.ParallelContext, checkpoint_dir: str | None) -> None:
+    """Every rank must resume from the same checkpoint step: each loads the checkpoint
+    itself, and a stale view of shared storage (or a file replaced between two loads)
+    would otherwise leave ranks at different steps, hanging a collective or mixing two
+    checkpoints. RuntimeError naming both steps when they differ."""
+    if not ctx.initialized:
+        return
+    t = torch.tensor([start_step, -start_step], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.world_group)
+    hi, lo = int(t[0]), int(-t[1])
+    if hi != lo:
+        raise RuntimeError(f"ranks loaded different checkpoints of {checkpoint_dir} (steps {lo} and {hi}): "
+                           "the checkpoint directory is not the same on every rank (stale shared storage?)")
 
 
 def train(job: GPTJob, reporter: Reporter) -> int:
@@ -285,10 +310,16 @@ def train(job: GPTJob, reporter: Reporter) -> int:
                 raise SpecError("checkpoint_dir", f"unknown checkpoint format {ckpt.get('format')!r}")
             if ckpt["model_config"] != job.cfg.to_dict():
                 raise SpecError("workload.model", "differs from the model the checkpoint was written for")
+            saved_seed = (ckpt.get("data") or {}).get("seed")
+            if saved_seed is not None and saved_seed != job.seed:
+                raise SpecError("workload.seed", f"is {job.seed}, the checkpoint was written with seed {saved_seed}: "
+                                                 "resuming would train on another data stream")
             load_state(stage, opt, ckpt)
             torch.set_rng_state(ckpt["rng"]["torch"])
             start_step = int(ckpt["step"])
             first_loss, loss = ckpt.get("first_loss"), ckpt.get("last_loss")
+        _agree_on_start(start_step, ctx, job.checkpoint_dir)
+        if ckpt is not None:
             logger.info("resumed", step=start_step, from_plan=ckpt["plan"], to_plan=job.plan.to_dict())
         params = list(stage.parameters())
         reporter.event(
@@ -322,11 +353,15 @@ def train(job: GPTJob, reporter: Reporter) -> int:
             loss_local, phases = SCHEDULES[job.schedule](stage, ctx, inputs[rows], targets[rows], job.plan.micro_batches)
             c0 = comm.TIMER.seconds
             average_gradients(params, ctx)
-            loss, stopped = _reduce_step(loss_local, STOP.is_set(), ctx)
+            loss, stopped, grads_ok = _reduce_step(loss_local, STOP.is_set(), ctx, _grads_finite(params))
             phases["communication"] += comm.TIMER.seconds - c0
             if not math.isfinite(loss):
                 # Every rank sees the same global loss, so all of them fail here together.
                 raise FloatingPointError(f"loss is {loss} at step {step + 1}")
+            if not grads_ok:
+                # Agreed by every rank (above), before the update: the weights and the last
+                # checkpoint stay finite, so a relaunch can resume from it.
+                raise FloatingPointError(f"gradients are not finite at step {step + 1} (loss {loss})")
             t_opt = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -154,3 +154,87 @@ def test_resume_of_a_finished_job_reports_done_without_training(tmp_path):
     assert code == 0
     assert [e["event"] for e in again] == ["start", "done"]
     assert again[-1]["final_loss"] == ev[-1]["final_loss"]
+
+
+def test_resume_refuses_another_seed(tmp_path):
+    """The checkpoint's data position belongs to its seed: resuming it under another seed
+    would silently train on another data stream."""
+    ck = str(tmp_path)
+    assert run_events(spec(steps=2, ckdir=ck))[0] == 0
+    code, ev = run_events(spec(steps=4, ckdir=ck, seed=7))
+    assert code == EXIT_SPEC and ev[-1]["field"] == "workload.seed" and "seed 0" in ev[-1]["message"]
+    assert checkpoint.load(ck)["step"] == 2  # nothing trained, nothing written
+
+
+def test_non_finite_gradients_fail_before_the_update(tmp_path):
+    """A step whose gradients are not finite (the loss itself finite) fails before the
+    optimizer step: the weights and the checkpoint written before stay finite."""
+    import torch
+
+    from agent.runtime import train as tr
+
+    ck = str(tmp_path)
+    assert run_events(spec(steps=2, ckdir=ck))[0] == 0
+    real = tr._grads_finite
+    calls = []
+
+    def poisoned(params):  # as if backward had produced an inf in one gradient
+        params = list(params)
+        calls.append(len(params))
+        next(p for p in params if p.grad is not None).grad.view(-1)[0] = float("inf")
+        return real(params)
+
+    tr._grads_finite = poisoned
+    try:
+        code, ev = run_events(spec(steps=4, ckdir=ck))
+    finally:
+        tr._grads_finite = real
+    assert code != EXIT_OK and calls and "gradients are not finite at step 3" in ev[-1]["message"]
+    saved = checkpoint.load(ck)
+    assert saved["step"] == 2
+    assert all(torch.isfinite(t).all() for t in saved["model"].values() if isinstance(t, torch.Tensor))
+
+
+def _rank_agree(rank: int, port: int, steps: list[int], out: str) -> None:
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from agent.runtime.parallel import context as pctx
+    from agent.runtime.plan import Plan
+    from agent.runtime.train import _agree_on_start
+
+    ctx = pctx.init(Plan(dp=2), {"backend": "gloo", "rank": rank, "world_size": 2, "master_addr": "127.0.0.1",
+                                 "master_port": port, "timeout_s": 60})
+    try:
+        _agree_on_start(steps[rank], ctx, "/ck")
+        res = "agreed"
+    except RuntimeError as e:
+        res = str(e)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    with open(os.path.join(out, f"r{rank}"), "w") as f:
+        json.dump(res, f)
+
+
+def test_ranks_must_resume_from_the_same_checkpoint_step(tmp_path):
+    """Two real gloo ranks at different start steps (a stale view of shared storage) fail
+    on EVERY rank with both steps named, instead of hanging later (the same step passes:
+    every multi-rank resume test, e.g. tests/integration/test_parallel_reshard.py)."""
+    steps, agreed = [4, 6], False
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_rank_agree, args=(port, steps, str(tmp_path)), nprocs=2, start_method="spawn")
+    res = [json.loads((tmp_path / f"r{r}").read_text()) for r in range(2)]
+    if agreed:
+        assert res == ["agreed", "agreed"]
+    else:
+        assert all("different checkpoints of /ck (steps 4 and 6)" in r for r in res)
