@@ -1,10 +1,14 @@
 """Disaggregated and coupled multimodal steps over real gloo ranks equal a plain
-single-process step; resharding ships exactly the embeddings the plan says."""
+single-process step (every parameter, unused modules included); resharding ships exactly
+the embeddings the plan says; a run stopped mid-group at one world size and resumed at
+another trains each sample of the epoch exactly once."""
 
 from __future__ import annotations
 
 import io
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from agent.runtime.multimodal.engine import plain_step
 from agent.runtime.multimodal.launch import run_ranks
 from agent.runtime.multimodal.models import MMModel
 from agent.runtime.multimodal.reshard import Layout, coupled_plan, decoupled_plan
+from agent.runtime.multimodal import workload as wl
 from agent.runtime.multimodal.workload import run
 from agent.runtime.report import Reporter, parse_line
 from tessera.spec.multimodal import validate_multimodal
@@ -62,6 +67,72 @@ def _workload_spec(tmp: str, rank: int, world: int) -> dict:
     }
 
 
+# Step 0 is text only (ViT and audio unused), step 1 has images and no audio.
+MM_UNUSED = validate_multimodal({**{k: MM[k] for k in ("image", "encoder", "audio", "data", "micro_batches")},
+                                 "mix": [{"step": 0, "image_prob": 0.0, "audio_prob": 0.0},
+                                         {"step": 1, "image_prob": 0.9, "audio_prob": 0.0},
+                                         {"step": 2, "image_prob": 0.5, "audio_prob": 0.9},
+                                         {"step": 3, "image_prob": 0.5, "audio_prob": 0.9}]})
+
+
+def _setup_unused():
+    data = SyntheticData(MM_UNUSED, CFG.vocab, CFG.seq_len, B, seed=2)
+    torch.manual_seed(4)
+    model = MMModel(CFG, MM_UNUSED)
+    return data, model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _unused_main(rank, world):
+    data, model, opt = _setup_unused()
+    eng = DistEngine(model, opt, data, rank, world)
+    cost = CostModel.from_flops(model)
+    audio_grads = []
+    for step, layout in enumerate([Layout((0,), (1,)), None, Layout((0, 1), (0, 1))]):
+        ids = list(range(step * B, step * B + B))
+        items = plan_items(data, ids, cost)
+        eng.step(ids, coupled_plan(items, world, 2) if layout is None else decoupled_plan(items, layout, 2), cost)
+        audio_grads.append([p.grad is None for n, p in model.named_parameters() if n.startswith("audio.")])
+    return [p.detach().clone() for p in model.parameters()], audio_grads
+
+
+RESUME = {"steps": 8, "batch_size": 8, "group_batches": 4}
+
+
+def _resume_spec(tmp: str, rank: int, world: int) -> dict:
+    spec = _workload_spec(tmp, rank, world)
+    w = spec["workload"]
+    w.update(steps=RESUME["steps"], batch_size=RESUME["batch_size"])
+    w["multimodal"]["reorder"] = {"group_batches": RESUME["group_batches"]}
+    w["multimodal"]["mix"] = [{"step": 0, "image_prob": 0.6}]
+    return spec
+
+
+def _recording_run(spec: dict, reporter) -> tuple[int, list[list[int]]]:
+    """Run the workload, returning the sample ids of every step it trained."""
+    trained: list[list[int]] = []
+    real = wl.plan_items
+
+    def spy(data, ids, cost):
+        trained.append(list(ids))
+        return real(data, ids, cost)
+
+    wl.plan_items = spy
+    try:
+        return run(spec, reporter), trained
+    finally:
+        wl.plan_items = real
+
+
+def _stopped_main(rank, world, tmp):
+    """A disaggregated run over ``world`` ranks stopped (as by SIGTERM) after its first step."""
+    from agent.runtime.train import STOP
+    STOP.set()
+    try:
+        return (*_recording_run(_resume_spec(tmp, rank, world), Reporter(io.StringIO(), enabled=(rank == 0))), tmp)
+    finally:
+        STOP.clear()
+
+
 def _rank_main(rank, world, tmp):
     data, model, opt = _setup()
     eng = DistEngine(model, opt, data, rank, world)
@@ -85,7 +156,10 @@ def _rank_main(rank, world, tmp):
     buf = io.StringIO()
     code = run(_workload_spec(tmp, rank, world), Reporter(buf, enabled=(rank == 0)))
     events = [e for e in map(parse_line, buf.getvalue().splitlines()) if e]
-    return losses, sent, moved, [p.detach().clone() for p in model.parameters()][:3], phases, (code, events)
+    unused = _unused_main(rank, world)
+    stopped = _stopped_main(rank, world, os.path.join(tmp, "resume"))
+    return (losses, sent, moved, [p.detach().clone() for p in model.parameters()], phases, (code, events),
+            unused, stopped)
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +174,10 @@ def test_disaggregated_matches_plain_step(ranks):
     ref = []
     for step in range(STEPS):
         ref.append(plain_step(model, opt, [data.sample(i) for i in range(step * B, step * B + B)]).loss)
-    ref_params = [p.detach().clone() for p in model.parameters()][:3]
+    ref_params = [p.detach().clone() for p in model.parameters()]
 
     results = ranks
-    for losses, sent, moved, params, _, _ in results:
+    for losses, sent, moved, params, *_ in results:
         for a, b in zip(losses, ref):
             assert math.isclose(a, b, rel_tol=TOL), (losses, ref)
         assert sent == moved  # shipped exactly the planned cross-rank embeddings
@@ -111,6 +185,34 @@ def test_disaggregated_matches_plain_step(ranks):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=5e-4)  # Adam's normalised update magnifies rounding on ~0 grads
     # The disjoint 1:1 step must have resharded something (media samples exist).
     assert any(results[0][1][0])
+
+
+@pytest.mark.timeout(120)
+def test_unused_modules_get_no_gradient_and_match_plain_step(ranks):
+    # A module nothing in the batch used (audio without audio samples, the ViT in a
+    # text-only batch) keeps grad None on every rank: AdamW neither decays nor moves it.
+    data, model, opt = _setup_unused()
+    for step in range(3):
+        plain_step(model, opt, [data.sample(i) for i in range(step * B, step * B + B)])
+    for params, audio_grads in (r[6] for r in ranks):
+        assert all(audio_grads[0]) and all(audio_grads[1]) and not any(audio_grads[2])
+        for (n, q), p in zip(model.named_parameters(), params):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-4, atol=5e-4, msg=n)
+
+
+@pytest.mark.timeout(120)
+def test_resume_under_another_world_size_sees_each_sample_once(ranks, tmp_path):
+    # Stopped after step 1 (mid-group) at world 2; relaunched on one rank from its checkpoint.
+    (code0, first0, saved_dir), (code1, first1, _) = ranks[0][7], ranks[1][7]
+    assert code0 == code1 == wl.EXIT_TERM and first0 == first1 and len(first0) == 1
+    ckpt_dir = str(tmp_path)
+    shutil.copy(os.path.join(saved_dir, wl.CKPT_NAME), ckpt_dir)
+    state = torch.load(os.path.join(ckpt_dir, wl.CKPT_NAME), map_location="cpu", weights_only=True)
+    assert state["step"] == 1 and state["order"] == {"ranks": 2, "group_batches": RESUME["group_batches"]}
+    code, rest = _recording_run(_resume_spec(ckpt_dir, 0, 1), Reporter(io.StringIO()))
+    assert code == 0 and len(rest) == RESUME["steps"] - 1
+    seen = sorted(i for b in first0 + rest for i in b)
+    assert seen == list(range(RESUME["steps"] * RESUME["batch_size"]))  # none twice, none skipped
 
 
 def test_world_phases_sum_every_rank(ranks):

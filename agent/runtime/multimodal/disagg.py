@@ -10,7 +10,9 @@ pipeline: encoder forward of j+1 is issued before the LLM works on j.
 Every rank keeps a full replica of model and optimizer and all gradients are summed over
 the world once per step, so (1) the encoder:LLM split can change between steps without
 moving weights, and (2) the result equals a plain single-process step on the whole batch
-(losses are normalised by the batch's target count) up to float rounding. The coupled
+(losses are normalised by the batch's target count) up to float rounding. A parameter
+no rank produced a gradient for (a module nothing in the batch used) keeps ``grad = None``
+as in a plain step, so the optimizer leaves it alone (no weight decay, no momentum). The coupled
 layout (``reshard.coupled_plan``) runs through the same code with every transfer local.
 """
 
@@ -256,13 +258,17 @@ class DistEngine:
         for w, _buf in pending:
             w.wait()
 
-        # One world all-reduce carries every gradient, the loss and the cost observations.
+        # One world all-reduce carries every gradient, a per-parameter "had a gradient"
+        # flag, the loss and the cost observations. A parameter no rank produced a
+        # gradient for (a module nothing in the batch used) keeps ``grad = None``, so the
+        # optimizer skips it (no weight decay, no momentum) as in a plain step.
         t0 = time.perf_counter()
         flat = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=dev) for p in self.params]
+        had = torch.tensor([0.0 if p.grad is None else 1.0 for p in self.params], device=dev)
         mine = [stats.modules.get(m, {}).get(p, 0.0) for m, p in _WORLD_PHASES]
         extras = torch.tensor([loss_sum, work["enc_s"], work["enc_units"], work["llm_s"], work["llm_tokens"], *mine],
                               device=dev)
-        buf = torch.cat(flat + [extras])
+        buf = torch.cat(flat + [had, extras])
         if self.world > 1:
             if self.stage:
                 host = buf.cpu()
@@ -271,11 +277,13 @@ class DistEngine:
             else:
                 dist.all_reduce(buf)
         off = 0
-        for p in self.params:
+        n_grad = buf.numel() - had.numel() - extras.numel()
+        used = buf[n_grad:n_grad + had.numel()].tolist()
+        for p, u in zip(self.params, used):
             n = p.numel()
-            p.grad = buf[off:off + n].view_as(p).clone()
+            p.grad = buf[off:off + n].view_as(p).clone() if u > 0.5 else None
             off += n
-        ex = buf[off:].tolist()
+        ex = buf[n_grad + had.numel():].tolist()
         stats.add("sync", "communication", time.perf_counter() - t0)
         t1 = time.perf_counter()
         self.opt.step()

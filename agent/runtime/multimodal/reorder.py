@@ -71,20 +71,42 @@ def batches(
     ranks: int = 1,
     enabled: bool = True,
     start_step: int = 0,
+    resume_ranks: int | None = None,
 ) -> Iterator[list[int]]:
     """Sample ids of steps ``start_step .. n_steps-1``. Unreordered, step ``s`` holds ids
     ``s*B .. s*B+B-1``; reordered, groups of ``group_batches`` consecutive steps exchange
     samples (a trailing partial group is reordered among itself). ``cost(id)`` gives
-    (encoder load, LLM load). Resuming at ``start_step`` yields what a full run would."""
+    (encoder load, LLM load); it must be a pure function of the id.
+
+    Resuming at ``start_step`` yields what a full run would (never adds, drops or
+    duplicates a sample of the epoch) provided ``n_steps``, ``batch_size``, ``cost`` and
+    ``group_batches`` are those of the run that stopped, and either ``ranks`` is
+    unchanged or ``start_step`` starts a group or ``resume_ranks`` is the ``ranks`` that
+    ordered the group holding ``start_step`` (:func:`group_ranks`; a group's order
+    depends on ``ranks``). With ``resume_ranks`` the interrupted group is finished in its
+    saved order and later groups are ordered for ``ranks``."""
     g0 = start_step - start_step % group_batches if enabled else start_step
     for first in range(g0, n_steps, group_batches if enabled else 1):
         k = min(group_batches, n_steps - first) if enabled else 1
         ids = list(range(first * batch_size, (first + k) * batch_size))
         if enabled:
+            r = resume_ranks if (first == g0 and first < start_step and resume_ranks is not None) else ranks
             costs = [cost(i) for i in ids]
-            group = reorder_group(ids, [c[0] for c in costs], [c[1] for c in costs], k, ranks)
+            group = reorder_group(ids, [c[0] for c in costs], [c[1] for c in costs], k, r)
         else:
             group = [ids]
         for off, batch in enumerate(group):
             if first + off >= start_step:
                 yield batch
+
+
+def group_ranks(
+    step: int, group_batches: int, ranks: int, start_step: int = 0, resume_ranks: int | None = None
+) -> int:
+    """The ``ranks`` that ordered the group holding ``step`` in a run reading
+    ``batches(..., group_batches, ranks, start_step=start_step, resume_ranks=resume_ranks)``:
+    what a checkpoint taken before ``step`` saves, to be passed back as ``resume_ranks``."""
+    if (resume_ranks is not None and start_step % group_batches
+            and step // group_batches == start_step // group_batches):
+        return resume_ranks
+    return ranks

@@ -1,7 +1,8 @@
 """Executor entry point of the ``multimodal`` workload.
 
 Contract: ``run(spec, reporter) -> int`` trains for ``workload.steps`` steps and returns
-0, or reports an ``error`` event and returns 2 (bad spec) / 1 (anything else). ``spec``
+0, or reports one ``error`` event (with ``rank``, from whichever rank failed, even one
+whose reporter is disabled) and returns 2 (bad spec) / 1 (anything else). ``spec``
 is ``{"job_id", "workload": {...}, "dist": {rank, world_size, master_addr, master_port,
 backend}, "checkpoint_dir", "threads"}``. Mode ``colocated`` runs on one rank with the
 encoder and the LLM on separate quotas; ``disaggregated`` uses every rank of ``dist``,
@@ -11,7 +12,14 @@ choosing each step's encoder:LLM split from the measured cost model unless
 ``llm``) whose phases (forward, backward, communication, idle: time waiting on the other
 module) are this process's in colocated mode and summed over all ranks in disaggregated
 mode (``ranks`` says over how many); the agent forwards them to profilerd; ``checkpoint``;
-``done``. A checkpoint in ``checkpoint_dir`` (written atomically) is resumed from. On
+``done``. A checkpoint in ``checkpoint_dir`` (written atomically and durably: temp file,
+fsync, rename, fsync of the directory) is resumed from. It records the world size that
+ordered the data-loader group of its step, so a relaunch with another world size (resize /
+reshard / preempt) finishes that group in its saved order and reorders only later groups
+for the new size: the epoch still sees each sample exactly once as long as the relaunch
+keeps ``steps``, ``batch_size``, ``seed``, the model and ``multimodal.reorder``. A
+checkpoint written before that field existed resumes as if its world size were the new
+one (exact only when the world size is unchanged or it stopped on a group boundary). On
 SIGTERM (``agent.runtime.train.STOP``) every rank leaves after the same step, rank 0
 checkpoints, an ``error`` event says so and the exit code is 143 (the controller's
 resize / reshard / preempt path relaunches from that checkpoint).
@@ -20,7 +28,10 @@ resize / reshard / preempt path relaunches from that checkpoint).
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -30,7 +41,7 @@ from agent.runtime.multimodal.data import SyntheticData
 from agent.runtime.multimodal.disagg import CostModel, DistEngine, init_from_spec, plan_items
 from agent.runtime.multimodal.engine import ColocatedEngine, StepStats
 from agent.runtime.multimodal.models import MMModel
-from agent.runtime.multimodal.reorder import batches
+from agent.runtime.multimodal.reorder import batches, group_ranks
 from agent.runtime.multimodal.reshard import choose_layout, decoupled_plan
 from agent.runtime.report import Reporter
 from tessera.errors import SpecError
@@ -98,23 +109,55 @@ def _phases(st: StepStats) -> dict[str, float]:
     return agg
 
 
-def _save(path: str, model: MMModel, opt: torch.optim.Optimizer, step: int) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # the agent may hand over a fresh directory
-    tmp = path + ".tmp"
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
-    os.replace(tmp, path)  # atomic: a reader sees the old or the new checkpoint, never half
+def _save(path: str, model: MMModel, opt: torch.optim.Optimizer, step: int, order: dict | None = None) -> None:
+    """Write the checkpoint atomically and durably (as ``agent.runtime.checkpoint``): a
+    temp file in the same directory, flushed and fsynced, renamed over ``path``, then the
+    directory fsynced, so after a crash a reader finds the old or the new checkpoint whole.
+    ``order``: ``{"ranks", "group_batches"}`` that ordered the loader group of ``step``."""
+    d = os.path.dirname(path) or "."
+    os.makedirs(d, exist_ok=True)  # the agent may hand over a fresh directory
+    state: dict[str, Any] = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step}
+    if order is not None:
+        state["order"] = order
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".pt")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(dfd)  # the rename is durable only once the directory entry is
+    finally:
+        os.close(dfd)
+
+
+def _emit_error(reporter: Reporter, rank: int, message: str, **fields: Any) -> None:
+    # Errors are reported by every rank (as agent.runtime.train): a failing non-zero rank,
+    # whose reporter is disabled, must still be heard.
+    (reporter if reporter.enabled else Reporter()).event("error", message=message, rank=rank, **fields)
 
 
 def run(spec: dict, reporter: Reporter) -> int:
     """Train the multimodal workload described by ``spec``; see the module doc."""
     try:
+        rank = int(((spec.get("dist") or {}) if isinstance(spec, dict) else {}).get("rank", 0))
+    except (TypeError, ValueError):
+        rank = 0
+    try:
         return _run(spec, reporter)
     except SpecError as e:
-        reporter.event("error", message=str(e), field=e.field)
+        _emit_error(reporter, rank, str(e), field=e.field)
         return 2
-    except Exception as e:  # the agent needs an event, not only a traceback
-        reporter.event("error", message=f"{type(e).__name__}: {e}")
-        raise
+    except Exception as e:  # noqa: BLE001 - the agent needs one event, not only a traceback
+        traceback.print_exc(file=sys.stderr)
+        _emit_error(reporter, rank, f"{type(e).__name__}: {e}")
+        return 1
 
 
 def _run(spec: dict, reporter: Reporter) -> int:
@@ -133,23 +176,35 @@ def _run(spec: dict, reporter: Reporter) -> int:
     ckpt_dir = spec.get("checkpoint_dir")
     ckpt = os.path.join(ckpt_dir, CKPT_NAME) if ckpt_dir else None
     start = 0
+    resume_ranks: int | None = None  # the world size that ordered the loader group of ``start``
+    G = mm["reorder"]["group_batches"]
     if ckpt and os.path.exists(ckpt):
         state = torch.load(ckpt, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = int(state["step"])
+        order = state.get("order")  # absent in older checkpoints: order as the new world size
+        if isinstance(order, dict) and int(order.get("group_batches", -1)) == G:
+            resume_ranks = int(order["ranks"])
     reporter.event("start", job_id=spec.get("job_id"), workload="multimodal", mode=mm["mode"],
                    world_size=world, steps=p["steps"], resumed_from=start)
 
     ranks = 1 if mm["mode"] == "colocated" else world
     cost = CostModel.from_flops(model)
+    # The loader orders by a cost model of its own that never follows measurements: a
+    # group's order must be a pure function of the run's spec and world size, so that a
+    # resumed run rebuilds it exactly.
+    order_cost = CostModel.from_flops(model)
 
     def load(i: int) -> tuple[float, float]:
-        it = cost.item(data.meta(i), data.per_image, data.per_audio)
+        it = order_cost.item(data.meta(i), data.per_image, data.per_audio)
         return it.enc, it.llm
 
-    loader = batches(p["steps"], p["batch_size"], load, mm["reorder"]["group_batches"], ranks,
-                     mm["reorder"]["enabled"], start_step=start)
+    loader = batches(p["steps"], p["batch_size"], load, G, ranks,
+                     mm["reorder"]["enabled"], start_step=start, resume_ranks=resume_ranks)
+
+    def order_at(step: int) -> dict:
+        return {"ranks": group_ranks(step, G, ranks, start, resume_ranks), "group_batches": G}
     colo = dist_eng = None
     if mm["mode"] == "colocated":
         colo = ColocatedEngine(model, opt, mm["colocated"]["encoder_quota"], mm["micro_batches"],
@@ -190,7 +245,7 @@ def _run(spec: dict, reporter: Reporter) -> int:
             every = p["checkpoint_every"]
             stop = _stop_agreed(dist_eng is not None and world > 1)
             if ckpt and rank == 0 and step + 1 < p["steps"] and (stop or (every and (step + 1) % every == 0)):
-                _save(ckpt, model, opt, step + 1)
+                _save(ckpt, model, opt, step + 1, order_at(step + 1))
                 reporter.event("checkpoint", path=ckpt, step=step + 1)
             if stop and step + 1 < p["steps"]:
                 stopped_at = step + 1
@@ -200,11 +255,10 @@ def _run(spec: dict, reporter: Reporter) -> int:
             colo.close()
     if stopped_at:
         saved = f"checkpoint at step {stopped_at}" if ckpt else "no checkpoint"
-        reporter.event("error", message=f"stopped by SIGTERM after step {stopped_at} ({saved})", rank=rank,
-                       signal="SIGTERM")
+        _emit_error(reporter, rank, f"stopped by SIGTERM after step {stopped_at} ({saved})", signal="SIGTERM")
         return EXIT_TERM
     if ckpt and rank == 0:
-        _save(ckpt, model, opt, p["steps"])
+        _save(ckpt, model, opt, p["steps"], order_at(p["steps"]))
         reporter.event("checkpoint", path=ckpt, step=p["steps"])
     reporter.event("done", final_loss=loss)
     return 0
