@@ -73,7 +73,10 @@ def _mapping(v: Any, path: str) -> dict:
     return v
 
 
-def _int(v: Any, path: str, minimum: int, nullable: bool = False) -> int | None:
+INT_MAX = 2**31 - 1  # every integer of a task (rank, batch size, steps, lengths, seeds)
+
+
+def _int(v: Any, path: str, minimum: int, nullable: bool = False, maximum: int = INT_MAX) -> int | None:
     if v is None and nullable:
         return None
     # bool is an int subclass in Python: reject it so `rank: true` is not rank 1.
@@ -81,6 +84,8 @@ def _int(v: Any, path: str, minimum: int, nullable: bool = False) -> int | None:
         raise SpecError(path, f"must be an integer, got {type(v).__name__}")
     if v < minimum:
         raise SpecError(path, f"must be >= {minimum}, got {v}")
+    if v > maximum:
+        raise SpecError(path, f"must be <= {maximum}, got {v}")
     return v
 
 

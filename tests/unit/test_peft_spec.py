@@ -73,6 +73,8 @@ T = "workload.peft.tasks"
     ({"tasks": [{"name": "a", "dataset": {"seed": -1}}]}, f"{T}[0].dataset.seed"),
     ({"tasks": [{"name": "a", "dataset": {"size": 3}}]}, f"{T}[0].dataset.size"),
     ({"tasks": [{"name": "a"}, {"name": "j-0123456789ab_t0"}]}, f"{T}[1].name"),
+    ({"tasks": [{"name": "a", "rank": 10**400}]}, f"{T}[0].rank"),  # was an OverflowError (alpha = 2 * rank)
+    ({"tasks": [{"name": "a", "steps": 2**31}]}, f"{T}[0].steps"),
 ])
 def test_errors_name_the_field(section, field):
     with pytest.raises(SpecError) as ei:
