@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 import torch
 
@@ -40,25 +41,35 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def save(obj: dict[str, Any], directory: str) -> str:
-    """Atomically replace the checkpoint in ``directory`` with ``obj``; returns its path."""
+def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> None:
+    """Replace ``path`` atomically and durably: ``write(f)`` fills a temp file in the same
+    directory (created if missing), which is flushed, fsynced and ``os.replace``d over
+    ``path``; then the directory is fsynced (the rename is durable only once the directory
+    entry is). After a crash a reader finds the old file or the new one, whole; a failed
+    write leaves no temp file behind. Every checkpoint-like file of the runtime goes
+    through here."""
+    directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".ckpt-", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.splitext(path)[1])
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
-        final = path_in(directory)
-        os.replace(tmp, final)
+        os.replace(tmp, path)
     except BaseException:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
         raise
-    # The rename is durable only once the directory entry is on disk.
     _fsync_dir(directory)
+
+
+def save(obj: dict[str, Any], directory: str) -> str:
+    """Atomically replace the checkpoint in ``directory`` with ``obj``; returns its path."""
+    final = path_in(directory)
+    atomic_write(final, lambda f: torch.save(obj, f))
     return final
 
 

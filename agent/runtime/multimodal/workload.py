@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 import traceback
 from typing import Any
 
 import torch
 
+from agent.runtime.checkpoint import atomic_write
 from agent.runtime.model import GPTConfig
 from agent.runtime.multimodal.data import SyntheticData
 from agent.runtime.multimodal.disagg import CostModel, DistEngine, init_from_spec, plan_items
@@ -110,31 +110,14 @@ def _phases(st: StepStats) -> dict[str, float]:
 
 
 def _save(path: str, model: MMModel, opt: torch.optim.Optimizer, step: int, order: dict | None = None) -> None:
-    """Write the checkpoint atomically and durably (as ``agent.runtime.checkpoint``): a
+    """Write the checkpoint atomically and durably (``agent.runtime.checkpoint.atomic_write``): a
     temp file in the same directory, flushed and fsynced, renamed over ``path``, then the
     directory fsynced, so after a crash a reader finds the old or the new checkpoint whole.
     ``order``: ``{"ranks", "group_batches"}`` that ordered the loader group of ``step``."""
-    d = os.path.dirname(path) or "."
-    os.makedirs(d, exist_ok=True)  # the agent may hand over a fresh directory
     state: dict[str, Any] = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step}
     if order is not None:
         state["order"] = order
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".pt")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(dfd)  # the rename is durable only once the directory entry is
-    finally:
-        os.close(dfd)
+    atomic_write(path, lambda f: torch.save(state, f))  # creates a fresh directory the agent handed over
 
 
 def _emit_error(reporter: Reporter, rank: int, message: str, **fields: Any) -> None:

@@ -49,12 +49,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from typing import Any
 
 import torch
 
+from agent.runtime.checkpoint import atomic_write
 from agent.runtime.model import GPT, GPTConfig
 from agent.runtime.peft.data import make_dataset
 from agent.runtime.peft.engine import MuxEngine, TaskState
@@ -112,33 +112,12 @@ def resolve_task(t: dict, chunk_size: int, path: str) -> dict:
 
 def atomic_torch_save(obj: Any, path: str) -> None:
     """Write ``obj`` to ``path`` so that readers see the old or the new file, never a torn one."""
-    _atomic_write(path, lambda f: torch.save(obj, f))
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def atomic_json_save(obj: Any, path: str) -> None:
     """:func:`atomic_torch_save` for a small JSON document."""
-    _atomic_write(path, lambda f: f.write(json.dumps(obj).encode() + b"\n"))
-
-
-def _atomic_write(path: str, write: Any) -> None:
-    d = os.path.dirname(path)
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.splitext(path)[1])
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(dfd)  # the rename is durable only once the directory entry is
-    finally:
-        os.close(dfd)
+    atomic_write(path, lambda f: f.write(json.dumps(obj).encode() + b"\n"))
 
 
 def load_adapter(path: str) -> dict:
