@@ -17,8 +17,11 @@ Contracts (each change of a job is one fenced etcd transaction, then agent RPCs)
   the job's placement *and* in the partition's allocation record (capacity checked
   there) with the decision. CPU core sets (``cpuset``) then change live: the agent's
   ``UpdateGrant`` re-grants through its ledger and re-pins the running process, which
-  is not restarted; an agent refusal writes the old units back with the refusal as the
-  decision. Other partition kinds (MPS, MIG, time slices): checkpoint and relaunch with
+  is not restarted; an agent refusal (RESOURCE_EXHAUSTED, FAILED_PRECONDITION,
+  NOT_FOUND, INVALID_ARGUMENT) writes the old units back with the refusal as the
+  decision; any other RPC error leaves the outcome unknown and the records keep
+  ``max(old, new)`` (never fewer than the agent may hold). The same write rescales the
+  job's measured ``status.busy`` to the new units (``rescale_busy``). Other partition kinds (MPS, MIG, time slices): checkpoint and relaunch with
   the new units, as ``reshard``.
 
 Decisions that do not apply (wrong job type, a rank count that does not add up, members
@@ -36,7 +39,7 @@ from controller.policy import Repartition, Reshard
 from tessera import manifest
 from tessera.api.v1 import agent_pb2, types_pb2
 
-from . import adapter
+from . import adapter, measured
 from .records import alloc_keys, decide, transition
 from .store import CapacityExceeded, Conflict
 
@@ -194,7 +197,8 @@ async def repartition(ctl, rp: Repartition, jobs: dict[str, types_pb2.Job], node
         quota = new / part.capacity_units
         if not live:
             ok = await relaunch(ctl, jobs[jid], "repartition", f"{reason} ({part.kind}: not live)", nodes,
-                                decision_id, units={(node, part.id): new}, quota=quota)
+                                decision_id, units={(node, part.id): new}, quota=quota,
+                                mutate=lambda j, o=old, n=new: rescale_busy(j, o, n))
         else:
             ok = await _repartition_live(ctl, jobs[jid], node, part, old, new, f"{reason}, live", quota, decision_id)
         done += ok
@@ -203,9 +207,33 @@ async def repartition(ctl, rp: Repartition, jobs: dict[str, types_pb2.Job], node
     return done
 
 
+def rescale_busy(job: types_pb2.Job, old: int, new: int) -> None:
+    """``status.busy`` is a fraction of the job's *current* quota; when its units change
+    from ``old`` to ``new`` it is rescaled to the same amount of work under the new quota,
+    ``clamp(busy * old / new, MIN_BUSY, 1)`` (0 = not measured stays 0). Rescaled rather
+    than reset: a reset would make the next round fall back to the requested share, and a
+    busy kept as is would be multiplied by the new quota (a member that used its cores
+    would shrink round after round)."""
+    b = job.status.busy
+    if b > 0.0 and old > 0 and new > 0 and old != new:
+        job.status.busy = min(max(b * old / new, measured.MIN_BUSY), 1.0)
+
+
+# UpdateGrant errors that mean the agent checked the request and changed nothing. Any other
+# (DEADLINE_EXCEEDED, UNAVAILABLE, CANCELLED, INTERNAL, ...): the outcome is unknown, the
+# agent may have applied it.
+REFUSALS = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
+            grpc.StatusCode.INVALID_ARGUMENT)
+
+
 async def _set_units(ctl, job_id: str, alloc_id: str, node: str, part: types_pb2.Partition, new: int,
                      action: str, reason: str, quota: float, decision_id: str, caps: dict) -> bool:
-    """One fenced transaction: the job's shard units and the partition's allocation record."""
+    """One fenced transaction: the job's shard units and the partition's allocation record,
+    with ``status.busy`` rescaled to the new units (:func:`rescale_busy`). False (logged)
+    when nothing was written: the job changed or is gone, the partition is full, or too
+    many concurrent updates."""
+    from .core import NotFound  # core imports this module
+
     now = ctl.clock()
     wrote = [False]
 
@@ -217,12 +245,18 @@ async def _set_units(ctl, job_id: str, alloc_id: str, node: str, part: types_pb2
         except CapacityExceeded as e:
             ctl.log.info("repartition skipped: partition full", job_id=j.id, error=str(e), decision_id=decision_id)
             return None
+        rescale_busy(j, j.status.placement[0].units or part.capacity_units, new)
         j.status.placement[0].units = new
         decide(j, ctl.policy.name, action, reason, now, decision_id, quota)
         wrote[0] = True
         return cmp, ops
 
-    await ctl._rmw(job_id, fn)
+    try:
+        await ctl._rmw(job_id, fn)
+    except (Conflict, NotFound) as e:
+        ctl.log.warning("repartition: units not written", job_id=job_id, units=new, error=str(e),
+                        decision_id=decision_id)
+        return False
     return wrote[0]
 
 
@@ -235,19 +269,30 @@ async def _repartition_live(ctl, job: types_pb2.Job, node: str, part: types_pb2.
     n = await ctl.store.get_node(node)
     address = n.value.agent_address if n is not None else ""
     rank = job.status.placement[0].first_rank  # one partition id: one rank
-    err = ""
+    err, code = "", None
     try:
         r = await ctl.agents.stub(address).UpdateGrant(agent_pb2.UpdateGrantRequest(
             allocation_id=alloc_id, rank=rank, units=new, fencing_token=ctl.store.fencing_token or 0), timeout=10)
         ctl.log.info("executor re-pinned", job_id=job.id, allocation=alloc_id, rank=rank, pid=r.pid,
                      cores=list(r.cores), old_units=r.old_units, units=r.units, decision_id=decision_id)
     except grpc.aio.AioRpcError as e:
-        err = f"{e.code().name}: {e.details()}"
+        code = e.code()
+        err = f"{code.name}: {e.details()}"
     if not err:
         return True
-    # The agent refused (its own check): the records go back to what the agent holds.
-    ctl.log.warning("live repartition refused by the agent", job_id=job.id, error=err, decision_id=decision_id)
-    await _set_units(ctl, job.id, alloc_id, node, part, old, "repartition",
-                     f"repartition refused by the agent ({err}); keeps {old} {part.unit}", old / part.capacity_units,
-                     decision_id, caps)
+    if code in REFUSALS:
+        # The agent refused (its own check): the records go back to what the agent holds.
+        ctl.log.warning("live repartition refused by the agent", job_id=job.id, error=err, decision_id=decision_id)
+        keep, why = old, f"repartition refused by the agent ({err}); keeps {old} {part.unit}"
+    else:
+        # Unknown outcome: the agent may hold either. The records keep the larger, so that
+        # the partition is never under-counted (a grow stays written, a shrink goes back).
+        keep = max(old, new)
+        ctl.log.warning("live repartition outcome unknown; records keep the larger units", job_id=job.id,
+                        error=err, old_units=old, units=new, kept=keep, decision_id=decision_id)
+        why = f"repartition outcome unknown ({err}); records keep {keep} {part.unit}"
+    if keep != new and not await _set_units(ctl, job.id, alloc_id, node, part, keep, "repartition", why,
+                                            keep / part.capacity_units, decision_id, caps):
+        ctl.log.error("repartition: could not write the units back; the records may not match the agent",
+                      job_id=job.id, allocation=alloc_id, units=new, agent_units=keep, decision_id=decision_id)
     return False
