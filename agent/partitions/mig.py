@@ -299,6 +299,7 @@ class MigBackend(LedgerBackend):
         super().__init__(device.id)
         self.device, self.manager = device, manager
         self.instances: dict[str, MigInstance] = {}
+        self._recreated: dict[str, MigInstance] = {}  # granted pid -> its instance's new UUID
         self.log = log.get(component="partitions", backend=self.kind, device_id=device.id)
         self.refresh()
 
@@ -307,16 +308,31 @@ class MigBackend(LedgerBackend):
 
     def refresh(self) -> MigState:
         """Re-read MIG state; new instances become partitions, vanished ones are dropped
-        unless granted (kept, and logged: something outside the agent changed MIG)."""
+        unless granted (kept, and logged: something outside the agent changed MIG). An
+        instance recreated outside the agent under the same GI/CI ids (a new UUID) while
+        its partition is granted keeps the old ledger and instance (logged) until the
+        grants are released — a fresh ledger would grant the partition a second time."""
         st = self.manager.state(self.device.index)
         seen = {}
         for inst in st.instances:
             pid = self.partition_id(inst)
+            old = self.instances.get(pid, inst)
+            if pid in self.ledgers and old.uuid != inst.uuid and self.ledgers[pid].held:
+                if self._recreated.get(pid, old).uuid != inst.uuid:
+                    self.log.warning("granted MIG instance recreated under a new UUID; the partition stays "
+                                     "granted until released", partition_id=pid, old_uuid=old.uuid,
+                                     new_uuid=inst.uuid, held=sorted(self.ledgers[pid].held))
+                self._recreated[pid] = inst
+                continue
+            self._recreated.pop(pid, None)
             seen[pid] = inst
-            if pid not in self.ledgers or self.instances.get(pid, inst).uuid != inst.uuid:
+            if pid not in self.ledgers or old.uuid != inst.uuid:
                 self.ledgers[pid] = Ledger(pid, self.kind, 1, "instance", inst.memory_bytes)
+        current = {self.partition_id(i) for i in st.instances}
+        for pid in [p for p in self._recreated if p not in current]:
+            del self._recreated[pid]  # gone again: handled as a vanished instance below
         for pid in list(self.ledgers):
-            if pid not in seen:
+            if pid not in seen and pid not in self._recreated:
                 if self.ledgers[pid].held:
                     self.log.warning("granted MIG instance vanished", partition_id=pid)
                     continue
@@ -324,6 +340,16 @@ class MigBackend(LedgerBackend):
                 self.instances.pop(pid, None)
         self.instances.update(seen)
         return st
+
+    def release(self, grant_id: str) -> Grant | None:
+        g = super().release(grant_id)
+        if g is not None and g.partition_id in self._recreated and not self.ledgers[g.partition_id].held:
+            # The last grant of a recreated instance is gone: the partition is the new one now.
+            inst = self._recreated.pop(g.partition_id)
+            self.ledgers[g.partition_id] = Ledger(g.partition_id, self.kind, 1, "instance", inst.memory_bytes)
+            self.instances[g.partition_id] = inst
+            self.log.info("recreated MIG instance taken over", partition_id=g.partition_id, uuid=inst.uuid)
+        return g
 
     def _attributes(self, partition_id: str) -> dict[str, str]:
         i = self.instances[partition_id]

@@ -120,3 +120,39 @@ def test_make_backend_auto_picks_mig_read_only():
     with pytest.raises(MigReadOnly):
         b.create_instance("1g")
     assert nv.mutations == []
+
+
+def test_instance_recreated_under_new_uuid_while_granted_is_not_granted_twice():
+    # Destroyed and recreated outside the agent with the same GI/CI ids: a new UUID.
+    nv = FakeNvml([FakeGpu(0, mig_mode=1)])
+    op = MigManager(nv, allow_changes=True)  # the operator's tool
+    inst = op.create(0, "3g")
+    be = MigBackend(GPU, MigManager(nv))     # the agent: read-only
+    pid = be.partition_id(inst)
+    g1 = be.grant("alloc1/r0", pid, 1)
+    op.destroy(0, inst.uuid)
+    inst2 = op.create(0, "3g")
+    assert be.partition_id(inst2) == pid and inst2.uuid != inst.uuid
+    be.refresh()
+    be.refresh()  # a second look changes nothing either
+    assert [g.grant_id for g in be.grants()] == ["alloc1/r0"]
+    assert [p.free_units for p in be.partitions()] == [0]
+    assert be.partitions()[0].attributes["uuid"] == inst.uuid  # what the running grant uses
+    with pytest.raises(CapacityRefused):
+        be.grant("alloc2/r0", pid, 1)
+    assert be.grant("alloc1/r0", pid, 1) == g1  # an idempotent repeat still answers
+    # Released: the partition is the recreated instance now, free and with its UUID.
+    assert be.release("alloc1/r0") == g1
+    assert [p.free_units for p in be.partitions()] == [1]
+    assert be.partitions()[0].attributes["uuid"] == inst2.uuid
+    g2 = be.grant("alloc2/r0", pid, 1)
+    assert g2.env == {"CUDA_VISIBLE_DEVICES": inst2.uuid}
+    be.refresh()
+    assert [g.grant_id for g in be.grants()] == ["alloc2/r0"]
+    assert [p.free_units for p in be.partitions()] == [0]
+    # Not granted when recreated: the new instance replaces it at once.
+    be.release("alloc2/r0")
+    op.destroy(0, inst2.uuid)
+    inst3 = op.create(0, "3g")
+    be.refresh()
+    assert be.partitions()[0].attributes["uuid"] == inst3.uuid and be.partitions()[0].free_units == 1
