@@ -156,6 +156,8 @@ class ExecutorManager:
         # without (older callers), a device is held whole by one allocation.
         self.parts = parts
         self.executors: dict[tuple[str, int], Executor] = {}
+        # Per (allocation, rank): [lock, launches using it]; see launch.
+        self._launch_locks: dict[tuple[str, int], list] = {}
         # Set (for good) when the agent shuts down, before stop_all: launches are refused.
         self.stopping = False
         self.log = log.get(component="executors")
@@ -205,6 +207,27 @@ class ExecutorManager:
         if self.stopping:
             raise ShuttingDown("agent is shutting down; not launching new executors")
         key = (allocation_id, rank)
+        # One launch per (allocation, rank) at a time, across the grant and the start: a
+        # concurrent repeat would get the same (idempotent) grant and start a second
+        # process on it, whose grant the first one's exit would release.
+        entry = self._launch_locks.setdefault(key, [asyncio.Lock(), 0])
+        entry[1] += 1  # launches using this lock (dropped with the last one)
+        try:
+            async with entry[0]:
+                return await self._launch_locked(key, allocation_id, job_id, rank, world_size, device_ids,
+                                                 master_addr, master_port, runtime_spec, checkpoint_dir,
+                                                 partition_id, units, memory_bytes)
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                self._launch_locks.pop(key, None)
+
+    async def _launch_locked(self, key, allocation_id: str, job_id: str, rank: int, world_size: int,
+                             device_ids: list[str], master_addr: str, master_port: int, runtime_spec: dict,
+                             checkpoint_dir: str, partition_id: str, units: int,
+                             memory_bytes: int) -> tuple[Executor, bool]:
+        if self.stopping:
+            raise ShuttingDown("agent is shutting down; not launching new executors")
         if key in self.executors and self.executors[key].running:
             return self.executors[key], True
         if not device_ids and not partition_id:

@@ -232,3 +232,24 @@ async def test_launch_is_refused_once_shutdown_began(tmp_path):
         await svc.LaunchExecutor(req, ctx)
     assert ctx.code == grpc.StatusCode.UNAVAILABLE and "shutting down" in ctx.details
     assert mgr.executors == {} and mgr.parts.grants() == []
+
+
+async def test_concurrent_launches_of_one_rank_start_one_process(tmp_path):
+    # Two LaunchExecutor calls for the same (allocation, rank) at once (a controller retry
+    # racing the first call): one process on one grant; both get the same executor.
+    reports: list = []
+    mgr = make_mgr(tmp_path, tmp_path / "state", reports)
+    dev = next(iter(mgr.devices))
+    (ex1, already1), (ex2, already2) = await asyncio.gather(
+        mgr.launch(allocation_id="a-4", device_ids=[dev], **LAUNCH),
+        mgr.launch(allocation_id="a-4", device_ids=[dev], **LAUNCH))
+    SPAWNED.append(ex1.proc.pid)
+    SPAWNED.append(ex2.proc.pid)
+    leader, _ = await wait_pids(tmp_path / "state" / "specs" / "a-4-r0.json")
+    assert ex1 is ex2 and ex1.proc.pid == leader
+    assert sorted((already1, already2)) == [False, True]
+    assert [r for r in reports if r[2].get("kind") == "STARTED"] == [("a-4", 0, {"kind": "STARTED"})]
+    assert [g.grant_id for g in mgr.parts.grants()] == ["a-4/r0"]
+    assert mgr._launch_locks == {}
+    await mgr.stop("a-4", 2.0)
+    await wait_dead([leader])
