@@ -154,20 +154,27 @@ def job_view(job: types_pb2.Job, types_by_kind: dict[str, set[str]]) -> JobView:
     )
 
 
-def encoder_ranks_now(job: types_pb2.Job) -> int:
+def encoder_ranks_now(job: types_pb2.Job, world: int | None = None) -> int:
     """The encoder ranks a running *disaggregated multimodal* job runs with: the split a
     reshard decided (``status.encoder_ranks``), else the spec's pinned
     ``multimodal.disaggregated.encoder_ranks``; 0 when unknown ("auto": the runtime picks
-    its own layout) or the job is not disaggregated multimodal."""
+    its own layout) or the job is not disaggregated multimodal. With the job's ``world``
+    (ranks it runs on) the value is clamped as the runtime does, to [1, world - 1] (0
+    below two ranks): a pinned count of the whole world, or a split decided on more ranks
+    than the job holds since being re-placed, is not the split it runs."""
     if job.spec.workload.type != "multimodal":
         return 0
     mm = manifest.from_proto(job.spec)["workload"].get("multimodal", {}) or {}
     if mm.get("mode", "colocated") != "disaggregated":
         return 0
     if job.status.encoder_ranks:
-        return int(job.status.encoder_ranks)
-    pinned = (mm.get("disaggregated") or {}).get("encoder_ranks", "auto")
-    return int(pinned) if isinstance(pinned, (int, float)) and not isinstance(pinned, bool) else 0
+        enc = int(job.status.encoder_ranks)
+    else:
+        pinned = (mm.get("disaggregated") or {}).get("encoder_ranks", "auto")
+        enc = int(pinned) if isinstance(pinned, (int, float)) and not isinstance(pinned, bool) else 0
+    if world is None or enc <= 0:
+        return max(enc, 0)
+    return min(enc, world - 1) if world >= 2 else 0
 
 
 def groups_of(running: list[RunningJob], kinds: dict[tuple[str, str], str]) -> tuple[ColocationGroup, ...]:
@@ -210,10 +217,10 @@ def placement_of(job: types_pb2.Job, capacity: dict[tuple[str, str], int], types
     if quota < 1.0 and len(shards) == 1 and len(shards[0].device_ids) == 1:
         group = f"share:{shards[0].node}/{shards[0].device_ids[0]}"
     plan = None
-    enc = encoder_ranks_now(job)
+    world = sum(len(s.device_ids) for s in shards)
+    enc = encoder_ranks_now(job, world)
     if enc:
         # The policy's reshard rule needs the current split and the rank count.
-        world = sum(len(s.device_ids) for s in shards)
         even = len({len(s.device_ids) for s in shards}) == 1
         plan = Plan(len(shards), len(shards[0].device_ids), encoder_ranks=enc) if even else Plan(1, world, encoder_ranks=enc)
     return Placement(job.id, tuple(shards), job.status.decision, gpu_type=gtype, quota=quota, group=group, plan=plan)

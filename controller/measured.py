@@ -12,11 +12,13 @@ Contract (pure functions over protos and floats; no etcd, gRPC or clock):
   0 = "not measured yet") is taken as is, later ones move the value by ``alpha``. A report
   without a usable sample leaves the value unchanged. The result lies in (0, 1] once
   measured (a true share of exactly 0 reads as "not measured", which is harmless: the
-  policy then keeps the current split).
+  policy then keeps the current split). A non-finite timing (NaN, inf) is no sample; a
+  non-finite previous value reads as "not measured".
 * :func:`fold_busy` — EWMA (same ``alpha``; first sample taken as is) of an executor's
   PROGRESS ``busy`` (CPU busy fraction of its quota, [0, 1]) into ``JobStatus.busy``;
   floored at :data:`MIN_BUSY` so that 0 keeps meaning "not measured". A report without
-  ``busy`` (None) leaves the value unchanged.
+  ``busy`` (None) or with a non-finite one leaves the value unchanged; a non-finite
+  previous value reads as "not measured".
 * :func:`group_demands` — the members' demand in a colocation group (what
   ``multiplex.repartition_action`` reads as ``JobView.gpu_fraction``). Rule:
 
@@ -38,6 +40,7 @@ Contract (pure functions over protos and floats; no etcd, gRPC or clock):
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 ALPHA = 0.3  # weight of the newest step: ~3 reports to follow a shift, smooths one noisy step
@@ -52,16 +55,20 @@ def step_encoder_share(modules: Mapping) -> float | None:
     enc, llm = modules.get("encoder"), modules.get("llm")
     if enc is None or llm is None:
         return None
-    e, total = _compute_s(enc), _compute_s(enc) + _compute_s(llm)
-    if total <= 0.0:
+    if not all(math.isfinite(float(t)) for m in (enc, llm) for t in (m.forward_s, m.backward_s)):
         return None
+    e, total = _compute_s(enc), _compute_s(enc) + _compute_s(llm)
+    if not (math.isfinite(e) and math.isfinite(total)) or total <= 0.0:
+        return None  # a NaN / inf timing is no sample (inf / inf would be NaN)
     return e / total
 
 
 def fold_encoder_share(prev: float, modules: Mapping, alpha: float = ALPHA) -> float:
     """``prev`` updated with the report's sample (see the module docstring)."""
+    if not math.isfinite(prev):
+        prev = 0.0  # a non-finite stored share reads as "not measured"
     s = step_encoder_share(modules)
-    if s is None:
+    if s is None or not math.isfinite(s):
         return prev
     if prev <= 0.0:
         return s
@@ -75,7 +82,9 @@ SATURATED = 0.9   # busy fraction from which a member is taken to want more than
 def fold_busy(prev: float, sample: float | None, alpha: float = ALPHA) -> float:
     """``prev`` (``JobStatus.busy``; 0 = not measured) updated with one report's ``busy``
     sample (None: no sample, unchanged). Samples are clamped to [0, 1]."""
-    if sample is None:
+    if not math.isfinite(prev):
+        prev = 0.0  # a non-finite stored value reads as "not measured"
+    if sample is None or not math.isfinite(float(sample)):
         return prev
     s = min(max(float(sample), 0.0), 1.0)
     v = s if prev <= 0.0 else alpha * s + (1.0 - alpha) * prev
@@ -86,6 +95,7 @@ def group_demands(members: Mapping[str, tuple[float, float, float]]) -> dict[str
     """Demand (share of the partition) of each member of one colocation group, by the rule
     in the module docstring. ``members``: job id -> (current quota, busy, requested share),
     busy 0 = not measured."""
+    members = {j: (q, busy if math.isfinite(busy) else 0.0, req) for j, (q, busy, req) in members.items()}
     d = {j: (busy * q if busy > 0.0 else req) for j, (q, busy, req) in members.items()}
     slack = 1.0 - sum(d.values())
     hot = {j: d[j] for j, (_, busy, _) in members.items() if busy >= SATURATED}

@@ -226,6 +226,16 @@ def run_round(request: ScheduleRequest, s: Strategy, cache: GridCache) -> Schedu
     running_left = {it.job.job_id for it in items
                     if it.running and request.now - it.running.since >= s.min_run_s}
 
+    # Every running job counts against its tenant's quota from the start of the round (not
+    # only at its turn, or a pending job of the tenant ordered earlier could exceed the
+    # cap); released when the job is preempted, re-charged at its new size when moved.
+    for it in items:
+        if it.group is not None:
+            for m in it.members:
+                _charge(rd, m, it.group.members.get(m.job_id, 0.0))
+        elif it.running:
+            _charge(rd, it.job, it.running.placement.num_devices)
+
     touched: dict[str, mx.SharedDevice] = {}
     for it in items:
         if it.group is not None:
@@ -319,12 +329,11 @@ def _handle_group(rd: _Round, it: _Item, shared: list[mx.SharedDevice]) -> None:
     if rd.pool.intact(sd.group_id, 1):
         rd.pool.confirm(sd.group_id)
         sd.confirmed = True
-        for m in it.members:
-            _charge(rd, m, sd.members.get(m.job_id, 0.0))
         return
     rd.pool.release(sd.group_id)
     shared.remove(sd)
     for m in it.members:
+        _charge(rd, m, -sd.members.get(m.job_id, 0.0))
         rd.preemptions.append(Preempt(m.job_id, "shared device taken by a job with much less remaining work"))
 
 
@@ -366,11 +375,11 @@ def _handle_running(rd: _Round, it: _Item) -> None:
     job, r = it.job, it.running
     if rd.pool.intact(job.job_id, r.placement.num_devices):
         rd.pool.confirm(job.job_id)
-        _charge(rd, job, r.placement.num_devices)
         it.placed, it.cell = r.placement, _cell_of(r.placement, it.cells + it.more)
         return
     # Some devices went to a job with higher priority (or its node left): move or stop.
     rd.pool.release(job.job_id)
+    _charge(rd, job, -r.placement.num_devices)
     got = _try_cells(rd, it, it.cells)
     if got is None:
         rd.preemptions.append(Preempt(job.job_id, "devices taken by a job with shorter remaining time"))
@@ -435,7 +444,10 @@ def _handle_fractional(rd: _Round, it: _Item, shared: list[mx.SharedDevice], tou
     if dev is None:
         # A running group on the job's backbone is fused into before its own turn (it loses
         # nothing); it is then kept this round: nothing later may preempt it.
-        dev = mx.pick_fusable(job, [d for d in shared if d.gpu_type in types and not d.confirmed], rd.s.max_members)
+        # Only a group that still holds its device: one taken by preemption earlier in the
+        # round is gone (the group is preempted at its turn).
+        dev = mx.pick_fusable(job, [d for d in shared if d.gpu_type in types and not d.confirmed],
+                              rd.s.max_members, intact=lambda d: rd.pool.intact(d.group_id, 1))
         if dev is not None:
             running_left.discard(dev.group_id)
     if dev is None and rd.s.preempt and rd.attempts < rd.s.max_preempt_attempts:

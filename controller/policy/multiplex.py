@@ -17,6 +17,7 @@ from .types import ColocationGroup, JobView, Placement, Repartition, Reshard, Ru
 # only its adapter, optimizer state and activations: its device demand is discounted.
 FUSED_DEMAND_DISCOUNT = 0.6
 QUOTA_EPS = 1e-9
+UNIT_EPS = 1e-6   # tolerance when a share becomes whole units (0.3333 x 6 is 2 units, not 1)
 
 
 @dataclass
@@ -71,16 +72,21 @@ def pick_shared(job: JobView, devices: list[SharedDevice], max_members: int) -> 
     return best
 
 
-def pick_fusable(job: JobView, devices: list[SharedDevice], max_members: int) -> SharedDevice | None:
+def pick_fusable(job: JobView, devices: list[SharedDevice], max_members: int,
+                 intact=None) -> SharedDevice | None:
     """A shared device of *running* jobs, all on ``job``'s backbone, that the job can join
     even before the group's own turn in the round (``confirmed`` False): fusing into their
     executor takes nothing from its members, so it beats preempting the group or waiting.
+    ``intact(dev)``, when given, says whether the group still holds its device this round
+    (a job earlier in the round may have taken it by preemption): only those are offered.
     Best fit by room left; None when the job has no backbone or nothing fits."""
     if not job.backbone:
         return None
     best, best_key = None, None
     for dev in devices:
         if not dev.members or len(dev.members) >= max_members:
+            continue
+        if intact is not None and not intact(dev):
             continue
         if any(dev.backbones.get(j) != job.backbone for j in dev.members):
             continue
@@ -95,7 +101,7 @@ def pick_fusable(job: JobView, devices: list[SharedDevice], max_members: int) ->
 
 def join(job: JobView, dev: SharedDevice) -> Placement:
     """Add ``job`` to ``dev`` and return its placement (quota = its demand there)."""
-    q = round(demand(job, dev), 6)
+    q = round(demand(job, dev), 9)  # quota_units' tolerance absorbs this rounding
     dev.members[job.job_id] = q
     dev.backbones[job.job_id] = job.backbone
     why = "fused with LoRA tasks on backbone " + job.backbone if dev.fused() else "packed on a shared device"
@@ -132,7 +138,8 @@ def encoder_split(encoder_share: float, ranks: int) -> int:
     time, at least one rank for each side when there are two or more ranks."""
     if ranks < 2:
         return 0
-    return min(ranks - 1, max(1, round(encoder_share * ranks)))
+    s = encoder_share if math.isfinite(encoder_share) else 0.0
+    return min(ranks - 1, max(1, round(min(max(s, 0.0), 1.0) * ranks)))
 
 
 def reshard_action(r: RunningJob, cost_s: float, min_gain: float = 0.10) -> Reshard | None:
@@ -141,18 +148,25 @@ def reshard_action(r: RunningJob, cost_s: float, min_gain: float = 0.10) -> Resh
 
     The pipeline runs at the pace of its slower side: with e encoder ranks of n, the step
     is ~ max(share / e, (1 - share) / (n - e)). Reshard when the best split beats the
-    current one by ``min_gain`` (relative); the restart cost is charged in ``cost_s``."""
+    current one by ``min_gain`` (relative); the restart cost is charged in ``cost_s``.
+
+    None (keep the current split) when the share is not measured (0, or not finite) or
+    the current split is not a valid one of the job's ranks (0 < encoder ranks < ranks)."""
     job, plan = r.job, r.placement.plan
     if job.workload != "multimodal" or plan is None:
         return None
+    s = job.encoder_share
+    if not (math.isfinite(s) and 0.0 < s <= 1.0):
+        return None
     n = plan.num_devices
     cur = plan.encoder_ranks
-    best = encoder_split(job.encoder_share, n)
-    if n < 2 or best == cur or cur <= 0:
+    if n < 2 or not 0 < cur < n:
+        return None
+    best = encoder_split(s, n)
+    if best == cur:
         return None
 
     def pace(e: int) -> float:
-        s = job.encoder_share
         return max(s / e, (1 - s) / (n - e))
 
     if pace(best) > (1 - min_gain) * pace(cur):
@@ -166,7 +180,8 @@ def module_group(job: JobView, placement: Placement) -> ColocationGroup | None:
     quotas proportional to their measured share of the step (Mosaic-style)."""
     if job.workload != "multimodal" or placement.num_devices != 1:
         return None
-    s = min(max(job.encoder_share, 0.05), 0.95)
+    s = job.encoder_share if math.isfinite(job.encoder_share) else 0.0  # not finite: not measured
+    s = min(max(s, 0.05), 0.95)
     sh = placement.shards[0]
     return ColocationGroup(f"modules:{job.job_id}", sh.node, sh.device_ids,
                            ((f"{job.job_id}:encoder", round(s, 3)), (f"{job.job_id}:llm", round(1 - s, 3))),
@@ -175,11 +190,36 @@ def module_group(job: JobView, placement: Placement) -> ColocationGroup | None:
 
 def quota_units(quota: float, capacity: int) -> int:
     """Whole units of a partition of ``capacity`` for a share ``quota`` in (0, 1]: rounded
-    down, at least 1 — a quota never exceeds its share. The controller carries quotas out
-    by this same function (``controller.adapter`` re-exports it)."""
+    down (within :data:`UNIT_EPS`, so 0.3333 x 6 is 2), at least 1 — a quota never
+    exceeds its share. The controller carries quotas out by this same function
+    (``controller.adapter`` re-exports it)."""
+    if not math.isfinite(quota) or quota <= 0.0:
+        return 1
     if quota >= 1.0 - QUOTA_EPS:
         return capacity
-    return max(1, min(capacity, math.floor(quota * capacity + QUOTA_EPS)))
+    return max(1, min(capacity, math.floor(quota * capacity + UNIT_EPS)))
+
+
+def split_units(shares: dict[str, float], capacity: int) -> dict[str, int]:
+    """Whole units of ``capacity`` for members' shares (summing to at most 1): each gets
+    its share rounded down (within :data:`UNIT_EPS`), at least 1; the units the partition
+    gives them in all (their total share, rounded down the same way) that the floors leave
+    over go out by largest remainder, so no whole unit is lost to rounding."""
+    raw = {j: min(max(q, 0.0), 1.0) * capacity for j, q in shares.items()}
+    target = min(capacity, max(len(raw), math.floor(sum(raw.values()) + UNIT_EPS)))
+    units = {j: max(1, math.floor(v + UNIT_EPS)) for j, v in raw.items()}
+    rem = lambda j: raw[j] - math.floor(raw[j] + UNIT_EPS)
+    while sum(units.values()) < target:
+        j = max(sorted(units), key=lambda j: (rem(j), raw[j]))
+        units[j] += 1
+        raw[j] = float(units[j])  # its remainder is spent
+    while sum(units.values()) > target:
+        over = [j for j in sorted(units) if units[j] > 1]
+        if not over:
+            break
+        j = min(over, key=lambda j: (raw[j] - (units[j] - 1), -units[j]))
+        units[j] -= 1
+    return units
 
 
 def repartition_action(group: ColocationGroup, jobs: dict[str, JobView], restart_cost_s: float,
@@ -192,7 +232,8 @@ def repartition_action(group: ColocationGroup, jobs: dict[str, JobView], restart
     be repeated every round and carried out as nothing."""
     if group.mode == "modules":
         return None
-    want = {j: min(max(jobs[j].gpu_fraction, 0.01), 1.0) for j, _ in group.members if j in jobs}
+    want = {j: min(max(jobs[j].gpu_fraction, 0.01), 1.0) for j, _ in group.members
+            if j in jobs and math.isfinite(jobs[j].gpu_fraction)}
     if not want:
         return None
     if group.mode.startswith("fused"):
@@ -201,7 +242,11 @@ def repartition_action(group: ColocationGroup, jobs: dict[str, JobView], restart
         want = {j: (q if j == top else q * FUSED_DEMAND_DISCOUNT) for j, q in want.items()}
     total = sum(want.values())
     scale = 1.0 / total if total > 1.0 else 1.0
-    new = {j: round(q * scale, 4) for j, q in want.items()}
+    if capacity > 1:
+        # Decide in the whole units the quotas are carried out in (``quota_units``).
+        new = {j: u / capacity for j, u in split_units({j: q * scale for j, q in want.items()}, capacity).items()}
+    else:
+        new = {j: round(q * scale, 4) for j, q in want.items()}
     old = dict(group.members)
     if max(abs(new[j] - old.get(j, 0.0)) for j in new) <= threshold:
         return None

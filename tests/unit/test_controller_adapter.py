@@ -87,3 +87,12 @@ def test_replan_keeps_what_divides_and_fits():
     assert adapter.replan(p, model, 16, 4, stages=4) == tpb.ParallelPlan(dp=1, tp=1, pp=4, micro_batches=2)
     one_layer = tpb.ModelConfig(vocab=64, seq_len=16, layers=1, hidden=64, heads=4)
     assert adapter.replan(p, one_layer, 3, 2) is None  # pp=2 needs 2 layers; dp=2 does not divide batch 3
+
+
+def test_quota_units_converts_with_a_tolerance():
+    # 1/3 of 6 computed in floating point, or rounded to 9 places, is 2 units, not 1.
+    assert adapter.quota_units(1 / 3, 6) == 2
+    assert adapter.quota_units(round(1 / 3, 9), 6) == 2
+    assert adapter.quota_units(round(5 / 6, 9), 6) == 5
+    assert adapter.quota_units(0.16, 6) == 1
+    assert adapter.quota_units(float("nan"), 6) == 1

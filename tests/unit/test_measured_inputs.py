@@ -174,3 +174,54 @@ def test_executor_forwards_latest_module_phases_in_progress_reports(tmp_path):
     for name, ph in last["modules"].items():
         r.modules[name].CopyFrom(module_time(ph))
     assert measured.fold_encoder_share(0.0, r.modules) == pytest.approx(0.5)
+
+
+# -- reviewer regressions: non-finite timings, splits that are not one of the ranks --------
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_timings_are_no_sample(bad):
+    assert measured.step_encoder_share(mods(bad, 0.1, 0.2, 0.2)) is None
+    assert measured.step_encoder_share(mods(0.1, 0.1, bad, 0.2)) is None
+    assert measured.fold_encoder_share(0.0, mods(bad, 0.1, 0.2, 0.2)) == 0.0
+    assert measured.fold_encoder_share(0.4, mods(0.1, bad, 0.2, 0.2)) == 0.4
+    # A non-finite stored share reads as not measured: the next good sample is taken as is.
+    assert measured.fold_encoder_share(float("nan"), mods(1, 0, 1, 0)) == pytest.approx(0.5)
+
+
+def test_fold_busy_ignores_non_finite_samples_and_recovers_from_a_non_finite_value():
+    assert measured.fold_busy(0.0, float("nan")) == 0.0
+    assert measured.fold_busy(0.6, float("nan")) == 0.6
+    assert measured.fold_busy(0.6, float("inf")) == 0.6
+    assert measured.fold_busy(float("nan"), 0.5) == pytest.approx(0.5)
+    assert measured.group_demands({"a": (0.5, float("nan"), 0.5), "b": (0.5, 1.0, 0.5)}) == \
+        measured.group_demands({"a": (0.5, 0.0, 0.5), "b": (0.5, 1.0, 0.5)})
+
+
+def test_nan_timing_does_not_stop_scheduling():
+    s = measured.fold_encoder_share(0.0, mods(float("nan"), 0.1, 0.2, 0.2))
+    j = mm_job("mm", share=s, encoder_ranks=1)
+    TesseraPolicy().schedule(adapter.build_request([cpu_node()], [j], now=10.0))
+
+
+@pytest.mark.parametrize("pinned,status,want", [(2, 0, 1), (5, 0, 1), (1, 0, 1), (1, 2, 1), ("auto", 0, 0)])
+def test_current_split_is_clamped_to_the_ranks_like_the_runtime(pinned, status, want):
+    # devices: 2 with encoder_ranks: 2 is a valid spec (the runtime clamps to world - 1);
+    # a reshard's status.encoder_ranks stays stale when the job is re-placed on fewer ranks.
+    j = mm_job("mm", share=0.4, encoder_ranks=status, pinned=pinned)
+    req = adapter.build_request([cpu_node()], [j], now=10.0)
+    (r,) = req.running
+    assert (r.placement.plan.encoder_ranks if r.placement.plan else 0) == want
+    assert adapter.encoder_ranks_now(j) == (status or (pinned if pinned != "auto" else 0))
+    assert adapter.encoder_ranks_now(j, 1) == 0
+    TesseraPolicy().schedule(req)  # no ZeroDivisionError
+
+
+def test_unmeasured_share_keeps_a_pinned_split():
+    j = mm_job("mm", share=0.0, pinned=2)  # unmeasured: 2:2 stays (it went to 1:3 and back)
+    n = cpu_node(parts=4)
+    j.status.ClearField("placement")
+    j.status.placement.add(node="n1", device_ids=["cpu0", "cpu1", "cpu2", "cpu3"],
+                           partition_ids=["cpu0", "cpu1", "cpu2", "cpu3"])
+    req = adapter.build_request([n], [j], now=10.0)
+    assert req.running[0].placement.plan.encoder_ranks == 2
+    assert not TesseraPolicy().schedule(req).reshards

@@ -269,3 +269,86 @@ def test_firstfit_and_controller_imports_unchanged():
     from controller.policy import FirstFit, JobView as JV, NodeView as NV, Placement as P, RunningJob as RJ, Shard as S  # noqa: F401
     r = FirstFit().schedule(ScheduleRequest(nodes(a=1, b=0), (JV("x", num_devices=2),)))
     assert r.placements[0].num_devices == 2 and r.resizes == () and r.preemptions == ()
+
+
+# -- reviewer regressions: nothing a running job carries may stop a round ------------------
+
+def _mm_running(share: float, ranks: int, enc: int) -> RunningJob:
+    j = job("mm", ranks, kind="a", workload="multimodal", encoder_share=share, elastic=False)
+    devs = tuple(f"g{i}" for i in range(ranks))
+    return running(j, "a0", devs, "a", plan=Plan(1, ranks, 0, 4.0, encoder_ranks=enc))
+
+
+@pytest.mark.parametrize("ranks,enc", [(2, 2), (2, 3), (4, 4), (4, 7)])
+def test_reshard_ignores_a_split_that_is_not_one_of_the_ranks(ranks, enc):
+    # encoder ranks == world (pinned to the world size, or stale after a re-placement on
+    # fewer ranks) divided by zero; above it gave a negative pace.
+    r = TesseraPolicy().schedule(req([], [_mm_running(0.4, ranks, enc)], ns=nodes(a=1, b=0)))
+    assert not r.reshards
+
+
+@pytest.mark.parametrize("share", [0.0, float("nan"), float("inf"), -0.2])
+def test_reshard_keeps_the_split_while_the_share_is_not_measured(share):
+    # 0 = not measured (measured.py's contract): no reshard to 1:n-1 and back; a non-finite
+    # share is no share (round(nan) raised every round).
+    r = TesseraPolicy().schedule(req([], [_mm_running(share, 4, 2)], ns=nodes(a=1, b=0)))
+    assert not r.reshards
+
+
+def test_multimodal_module_group_with_a_non_finite_share_reads_as_not_measured():
+    j = job("mm", 1, model="fixed:1", workload="multimodal", encoder_share=float("nan"))
+    r = TesseraPolicy().schedule(req([j], ns=nodes(a=1, b=0)))
+    (g,) = [g for g in r.colocations if g.mode == "modules"]
+    assert dict(g.members) == {"mm:encoder": 0.05, "mm:llm": 0.95}
+
+
+def test_lora_job_is_not_fused_into_a_group_whose_device_was_preempted():
+    # A short whole-device job preempts the running LoRA group's only device; a LoRA job
+    # on the same backbone must not then be fused into that group (two jobs on one device).
+    ns = (NodeView("n", (DeviceView("d0", "gpu", "a100", 0, 100),)),)
+    run = [RunningJob(JobView(j, iterations=10**6, gpu_fraction=0.3, backbone="llama", workload="peft"),
+                      Placement(j, (Shard("n", ("d0",)),), gpu_type="a100", quota=0.3, group="share:n/d0"))
+           for j in ("r1", "r2")]
+    a = JobView("A", iterations=10, submit_time=1)
+    f = JobView("F", iterations=100, gpu_fraction=0.2, backbone="llama", workload="peft", submit_time=2)
+    r = TesseraPolicy().schedule(ScheduleRequest(nodes=ns, pending=(a, f), running=tuple(run), now=100))
+    on_d0 = [p.job_id for p in r.placements if p.shards[0].device_ids == ("d0",)]
+    assert on_d0 == ["A"]
+    assert {p.job_id for p in r.preemptions} == {"r1", "r2"}
+    assert not r.colocations and [i.job_id for i in r.infeasible] == ["F"]
+
+
+def test_repartition_hands_out_every_unit_of_the_partition():
+    from controller.policy.multiplex import quota_units, repartition_action
+    # 1/3, 4/9, 2/9 of 6 cores: 2, 2.67, 1.33 -> 2, 3, 1 (0.3333 x 6 used to floor to 1).
+    g = ColocationGroup("share:n/c0", "n", ("c0",), (("A", 0.5), ("B", 1 / 3), ("C", 1 / 6)), "cpuset")
+    jobs = {k: JobView(k, gpu_fraction=f) for k, f in (("A", 1 / 3), ("B", 4 / 9), ("C", 2 / 9))}
+    a = repartition_action(g, jobs, 60.0, capacity=6)
+    units = {j: quota_units(q, 6) for j, q in a.quotas}
+    assert units == {"A": 2, "B": 3, "C": 1}
+    # Scaled down (sum above 1): still the whole partition, at least 1 unit each.
+    jobs = {k: JobView(k, gpu_fraction=f) for k, f in (("A", 0.9), ("B", 0.9), ("C", 0.05))}
+    g = ColocationGroup("share:n/c0", "n", ("c0",), (("A", 1 / 6), ("B", 1 / 6), ("C", 2 / 3)), "cpuset")
+    a = repartition_action(g, jobs, 60.0, capacity=6)
+    units = {j: quota_units(q, 6) for j, q in a.quotas}
+    assert units == {"A": 3, "B": 2, "C": 1}  # the leftover unit by largest remainder (tie: by id)
+
+
+def test_quota_units_tolerates_rounded_shares():
+    from controller.policy.multiplex import quota_units
+    assert quota_units(0.3333, 6) == 1  # 1.9998 is not within the tolerance of 2
+    assert quota_units(1 / 3, 6) == 2 and quota_units(0.333333333, 6) == 2
+    assert quota_units(round(5 / 6, 9), 6) == 5 and quota_units(0.16, 6) == 1
+
+
+def test_running_jobs_count_against_their_tenant_from_the_start_of_the_round():
+    ns = (NodeView("n", tuple(DeviceView(f"d{i}", "gpu", "a100", 0, 100) for i in range(8))),)
+    r0 = RunningJob(JobView("R", tenant="t", num_devices=4, iterations=10**5),
+                    Placement("R", (Shard("n", ("d0", "d1", "d2", "d3")),), gpu_type="a100"))
+    p = JobView("P", tenant="t", num_devices=4, iterations=10)
+    r = TesseraPolicy().schedule(ScheduleRequest(nodes=ns, pending=(p,), running=(r0,), tenant_quotas=(("t", 4),)))
+    assert not r.placements and not r.preemptions
+    assert "quota" in r.infeasible[0].reason
+    # Below the cap the pending job is placed next to it.
+    r = TesseraPolicy().schedule(ScheduleRequest(nodes=ns, pending=(p,), running=(r0,), tenant_quotas=(("t", 8),)))
+    assert [x.job_id for x in r.placements] == ["P"]
