@@ -25,11 +25,16 @@ MAX_BATCH = 100_000
 def validate(m: profiler_pb2.Measurement, i: int) -> str | None:
     """The field at fault in the ``i``-th measurement of a batch, or None. Only what
     deduplication needs is checked: a kind this version does not know is stored (and
-    not aggregated) rather than refused, so a newer profilerd cannot wedge its stream."""
+    not aggregated) rather than refused, so a newer profilerd cannot wedge its stream;
+    and a known kind whose model inputs are not numbers (``models.malformed``: a label
+    that does not parse, a NaN/inf time or value) is refused, naming the field."""
     if not m.source:
         return f"measurements[{i}].source: required"
     if m.seq == 0:
         return f"measurements[{i}].seq: must be >= 1"
+    bad = models.malformed(m)
+    if bad:
+        return f"measurements[{i}].{bad}"
     return None
 
 
@@ -86,6 +91,8 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServiceServicer):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
             try:
                 a, d = await self.store.append(batch.measurements)
+            except ValueError as e:  # a record the store cannot index: nothing of this batch persisted
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             except OSError as e:  # nothing of this batch acknowledged; the client resends later
                 self.log.error("measurements not persisted", error=str(e), failed=isinstance(e, StoreFailed))
                 await context.abort(grpc.StatusCode.UNAVAILABLE,

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from tessera import log
-from tessera.perfmodel import ComputeSample, PerfModel, ProfilePoint, fit_comm, fit_compute, fit_interference
+from tessera.perfmodel import ComputeFit, ComputeSample, PerfModel, ProfilePoint, fit_comm, fit_compute, fit_interference
 
 WARMUP_STEPS = 2
 MIN_MEASURED = 3
@@ -41,48 +41,107 @@ MODEL_NAME = "model.json"
 RUN_INTS = ("layers", "hidden", "heads", "vocab", "seq_len", "batch", "micro_batches")
 
 
-def _int(labels, k: str) -> int:
+MAX_INT = 2**31 - 1  # the largest configuration integer a run key takes (as the spec's)
+
+
+def _num(x) -> float | None:
+    """``x`` (a label string or a value) as a finite float, or None (unparseable, NaN, inf)."""
     try:
-        return int(float(labels.get(k, "0")))
-    except ValueError:
-        return 0
+        v = float(x)
+    except (ValueError, OverflowError, TypeError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _int(labels, k: str, default: str = "0") -> int | None:
+    """Label ``k`` as an integer (``"2"``, ``"2.0"``), or None when it is not a finite
+    number of at most ``MAX_INT`` in magnitude."""
+    v = _num(labels.get(k, default) or default)
+    if v is None or abs(v) > MAX_INT:
+        return None
+    return int(v)
+
+
+def _pos(x) -> bool:
+    v = _num(x)
+    return v is not None and v > 0
+
+
+# Labels a step measurement's run key parses as numbers (``malformed`` checks them).
+NUMERIC_LABELS = ("world_size",) + RUN_INTS + ("threads",)
+# Values of the row kinds that must be finite numbers when present.
+ROW_VALUES = {"comm": ("bytes", "world", "seconds", "compute_s"),
+              "colocation": ("colocated", "oversubscription", "alone_s", "together_s")}
+
+
+def malformed(m) -> str | None:
+    """"<field>: why" for a measurement whose model inputs are not numbers (a label that
+    does not parse, a NaN/inf time or value), else None. What is merely not a model
+    input (a multi-rank run, another workload, a kind this version does not know) is
+    not malformed."""
+    if m.kind == "step":
+        if not math.isfinite(m.step_time_s) or m.step_time_s < 0:
+            return f"step_time_s: must be a finite number >= 0, got {m.step_time_s}"
+        for k in NUMERIC_LABELS:
+            if k in m.labels and m.labels[k] != "" and _num(m.labels[k]) is None:
+                return f"labels.{k}: must be a finite number, got {m.labels[k]!r}"
+    for k in ROW_VALUES.get(m.kind, ()):
+        if k in m.values and not math.isfinite(m.values[k]):
+            return f"values.{k}: must be a finite number, got {m.values[k]}"
+    return None
 
 
 def run_key(m) -> tuple | None:
     """The single-device run a step measurement belongs to, or None when it is not one
-    (multi-rank, not a gpt workload, no configuration labels, no time)."""
+    (multi-rank, not a gpt workload, no configuration labels, no finite time > 0, a
+    label that is not a finite number, threads not > 0). Total: never raises."""
     lb = m.labels
-    if not m.job_id or m.step_time_s <= 0 or not lb.get("module") or lb.get("workload_type", "gpt") != "gpt":
+    t = m.step_time_s
+    if not m.job_id or not (math.isfinite(t) and t > 0) or not lb.get("module") \
+            or lb.get("workload_type", "gpt") != "gpt":
         return None
     if _int(lb, "world_size") != 1 or lb.get("rank", "0") != "0":
         return None
     ints = tuple(_int(lb, k) for k in RUN_INTS)
-    if min(ints) <= 0:
+    if any(v is None or v <= 0 for v in ints):
         return None
-    threads = float(lb.get("threads", "1") or 1)
+    threads = _num(lb.get("threads", "1") or "1")
+    if threads is None or threads <= 0:
+        return None
     return (m.job_id, lb.get("device_kind", "cpu") or "cpu", lb["module"]) + ints + (threads,)
 
 
 def comm_row(m) -> dict | None:
-    """A communication row of a ``kind="comm"`` measurement, or None if malformed."""
+    """A communication row of a ``kind="comm"`` measurement, or None if malformed
+    (every number finite: seconds > 0, world an integer >= 2, bytes >= 0). Total."""
     v, lb = m.values, m.labels
-    if not lb.get("op") or not lb.get("link") or v.get("seconds", 0) <= 0 or v.get("world", 0) < 2:
+    if not lb.get("op") or not lb.get("link"):
         return None
-    row = {"link": lb["link"], "op": lb["op"], "bytes": float(v.get("bytes", 0)), "world": int(v["world"]),
-           "seconds": float(v["seconds"])}
-    if v.get("compute_s", 0) > 0:  # a synchronisation row (profilerd.commbench sync=True)
-        row["compute_s"] = float(v["compute_s"])
+    seconds, world, nbytes = _num(v.get("seconds", 0)), _num(v.get("world", 0)), _num(v.get("bytes", 0))
+    if seconds is None or seconds <= 0 or world is None or not 2 <= world <= MAX_INT or nbytes is None or nbytes < 0:
+        return None
+    row = {"link": lb["link"], "op": lb["op"], "bytes": nbytes, "world": int(world), "seconds": seconds}
+    cs = _num(v.get("compute_s", 0))
+    if cs is None:
+        return None
+    if cs > 0:  # a synchronisation row (profilerd.commbench sync=True)
+        row["compute_s"] = cs
     return row
 
 
 def colocation_row(m) -> dict | None:
-    """A colocation pair of a ``kind="colocation"`` measurement, or None if malformed."""
+    """A colocation pair of a ``kind="colocation"`` measurement, or None if malformed
+    (finite times > 0, an integer colocated >= 1, a finite oversubscription > 0). Total."""
     v, lb = m.values, m.labels
-    if lb.get("mode") not in ("split", "shared") or v.get("alone_s", 0) <= 0 or v.get("together_s", 0) <= 0:
+    if lb.get("mode") not in ("split", "shared"):
+        return None
+    alone, together = _num(v.get("alone_s", 0)), _num(v.get("together_s", 0))
+    n, over = _num(v.get("colocated", 2)), _num(v.get("oversubscription", 1.0))
+    if alone is None or alone <= 0 or together is None or together <= 0 or n is None or not 1 <= n <= MAX_INT \
+            or over is None or over <= 0:
         return None
     return {"device_kind": lb.get("device_kind", "cpu") or "cpu", "mode": lb["mode"],
-            "colocated": int(v.get("colocated", 2)), "oversubscription": float(v.get("oversubscription", 1.0)),
-            "alone_s": float(v["alone_s"]), "together_s": float(v["together_s"])}
+            "colocated": int(n), "oversubscription": over, "alone_s": alone, "together_s": together}
 
 
 @dataclass(frozen=True)
@@ -136,19 +195,31 @@ def build_model(runs: dict, comm_rows: list[dict], colocation_rows: list[dict], 
     device type (it says insufficient_data when too few profiles), profile points per
     device type, a communication fit per link, interference per device type."""
     ps = profiles(runs)
+    lg = log.get(component="estimator.models")
     compute, points = {}, {}
     for dev in sorted({p.device_type for p in ps}):
         mine = [p for p in ps if p.device_type == dev]
-        compute[dev] = fit_compute(dev, [p.sample() for p in mine])
+        try:  # one device type's failed fit must not block the others (nor every later refit)
+            compute[dev] = fit_compute(dev, [p.sample() for p in mine])
+        except Exception as e:
+            lg.warning("compute fit failed", device_type=dev, profiles=len(mine), error=repr(e))
+            compute[dev] = ComputeFit(device_type=dev, n=len(mine), reason=f"compute fit of {dev!r} failed: {e!r}")
         points[dev] = [p.point() for p in mine]
     comm = {}
     for link in sorted({r["link"] for r in comm_rows}):
-        f = fit_comm(link, [r for r in comm_rows if r["link"] == link])
+        try:
+            f = fit_comm(link, [r for r in comm_rows if r["link"] == link])
+        except Exception as e:
+            lg.warning("communication fit failed", link=link, error=repr(e))
+            continue
         if f.ops:
             comm[link] = f
     inter = {}
     for dev in sorted({r["device_kind"] for r in colocation_rows}):
-        inter[dev] = fit_interference([r for r in colocation_rows if r["device_kind"] == dev])
+        try:
+            inter[dev] = fit_interference([r for r in colocation_rows if r["device_kind"] == dev])
+        except Exception as e:
+            lg.warning("interference fit failed", device_type=dev, error=repr(e))
     return PerfModel(version=version, compute=compute, comm=comm, interference=inter, profiles=points)
 
 

@@ -299,7 +299,7 @@ class MeasurementStore:
             if not (m.kind == META_KIND and not m.source) and m.seq <= self.watermarks.get(m.source, 0):
                 self.replay_duplicates += 1  # e.g. a batch resent after its ack was lost
                 continue
-            self._index(m, encode(m))
+            self._index(m, encode(m), self._replay_slots(m))
         self._file = self._open_append()
         self._size = good
         self.log.info("measurement store opened", path=str(self.path), measurements=self.count,
@@ -326,7 +326,20 @@ class MeasurementStore:
         """Retained colocation pairs, in arrival order."""
         return self._w.rows("colocation")
 
-    def _index(self, m: profiler_pb2.Measurement, blob: bytes) -> None:
+    def _replay_slots(self, m: profiler_pb2.Measurement) -> list[Slot]:
+        """``slots(m)`` of a logged record; one that cannot be indexed (written by an
+        older version that persisted before indexing) keeps only its source's window
+        (its watermark), with a warning, and is no model input: never a crash on open."""
+        if m.kind == META_KIND and not m.source:
+            return []
+        try:
+            return slots(m)
+        except Exception as e:
+            self.log.warning("skipping a logged measurement that cannot be indexed", source=m.source, seq=m.seq,
+                             kind=m.kind, error=repr(e))
+            return [(("source", m.source), None)]
+
+    def _index(self, m: profiler_pb2.Measurement, blob: bytes, record_slots: list[Slot]) -> None:
         if m.kind == META_KIND and not m.source:  # a compaction's checkpoint: restore the counters
             self.count = int(m.values["count"])
             self.model_revision = int(m.values["model_revision"])
@@ -337,7 +350,7 @@ class MeasurementStore:
         self._next += 1
         self._blobs[i] = blob
         self._retained_bytes += len(blob)
-        changed, dropped = self._w.add(i, slots(m))
+        changed, dropped = self._w.add(i, record_slots)
         for j in dropped:
             self._retained_bytes -= len(self._blobs.pop(j))
         if changed & MODEL_INPUTS:
@@ -414,6 +427,16 @@ class MeasurementStore:
                 seen[m.source] = m.seq
                 new.append(m)
             if new:
+                # Index first (pure), write second: a record that cannot be indexed is
+                # refused before anything is written, so it can never reach the log and
+                # fail every later replay.
+                record_slots = []
+                for j, m in enumerate(new):
+                    try:
+                        record_slots.append(slots(m))
+                    except Exception as e:
+                        raise ValueError(f"measurement {m.source!r} seq {m.seq} ({m.kind}) cannot be indexed: {e!r}; "
+                                         "nothing of this batch was persisted") from e
                 blobs = [encode(m) for m in new]
                 # The lock must not be released while a thread still works on the file:
                 # when the caller is cancelled, wait for the thread, index what it wrote
@@ -424,10 +447,10 @@ class MeasurementStore:
                 except asyncio.CancelledError:
                     await _settle(fut)
                     if not fut.cancelled() and fut.exception() is None:
-                        self._index_batch(new, blobs)
+                        self._index_batch(new, blobs, record_slots)
                         self.duplicates += dups
                     raise
-                self._index_batch(new, blobs)
+                self._index_batch(new, blobs, record_slots)
                 if self._compaction_due():
                     fut = asyncio.ensure_future(asyncio.to_thread(self._compact))
                     try:
@@ -444,9 +467,10 @@ class MeasurementStore:
             self.duplicates += dups
             return len(new), dups
 
-    def _index_batch(self, new: list[profiler_pb2.Measurement], blobs: list[bytes]) -> None:
-        for m, b in zip(new, blobs):
-            self._index(m, b)
+    def _index_batch(self, new: list[profiler_pb2.Measurement], blobs: list[bytes],
+                     record_slots: list[list[Slot]]) -> None:
+        for m, b, sl in zip(new, blobs, record_slots):
+            self._index(m, b, sl)
 
     def watermark(self, source: str) -> int:
         """Highest persisted seq of ``source`` (0: nothing from it)."""

@@ -88,6 +88,10 @@ class ComputeSample:
     micro_batches: int = 1
     seq_len: int = 0   # model's max sequence length (position table); 0 -> seq
 
+    def config(self) -> tuple:
+        """The configuration this sample measured (repeats share it)."""
+        return (self.rows, self.seq, self.layers, self.hidden, self.heads, self.vocab, self.micro_batches, self.q)
+
     def features(self) -> tuple[dict, dict]:
         sl = self.seq_len or self.seq
         mbf = F.mb_features(self.rows / self.micro_batches, self.seq, self.layers, self.hidden, self.heads,
@@ -169,6 +173,17 @@ def _robust_fit(x: np.ndarray, y: np.ndarray, iters: int = 6) -> tuple[np.ndarra
     return c, r, loss + float(r @ r)
 
 
+def _usable(s: ComputeSample) -> bool:
+    """A sample a fit can use: finite time and quota > 0 (a NaN, inf or 0 would make the
+    relative residuals, hence the least squares, undefined)."""
+    try:
+        vals = [float(v) for v in (s.seconds, s.q, s.rows, s.seq, s.layers, s.hidden, s.heads, s.vocab,
+                                   s.micro_batches)]
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return all(math.isfinite(v) and v > 0 for v in vals)
+
+
 # Keys of the extrapolation box: log-space distance from the profiled ranges.
 RANGE_KEYS = ("tokens", "seq", "layers", "hidden", "vocab", "q")
 MIN_SAMPLES = len(COEFS) + 2  # coefficients + p + one degree of freedom for the residual
@@ -177,13 +192,21 @@ MIN_SAMPLES = len(COEFS) + 2  # coefficients + p + one degree of freedom for the
 def fit_compute(device_type: str, samples: list[ComputeSample], *, q_sat_grid: tuple[float, ...] | None = None) -> ComputeFit:
     """Fit one device type's coefficients from its profiles.
 
-    Fewer than ``MIN_SAMPLES`` points, or points that do not vary batch and model
-    size, give ``status="insufficient_data"`` with the reason, never a guess.
+    Samples without a finite time and quota > 0 are dropped. Fewer than ``MIN_SAMPLES``
+    distinct configurations (repeats count once), or points that do not vary batch and
+    model size, give ``status="insufficient_data"`` with the reason, never a guess.
     """
+    usable = [s for s in samples if _usable(s)]
+    dropped = len(samples) - len(usable)
+    samples = usable
     n = len(samples)
     out = ComputeFit(device_type=device_type, n=n)
-    if n < MIN_SAMPLES:
-        out.reason = f"{n} profiles of {device_type}; at least {MIN_SAMPLES} needed"
+    # Repeats of one configuration are one point of the curve: count distinct ones.
+    distinct = len({s.config() for s in samples})
+    if distinct < MIN_SAMPLES:
+        out.reason = (f"{distinct} distinct profiled configurations of {device_type} ({n} profiles"
+                      + (f", {dropped} without a finite time and quota > 0" if dropped else "")
+                      + f"); at least {MIN_SAMPLES} needed")
         return out
     if len({(s.layers, s.hidden) for s in samples}) < 2 or len({s.rows * s.seq for s in samples}) < 2:
         out.reason = "profiles must vary both the batch (tokens) and the model size"
@@ -205,12 +228,16 @@ def fit_compute(device_type: str, samples: list[ComputeSample], *, q_sat_grid: t
             if best is None or loss < best[0] - 1e-15:
                 best = (loss, p, qsat, c, r)
     _, p, qsat, c, r = best
+    if not (np.isfinite(c).all() and np.isfinite(r).all()):
+        out.reason = f"compute fit of {device_type} is not finite"
+        return out
     k = int((c > 0).sum()) + (1 if len(qs) > 1 else 0)
-    dof = max(1, n - k)
+    dof = max(1, distinct - k)
     out.coef = dict(zip(COEFS, map(float, c)))
     out.p, out.q_sat = float(p), float(qsat)
     # Robust scale (MAD) of the relative residuals, inflated for the fitted parameters.
-    out.rel_sigma = 1.4826 * float(np.median(np.abs(r))) * math.sqrt(n / dof)
+    # (Degrees of freedom from distinct points: repeats do not pin more parameters.)
+    out.rel_sigma = 1.4826 * float(np.median(np.abs(r))) * math.sqrt(distinct / dof)
     out.status = "ok"
     tok = [s.rows * s.seq for s in samples]
     vals = {"tokens": tok, "seq": [s.seq for s in samples], "layers": [s.layers for s in samples],

@@ -199,8 +199,14 @@ class PerfModel:
             return "invalid plan (dp, tp, pp, micro_batches, batch >= 1; layers >= pp)"
         if c.batch % (c.dp * c.micro_batches) or c.hidden % c.tp or c.heads % c.tp:
             return "batch must divide by dp*micro_batches, hidden and heads by tp"
-        if c.quota <= 0:
-            return "quota must be positive"
+        if min(c.hidden, c.heads, c.vocab, c.seq_len) < 1 or (c.seq or 0) < 0:
+            return "invalid model (hidden, heads, vocab, seq_len >= 1; seq >= 0)"
+        if not (math.isfinite(c.quota) and c.quota > 0):
+            return "quota must be a finite number > 0"
+        if not math.isfinite(c.oversubscription) or c.oversubscription < 0 or c.colocated < 1:
+            return "oversubscription must be a finite number >= 0, colocated >= 1"
+        if c.schedule not in ("1f1b", "gpipe"):
+            return f"unknown schedule {c.schedule!r} (1f1b or gpipe)"
         if c.world > 1:
             cf = self.comm.get(c.link)
             if cf is None:
@@ -226,6 +232,7 @@ class PerfModel:
         T = np.array([c.seq or c.seq_len for c in cs], dtype=float)
         B, dp, tp, pp, m, q = arr("batch"), arr("dp"), arr("tp"), arr("pp"), arr("micro_batches"), arr("quota")
         rows = B / dp / m
+        gpipe = np.array([c.schedule == "gpipe" for c in cs])
         act = rows * T * h * F.BYTES_PER_ELEM
 
         def ar(n, nbytes):
@@ -257,7 +264,7 @@ class PerfModel:
             params[k] = np.where(count > 0, stf["params"], 0.0)
             c_step[k] = np.where(count > 0, mod * fit.step_time(stf), 0.0)
             t_step[k] = np.where(count > 0, c_step[k] + ar(dp, params[k] * F.BYTES_PER_ELEM), 0.0)
-            inflight = m if cs[0].schedule == "gpipe" else np.minimum(m, pp if k == "first" else 1.0)
+            inflight = np.where(gpipe, m, np.minimum(m, pp if k == "first" else 1.0))  # per candidate
             mem[k] = np.where(count > 0, 16.0 * params[k] + inflight * F.activation_bytes(rows, T, ls, h, a, V, hd, tp), 0.0)
         counts = {k: v[3] * np.ones_like(L) for k, v in kinds.items()}
         t_sum = sum(counts[k] * t_mb[k] for k in kinds)
@@ -281,16 +288,26 @@ class PerfModel:
         point = {"tokens": rows * m * T, "seq": T, "layers": L / pp, "hidden": h / tp, "vocab": V, "q": q}
         d = extrapolation(fit, point)
         unseen = np.array([0.0 if c.module in fit.modules else UNSEEN_MODULE for c in cs])
-        comm_part = np.zeros_like(total) + ar(dp, params["first"] * F.BYTES_PER_ELEM) + loss_ar
+        # The communication share of the time, from the same per-stage terms: tp
+        # all-reduces and pipeline sends inside the micro-batches, the dp gradient
+        # all-reduce, the loss all-reduce and the straggle (the colocation stretch
+        # scales it like the rest).
+        comm_part = np.maximum(pipe - comp_pipe, 0.0) + np.maximum(per_step - comp_step, 0.0) + loss_ar + straggle
+        comm_part = np.where(n_co > 1, comm_part * over * (1.0 + g * (n_co - 1)), comm_part)
         csig = 0.0
         if comm is not None:
             csig = max((v.get("rel_sigma", 0.0) for v in comm.ops.values()), default=0.0)
-        var = fit.rel_sigma ** 2 + (EXTRAP_PER_LOG * d) ** 2 + unseen ** 2 \
+        # The fit's residual scatter, floored at the run-to-run noise of a measured
+        # configuration (a noiseless fit cannot predict a new run better than that).
+        var = max(fit.rel_sigma, RUN_TO_RUN) ** 2 + (EXTRAP_PER_LOG * d) ** 2 + unseen ** 2 \
             + (csig * comm_part / np.maximum(total, 1e-12)) ** 2 + (COLOCATION * (n_co > 1)) ** 2
         rel = np.sqrt(var)
         out = []
         for i in range(len(cs)):
             r = float(rel[i])
+            if not (math.isfinite(float(total[i])) and total[i] > 0 and math.isfinite(r)):
+                out.append(_insufficient("the model gives no finite positive time for this candidate"))
+                continue
             conf = math.erf(CONF_TOLERANCE / (math.sqrt(2.0) * r)) if r > 0 else 1.0
             out.append(Estimate(
                 status="ok", seconds=float(total[i]), memory_bytes=float(max(mem[k][i] for k in kinds)),

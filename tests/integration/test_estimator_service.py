@@ -199,3 +199,21 @@ async def test_a_write_that_fails_is_unavailable_and_acknowledges_nothing(tmp_pa
         broken[0] = False
         ack = await est.stub.ReportMeasurements(iter([batch]))
         assert ack.accepted == 2 and ack.watermark[SRC] == 2
+
+
+@pytest.mark.parametrize("labels,values,t,expect", [
+    ({"world_size": "inf"}, {}, 0.01, "measurements[1].labels.world_size"),
+    ({"threads": "x"}, {}, 0.01, "measurements[1].labels.threads"),
+    ({}, {}, float("nan"), "measurements[1].step_time_s"),
+])
+async def test_malformed_measurement_is_invalid_argument_and_never_persisted(tmp_path, labels, values, t, expect):
+    ok = profiler_pb2.Measurement(source=SRC, seq=1, kind="step", job_id="j", step=1, step_time_s=0.01)
+    bad = profiler_pb2.Measurement(source=SRC, seq=2, kind="step", job_id="j", step=2, step_time_s=t,
+                                   labels={"module": "m", "world_size": "1", **labels}, values=values)
+    async with Est(tmp_path / "est") as est:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await est.stub.ReportMeasurements(iter([estimator_pb2.MeasurementBatch(measurements=[ok, bad])]))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(expect)
+        assert (await est.stub.GetWatermark(estimator_pb2.GetWatermarkRequest(source=SRC))).seq == 0
+    async with Est(tmp_path / "est") as est:  # reopens fine
+        assert (await est.stub.GetWatermark(estimator_pb2.GetWatermarkRequest(source=SRC))).seq == 0

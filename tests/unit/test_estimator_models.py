@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from estimator.models import MIN_MEASURED, WARMUP_STEPS, build_model, comm_row, profiles, run_key
@@ -96,3 +97,112 @@ def test_data_parallel_plan_composes_the_per_rank_profile_and_the_allreduce():
     assert e.breakdown["grad_allreduce"] > e.breakdown["loss_allreduce"] > 0
     assert model.estimate(Candidate(**{**c.__dict__, "link": "other"})).status == "insufficient_data"
     assert model.estimate(Candidate(**{**c.__dict__, "dp": 1, "pp": 2, "batch": 8})).status == "insufficient_data"
+
+
+# --- malformed measurements are never model inputs, never a crash (review: total parsing)
+
+@pytest.mark.parametrize("labels,t", [({"world_size": "inf"}, 0.01), ({"world_size": "1e400"}, 0.01),
+                                      ({"threads": "x"}, 0.01), ({"threads": "nan"}, 0.01), ({"threads": "0"}, 0.01),
+                                      ({"layers": "nan"}, 0.01), ({"batch": "1e300"}, 0.01), ({}, math.nan),
+                                      ({}, math.inf), ({}, -1.0)])
+def test_run_key_is_total_and_needs_finite_positive_numbers(labels, t):
+    assert run_key(step(t=t, **labels)) is None
+
+
+def test_comm_and_colocation_rows_are_total():
+    from estimator.models import colocation_row
+
+    def comm(**values):
+        return profiler_pb2.Measurement(kind="comm", labels={"op": "all_reduce", "link": "l"},
+                                        values={"world": 2, "seconds": 1e-3, "bytes": 10, **values})
+
+    assert comm_row(comm())["world"] == 2
+    for bad in ({"world": math.nan}, {"world": math.inf}, {"seconds": math.nan}, {"bytes": math.inf},
+                {"bytes": math.nan}, {"compute_s": math.nan}, {"world": 1e300}):
+        assert comm_row(comm(**bad)) is None, bad
+
+    def colo(**values):
+        return profiler_pb2.Measurement(kind="colocation", labels={"mode": "split"},
+                                        values={"alone_s": 1.0, "together_s": 1.1, **values})
+
+    assert colocation_row(colo())["colocated"] == 2
+    for bad in ({"colocated": math.nan}, {"colocated": math.inf}, {"oversubscription": math.nan},
+                {"alone_s": math.inf}, {"together_s": math.nan}):
+        assert colocation_row(colo(**bad)) is None, bad
+
+
+def test_malformed_names_the_field():
+    from estimator.models import malformed
+    assert malformed(step()) is None
+    assert malformed(step(world_size="2")) is None  # not a model input, but not malformed
+    assert malformed(step(world_size="inf")).startswith("labels.world_size:")
+    assert malformed(step(threads="x")).startswith("labels.threads:")
+    assert malformed(step(t=math.nan)).startswith("step_time_s:")
+    m = profiler_pb2.Measurement(kind="comm", labels={"op": "all_reduce", "link": "l"},
+                                 values={"world": math.nan, "seconds": 1e-3})
+    assert malformed(m).startswith("values.world:")
+
+
+def test_api_validate_refuses_malformed_measurement():
+    from estimator.api import validate
+    m = step(threads="x")
+    m.source, m.seq = "p", 1
+    assert validate(m, 3) == "measurements[3].labels.threads: must be a finite number, got 'x'"
+    ok = step()
+    ok.source, ok.seq = "p", 1
+    assert validate(ok, 0) is None
+
+
+async def test_bad_records_never_brick_the_store(tmp_path):
+    from estimator.store import MeasurementStore
+    s = MeasurementStore(tmp_path)
+    bad = [step(world_size="inf"), step(threads="x"), step(t=math.nan),
+           profiler_pb2.Measurement(kind="comm", labels={"op": "all_reduce", "link": "l"},
+                                    values={"world": math.nan, "seconds": 1e-3, "bytes": 10})]
+    for i, m in enumerate(bad):
+        m.source, m.seq = "q", i + 1
+        assert await s.append([m]) == (1, 0)  # stored (watermark), not a model input
+    assert s.runs == {} and s.comm_rows == [] and s.model_revision == 0
+    s.close()
+    s2 = MeasurementStore(tmp_path)  # replays them
+    assert s2.watermark("q") == 4 and s2.runs == {}
+    s2.close()
+
+
+async def test_record_that_cannot_be_indexed_is_not_persisted_and_replay_skips_it(tmp_path, monkeypatch):
+    from estimator import store as store_mod
+    from estimator.store import LOG_NAME, MeasurementStore, encode, read_log
+    m = step()
+    m.source, m.seq = "q", 1
+
+    def boom(_m):
+        raise ValueError("cannot index")
+
+    monkeypatch.setattr(store_mod.models, "run_key", boom)
+    s = MeasurementStore(tmp_path)
+    with pytest.raises(ValueError, match="nothing of this batch was persisted"):
+        await s.append([m])
+    assert read_log(tmp_path / LOG_NAME)[0] == [] and s.watermark("q") == 0
+    s.close()
+    # A bad record already in the log (an older version wrote it): replay skips it, keeps the watermark.
+    (tmp_path / LOG_NAME).write_bytes(encode(m))
+    s2 = MeasurementStore(tmp_path)
+    assert s2.watermark("q") == 1 and s2.runs == {}
+    s2.close()
+
+
+def test_build_model_survives_a_failing_device_fit(monkeypatch):
+    import estimator.models as em
+    good = {run_key(step(job=f"j{i}", batch=str(8 * (i + 1)))): {k: 0.01 for k in range(1, 7)} for i in range(2)}
+    bad = {run_key(step(job="k", device_kind="gpu")): {k: 0.01 for k in range(1, 7)}}
+    real = em.fit_compute
+
+    def fit(dev, samples):
+        if dev == "gpu":
+            raise np.linalg.LinAlgError("SVD did not converge")
+        return real(dev, samples)
+
+    monkeypatch.setattr(em, "fit_compute", fit)
+    m = build_model({**good, **bad}, [], [], 1)
+    assert m.compute["gpu"].status == "insufficient_data" and "failed" in m.compute["gpu"].reason
+    assert set(m.compute) == {"cpu", "gpu"} and len(m.profiles["cpu"]) == 2

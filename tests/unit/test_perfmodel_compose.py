@@ -170,3 +170,39 @@ def test_straggler_wait_adds_to_multi_rank_plans_only(model):
     # The snapshot keeps the sync fit and gives the same numbers.
     again = PerfModel.from_dict(json.loads(json.dumps(with_sync.to_dict())))
     assert again.estimate(dp).seconds == pytest.approx(b.seconds)
+
+
+def test_batch_uses_each_candidates_schedule(model):
+    g, o = cand(pp=2, micro_batches=4, schedule="gpipe"), cand(pp=2, micro_batches=4, schedule="1f1b")
+    eg, eo = model.estimate(g), model.estimate(o)
+    assert eg.memory_bytes > eo.memory_bytes
+    assert model.estimate_batch([o, g]) == [eo, eg] and model.estimate_batch([g, o]) == [eg, eo]
+
+
+@pytest.mark.parametrize("kw", [dict(quota=float("nan")), dict(quota=float("inf")),
+                                dict(colocated=2, oversubscription=float("nan")), dict(schedule="bogus"),
+                                dict(seq_len=-64), dict(vocab=-256), dict(hidden=-128), dict(heads=0),
+                                dict(seq=-1)])
+def test_invalid_candidates_are_insufficient_data_not_nan(model, kw):
+    e = model.estimate(cand(**kw))
+    assert not e.ok and e.confidence == 0.0 and e.reason
+
+
+def test_noiseless_fit_confidence_is_floored_at_run_to_run(model):
+    from tessera.perfmodel.model import RUN_TO_RUN
+    exact = PerfModel(compute={"cpu": fit_compute("cpu", samples())})
+    assert exact.compute["cpu"].rel_sigma < 1e-6
+    e = exact.estimate(cand())
+    assert e.rel_std >= RUN_TO_RUN and e.confidence < 1.0
+
+
+def test_comm_uncertainty_counts_tp_allreduces_and_pipeline_sends():
+    import numpy as np
+    rng = np.random.default_rng(1)
+    rows = [{"op": op, "bytes": b, "world": 2, "seconds": (5e-3 + b * 1e-8) * float(np.exp(0.6 * rng.standard_normal()))}
+            for op in ("all_reduce", "send_recv") for b in (1e3, 1e4, 1e5, 1e6) for _ in range(3)]
+    noisy = PerfModel(compute={"cpu": fit_compute("cpu", samples(noise=0.01))}, comm={LINK: fit_comm(LINK, rows)})
+    one = noisy.estimate(cand())
+    for kw in (dict(tp=2), dict(pp=2, micro_batches=4)):
+        e = noisy.estimate(cand(**kw))
+        assert e.ok and e.rel_std > one.rel_std + 0.005, kw

@@ -110,3 +110,21 @@ def test_comm_op_with_one_size_is_left_out():
 def test_nan_free_on_extreme_quota():
     fit = fit_compute("cpu", samples())
     assert math.isfinite(float(fit.mb_time(samples()[0].features()[0], 0.05)))
+
+
+def test_non_finite_or_zero_time_or_quota_samples_are_dropped_not_fatal():
+    base = samples()
+    for bad in ({"seconds": math.nan}, {"seconds": math.inf}, {"seconds": 0.0}, {"q": 0.0}, {"q": math.nan}):
+        data = [ComputeSample(**{**base[0].__dict__, **bad})] + base[1:]
+        fit = fit_compute("cpu", data)  # raised LinAlgError before
+        assert fit.status == "ok" and fit.n == len(base) - 1, bad
+        assert fit.coef["c_flops"] == pytest.approx(TRUE["c_flops"], rel=1e-3)
+    fit = fit_compute("cpu", [ComputeSample(**{**s.__dict__, "seconds": math.nan}) for s in base])
+    assert fit.status == "insufficient_data"
+
+
+def test_repeats_of_few_configurations_are_not_enough():
+    two = samples()[:2]
+    fit = fit_compute("cpu", [ComputeSample(**{**s.__dict__, "seconds": s.seconds * (1 + 0.01 * i)})
+                              for i in range(10) for s in two])
+    assert fit.status == "insufficient_data" and "2 distinct" in fit.reason
