@@ -136,7 +136,12 @@ async def test_controller_health_follows_its_leadership(controller, etcd_server)
         stub = health_pb2_grpc.HealthStub(ch)
 
         async def status():
-            return (await stub.Check(health_pb2.HealthCheckRequest(service=name))).status
+            try:
+                return (await stub.Check(health_pb2.HealthCheckRequest(service=name))).status
+            except grpc.aio.AioRpcError as e:  # not elected yet: the service has no status
+                if e.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                return None
 
         async def until(want):
             for _ in range(400):
