@@ -136,6 +136,9 @@ class Controller:
         # Each node's last heartbeat: its time and the allocations it said were running (a
         # SCHEDULED job whose executor never started is found by their absence).
         self.node_allocs: dict[str, tuple[float, frozenset[str]]] = {}
+        # When this controller last sent an allocation's launch (in memory: a new leader
+        # counts from the scheduling time).
+        self.launched_at: dict[str, float] = {}
         # The agents' last partition reports (free amounts), in memory like heartbeats.
         self.part_reports: dict[str, dict[str, types_pb2.Partition]] = {}
         # What the policy may ask for estimates (controller.policy.estimator.Estimator): a
@@ -963,6 +966,9 @@ class Controller:
                 )
                 calls.append((node.name, self.agents.stub(node.agent_address).LaunchExecutor(req, timeout=15)))
         results = await asyncio.gather(*(c for _, c in calls), return_exceptions=True)
+        # A heartbeat older than this (plus the grace) cannot show the allocation yet: a
+        # relaunch waits for the old ranks to checkpoint before it launches.
+        self.launched_at[job.status.allocation_id] = self.clock()
         for (name, _), res in zip(calls, results):
             if isinstance(res, Exception):
                 msg = res.details() if isinstance(res, grpc.aio.AioRpcError) else str(res)
@@ -1026,14 +1032,19 @@ class Controller:
         allocation a node of its placement left out of a heartbeat sent more than
         ``grace_s`` after the scheduling: its launch never happened (the controller that
         wrote it died or was deposed before the RPC, or the launch failed and its requeue
-        did not go through). Fused guests have no executor of their own: skipped."""
+        did not go through). The grace counts from the later of the scheduling and this
+        controller's launch of the allocation (a relaunch first waits for the old ranks to
+        checkpoint and exit). Fused guests have no executor of their own: skipped."""
         grace = self.cfg.grace_s
         jobs, _ = await self.store.list_jobs()
+        live = {j.status.allocation_id for j in jobs if j.status.phase in ACTIVE}
+        self.launched_at = {a: t for a, t in self.launched_at.items() if a in live}
         for j in jobs:
             st = j.status
             if st.phase != P.SCHEDULED or st.fused_into or not st.allocation_id:
                 continue
             since = max((h.time for h in st.history if h.phase == P.SCHEDULED), default=0.0)
+            since = max(since, self.launched_at.get(st.allocation_id, since))
             if now - since <= grace:
                 continue
             missing = [s.node for s in st.placement

@@ -110,6 +110,27 @@ async def test_scheduled_job_never_launched_is_requeued_after_the_grace(ctl):
     assert "a-2" not in {a for hs in (await store.list_holders()).values() for a in hs}
 
 
+async def test_grace_counts_from_the_launch_of_a_relaunch(ctl):
+    """A relaunch waits for the old ranks to checkpoint before it launches: a heartbeat
+    that arrived during that wait (without the new allocation) does not requeue the job
+    once the launch went out; a heartbeat past the launch's grace that still lacks it does."""
+    ctl, store, c, now = ctl
+    await store.put_node(node("n5"), None)
+    await store.create_job(job("j-000000000005", P.SCHEDULED, "n5", "a-5", now[0]), "")
+    await _hold(c, store, "n5", "a-5")
+    hb = controller_pb2.HeartbeatRequest(name="n5", incarnation="inc1", running_allocations=[])
+    now[0] += 2 * GRACE  # the old ranks took this long to checkpoint and exit
+    await ctl.heartbeat(hb)  # sent during that wait
+    ctl.launched_at["a-5"] = now[0]  # the launch went out now
+    now[0] += 1
+    await ctl._requeue_never_launched(now[0])
+    assert (await store.get_job("j-000000000005")).value.status.phase == P.SCHEDULED
+    now[0] += GRACE
+    await ctl.heartbeat(hb)
+    await ctl._requeue_never_launched(now[0])
+    assert (await store.get_job("j-000000000005")).value.status.phase == P.PENDING
+
+
 async def test_exit_of_a_stopped_allocation_leaves_no_key_and_exits_of_the_current_one_complete_it(ctl):
     ctl, store, c, now = ctl
     await store.put_node(node("n3"), None)
