@@ -469,6 +469,7 @@ class Controller:
             return False  # never stale: the executor is the host's, its own tasks go on
         stale = [False]
         after: list = []
+        requeue: list[str] = []
 
         async def fn(job):
             st = job.status
@@ -499,6 +500,11 @@ class Controller:
                     if why:
                         st.reason = why
                 return ([], []) if changed or started else None
+            if r.kind == K.EXITED and r.stopped_by_agent:
+                # The agent stopped it (its shutdown, or self-fencing): not the job's fault.
+                requeue[:] = [f"its executor on {r.node} was stopped by the agent (rank {r.rank}, "
+                              f"exit {r.exit_code}): {r.message}"[:400]]
+                return None
             if r.kind == K.EXITED:
                 # The rank's exit is recorded in the same transaction as the job, and only
                 # for the current allocation: a late EXITED of a stopped allocation (whose
@@ -518,6 +524,11 @@ class Controller:
             return ([], []) if started else None
 
         job = await self._rmw(r.job_id, fn)
+        if requeue:
+            # Back to PENDING from its last checkpoint, counted as a preemption; its other
+            # ranks (if any) are stopped by the requeue.
+            await self._requeue(job.id, r.allocation_id, requeue[0], transient=True)
+            return stale[0]
         for alloc, shards in after:
             await self._stop_alloc(alloc, shards, "another rank failed")
         if job.status.phase in TERMINAL and r.kind == K.EXITED:

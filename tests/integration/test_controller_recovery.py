@@ -192,3 +192,22 @@ async def test_stray_fused_task_cancel_is_retried_until_it_goes_through(ctl):
         assert not ctl._strays
     finally:
         await server.stop(None)
+
+
+async def test_an_executor_the_agent_stopped_itself_requeues_the_job_instead_of_failing_it(ctl):
+    """EXITED 143 from the agent's own shutdown or self-fencing (stopped_by_agent): the job
+    goes back to PENDING as a preemption, its units released; the same exit without the
+    flag (the runtime died by itself) fails the job as before."""
+    ctl, store, c, now = ctl
+    await store.put_node(node("n6"), None)
+    for jid, alloc in (("j-000000000006", "a-6"), ("j-000000000007", "a-7")):
+        await store.create_job(job(jid, P.RUNNING, "n6", alloc, now[0]), "")
+    await c.put(store.alloc_key("n6", "cpu0"), json.dumps({"a-6": 1, "a-7": 1}).encode())
+    await ctl.report(K(kind=K.EXITED, job_id="j-000000000006", allocation_id="a-6", rank=0, exit_code=143,
+                       node="n6", message="stopped by SIGTERM", stopped_by_agent=True))
+    j = (await store.get_job("j-000000000006")).value
+    assert j.status.phase == P.PENDING and j.status.preemptions == 1 and "stopped by the agent" in j.status.reason
+    await ctl.report(K(kind=K.EXITED, job_id="j-000000000007", allocation_id="a-7", rank=0, exit_code=143,
+                       node="n6", message="stopped by SIGTERM"))
+    assert (await store.get_job("j-000000000007")).value.status.phase == P.FAILED
+    assert not {a for hs in (await store.list_holders()).values() for a in hs} & {"a-6", "a-7"}
