@@ -276,20 +276,26 @@ class ModelKeeper:
         new = await asyncio.to_thread(build_model, runs, comm, colo, self.model.version)
         self._last_fit = self.clock()
         changed = _canonical(new) != _canonical(self.model)
+        model = self.model
         if changed:
             new.version = self.model.version + 1
-            self.model = new
-        self.fitted_revision, self.fitted_at, self.measurements = rev, time.time(), st.count
-        await asyncio.to_thread(self._persist)
+            model = new
+        fitted_at, count = time.time(), st.count
+        # Persisted first, published after: a version number is never served before it is
+        # durable (a crash in between would reissue it with other content after a restart),
+        # and a failed write leaves the keeper stale, so the next call tries again.
+        await asyncio.to_thread(self._persist, model, rev, fitted_at, count)
+        self.model = model
+        self.fitted_revision, self.fitted_at, self.measurements = rev, fitted_at, count
         self.log.info("model refitted", version=self.model.version, changed=changed, revision=rev,
                       profiles=sum(len(v) for v in self.model.profiles.values()),
                       fits={k: v.status for k, v in self.model.compute.items()}, links=sorted(self.model.comm),
                       ms=round((time.perf_counter() - t0) * 1000, 1))
 
-    def _persist(self) -> None:
+    def _persist(self, model: PerfModel, revision: int, fitted_at: float, measurements: int) -> None:
         tmp = self.path.with_suffix(".tmp")
-        blob = json.dumps({"revision": self.fitted_revision, "fitted_at": self.fitted_at,
-                           "measurements": self.measurements, "snapshot": self.model.to_dict()})
+        blob = json.dumps({"revision": revision, "fitted_at": fitted_at,
+                           "measurements": measurements, "snapshot": model.to_dict()})
         with open(tmp, "w") as f:
             f.write(blob)
             f.flush()

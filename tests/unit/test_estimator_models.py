@@ -206,3 +206,33 @@ def test_build_model_survives_a_failing_device_fit(monkeypatch):
     m = build_model({**good, **bad}, [], [], 1)
     assert m.compute["gpu"].status == "insufficient_data" and "failed" in m.compute["gpu"].reason
     assert set(m.compute) == {"cpu", "gpu"} and len(m.profiles["cpu"]) == 2
+
+
+async def test_a_model_version_is_durable_before_it_is_served(tmp_path, monkeypatch):
+    """A refit whose model.json cannot be written serves nothing new and stays stale (the
+    next call retries); the version then issued is the next one, once, and a restarted
+    keeper loads exactly it."""
+    import os as _os
+
+    from estimator.models import ModelKeeper
+    from estimator.store import MeasurementStore
+
+    store = MeasurementStore(tmp_path)
+    await store.append([profiler_pb2.Measurement(source="s", seq=i, kind="step", job_id="j1", step=i,
+                                                 step_time_s=0.01, labels=LABELS) for i in range(1, 8)])
+    keeper = ModelKeeper(store, tmp_path, min_refit_interval_s=0)
+    real = _os.replace
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_os, "replace", full_disk)
+    with pytest.raises(OSError):
+        await keeper.current()
+    assert keeper.model.version == 0 and keeper.stale and not (tmp_path / "model.json").exists()
+    monkeypatch.setattr(_os, "replace", real)
+    m = await keeper.current()
+    assert m.version == 1 and not keeper.stale
+    again = ModelKeeper(store, tmp_path, min_refit_interval_s=0)
+    assert again.model.version == 1 and again.model.to_dict() == m.to_dict()
+    store.close()
