@@ -33,7 +33,8 @@ from tessera.api.v1 import estimator_pb2, estimator_pb2_grpc, types_pb2
 from tessera.modelkey import arch_key
 from tessera.perfmodel import Candidate, Estimate, PerfModel
 
-from .core import NotFound
+from .core import NotFound, NotLeader
+from .store import Fenced
 from .policy.snapshot_estimator import link_for  # noqa: F401 - one definition for the policy and here
 
 PROFILE_TENANT = "tessera-system"
@@ -165,45 +166,59 @@ class Profiling:
         for job in jobs:
             if is_profile_job(job) or job.spec.workload.type != "gpt":
                 continue
-            cur = job.status.estimate
-            if job.status.phase in TERMINAL and cur.status == "ok":
-                continue  # frozen: the estimate it ran with
-            doc = manifest.validate(manifest.from_proto(job.spec))
-            module = arch_key(doc["workload"])
-            if module not in known:
-                known[module] = await self.link.profiles(module)
-            profs = known[module]
-            pdoc, idem = profile_doc(doc, self.steps)
-            est = None
-            if profs:
-                dev = doc["resources"].get("device_kind") or profs[0].device_type
-                quota, n_nodes = self._quota(job, nodes, [p for p in profs if p.device_type == dev] or profs)
-                est = model.estimate(candidate(doc, dev, quota, n_nodes))
-            rows, mb = pdoc["workload"]["batch_size"], pdoc["workload"]["plan"]["micro_batches"]
-            if est is not None and (est.ok or any(p.rows == rows and p.micro_batches == mb for p in profs)):
-                pj_id = cur.profile_job_id if cur.profile_job_id in by_id else ""
-                estimated += await self._write(job.id, to_status(est, model.version, self.clock(), pj_id))
+            try:
+                r, e = await self._one(job, model, jobs, nodes, by_id, known)
+            except (NotLeader, Fenced, grpc.aio.AioRpcError, ConnectionError):
+                raise  # the cycle's own conditions (not leader, estimator unreachable): the loop retries
+            except Exception:  # one bad job must not stop the estimates of the others
+                self.log.exception("profiling cycle skipped a job", job_id=job.id)
                 continue
-            if job.status.phase in TERMINAL and not cur.profile_job_id:
-                continue  # a job that ended before profiling existed is not worth a run now
-            # Neither the model nor a profile of this module at this per-rank shape: profile it.
-            pj = next((j for j in jobs if is_profile_job(j) and j.idempotency_key == idem), None)
-            if pj is None:
-                pj, created = await self.ctl.submit(manifest.to_proto(pdoc), idem)
-                requested += created
-                self.log.info("profiling job requested", job_id=job.id, profile_job=pj.id, module=module,
-                              rows=rows, micro_batches=mb)
-            if pj.status.phase in (P.FAILED, P.CANCELLED):
-                new = types_pb2.JobEstimate(status="insufficient_data", profile_job_id=pj.id, time=self.clock(),
-                                            reason=f"profiling job {pj.id} ended {P.Name(pj.status.phase)}")
-            else:
-                new = types_pb2.JobEstimate(status="profiling", profile_job_id=pj.id, time=self.clock(),
-                                            reason=f"no profile of {module} at batch {rows} yet; profiling job {pj.id}")
-            estimated += await self._write(job.id, new)
+            requested += r
+            estimated += e
         if requested or estimated:
             self.log.info("profiling cycle", requested=requested, estimated=estimated, model_version=model.version,
                           ms=round((time.perf_counter() - t0) * 1000, 2))
         return {"requested": requested, "estimated": estimated}
+
+    async def _one(self, job, model, jobs, nodes, by_id, known) -> tuple[int, int]:
+        """One job of a cycle: (profiling jobs requested, estimates written)."""
+        requested = estimated = 0
+        cur = job.status.estimate
+        if job.status.phase in TERMINAL and cur.status == "ok":
+            return 0, 0  # frozen: the estimate it ran with
+        doc = manifest.validate(manifest.from_proto(job.spec))
+        module = arch_key(doc["workload"])
+        if module not in known:
+            known[module] = await self.link.profiles(module)
+        profs = known[module]
+        pdoc, idem = profile_doc(doc, self.steps)
+        est = None
+        if profs:
+            dev = doc["resources"].get("device_kind") or profs[0].device_type
+            quota, n_nodes = self._quota(job, nodes, [p for p in profs if p.device_type == dev] or profs)
+            est = model.estimate(candidate(doc, dev, quota, n_nodes))
+        rows, mb = pdoc["workload"]["batch_size"], pdoc["workload"]["plan"]["micro_batches"]
+        if est is not None and (est.ok or any(p.rows == rows and p.micro_batches == mb for p in profs)):
+            pj_id = cur.profile_job_id if cur.profile_job_id in by_id else ""
+            estimated += await self._write(job.id, to_status(est, model.version, self.clock(), pj_id))
+            return requested, estimated
+        if job.status.phase in TERMINAL and not cur.profile_job_id:
+            return 0, 0  # a job that ended before profiling existed is not worth a run now
+        # Neither the model nor a profile of this module at this per-rank shape: profile it.
+        pj = next((j for j in jobs if is_profile_job(j) and j.idempotency_key == idem), None)
+        if pj is None:
+            pj, created = await self.ctl.submit(manifest.to_proto(pdoc), idem)
+            requested += created
+            self.log.info("profiling job requested", job_id=job.id, profile_job=pj.id, module=module,
+                          rows=rows, micro_batches=mb)
+        if pj.status.phase in (P.FAILED, P.CANCELLED):
+            new = types_pb2.JobEstimate(status="insufficient_data", profile_job_id=pj.id, time=self.clock(),
+                                        reason=f"profiling job {pj.id} ended {P.Name(pj.status.phase)}")
+        else:
+            new = types_pb2.JobEstimate(status="profiling", profile_job_id=pj.id, time=self.clock(),
+                                        reason=f"no profile of {module} at batch {rows} yet; profiling job {pj.id}")
+        estimated += await self._write(job.id, new)
+        return requested, estimated
 
     @staticmethod
     def _quota(job: types_pb2.Job, nodes: dict, profs: list) -> tuple[float, int]:

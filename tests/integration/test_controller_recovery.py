@@ -211,3 +211,29 @@ async def test_an_executor_the_agent_stopped_itself_requeues_the_job_instead_of_
                        node="n6", message="stopped by SIGTERM"))
     assert (await store.get_job("j-000000000007")).value.status.phase == P.FAILED
     assert not {a for hs in (await store.list_holders()).values() for a in hs} & {"a-6", "a-7"}
+
+
+async def test_one_bad_job_does_not_stop_the_profiling_cycle_for_the_others(ctl, tmp_path):
+    """A stored job whose spec no longer validates (rules tightened since it was stored)
+    is skipped with a log line; the jobs after it still get their estimate state (a real
+    estimator service on loopback)."""
+    from controller.profiling import Profiling
+    from tests.integration.test_estimator_service import Est
+
+    ctl, store, c, now = ctl
+    bad = job("j-00000000000b", P.PENDING, "n7", "", now[0])
+    bad.spec.workload.model.hidden, bad.spec.workload.model.heads = 30, 4  # hidden % heads != 0
+    good = job("j-00000000000c", P.PENDING, "n7", "", now[0])
+    good.spec.workload.model.hidden, good.spec.workload.model.heads = 32, 4
+    for j in (bad, good):
+        del j.status.placement[:]
+        j.spec.api_version = "tessera/v1"
+        j.spec.workload.batch_size, j.spec.workload.model.layers = 4, 1
+        j.spec.workload.model.vocab, j.spec.workload.model.seq_len = 64, 16
+        await store.create_job(j, "")
+    async with Est(tmp_path / "est") as est:
+        prof = Profiling(ctl, f"127.0.0.1:{est.port}", steps=4, interval_s=0.1)
+        out = await prof.once()
+    assert out["requested"] == 1
+    assert (await store.get_job("j-00000000000c")).value.status.estimate.status == "profiling"
+    assert (await store.get_job("j-00000000000b")).value.status.estimate.status == ""
