@@ -69,6 +69,10 @@ class Executor:
     # and the (process CPU seconds, monotonic time) mark of the last PROGRESS report.
     cores: int = 0
     cpu_mark: tuple[float, float] | None = None
+    # Set when the agent stops it on its own decision (its shutdown, self-fencing): its
+    # EXITED report then says ``stopped_by_agent`` and the controller requeues the job as a
+    # preemption instead of failing it. Never set by a stop the controller asked for.
+    stopped_by_agent: bool = False
 
     @property
     def grant_id(self) -> str:
@@ -245,7 +249,7 @@ class ExecutorManager:
             raise
         if self.stopping:
             # Shutdown began while it was starting: stop_all may not have seen it.
-            await self.stop(allocation_id, 0.0)
+            await self.stop(allocation_id, 0.0, by_agent=True)
             raise ShuttingDown("agent is shutting down; not launching new executors")
         return ex, already
 
@@ -368,7 +372,9 @@ class ExecutorManager:
         ex.done.set()
         await self.on_report(ex, {"kind": "EXITED", "exit_code": ex.exit_code,
                                   "message": ex.fault[:400] if ex.fault else
-                                  "" if ex.exit_code == 0 else last_error[-400:]})
+                                  "" if ex.exit_code == 0 else last_error[-400:],
+                                  # A rank that finished (0) or faulted is reported as such.
+                                  "stopped_by_agent": ex.stopped_by_agent and ex.exit_code != 0 and not ex.fault})
 
     async def _event(self, ex: Executor, ev: dict) -> None:
         if ev["event"] == "task":
@@ -458,11 +464,15 @@ class ExecutorManager:
         return ex, g, old.units
 
     # -- stop -------------------------------------------------------------------------
-    async def stop(self, allocation_id: str, grace_s: float = 10.0) -> int:
+    async def stop(self, allocation_id: str, grace_s: float = 10.0, by_agent: bool = False) -> int:
         """SIGTERM every running rank of ``allocation_id``, SIGKILL after ``grace_s``;
-        returns how many were signalled. Waits until they are gone."""
+        returns how many were signalled. Waits until they are gone. ``by_agent``: the
+        agent's own decision (shutdown, self-fencing), not the controller's: their EXITED
+        reports carry ``stopped_by_agent`` (the job is requeued, not failed)."""
         targets = [e for e in self.executors.values() if e.allocation_id == allocation_id and e.running]
         for e in targets:
+            if by_agent:
+                e.stopped_by_agent = True
             _signal(e, signal.SIGTERM)
         for e in targets:
             try:
@@ -516,9 +526,12 @@ class ExecutorManager:
                                                     f"(see {b.daemon.server_log()}); every client of the GPU is failed")
         return hit
 
-    async def stop_all(self, grace_s: float = 10.0) -> int:
+    async def stop_all(self, grace_s: float = 10.0, by_agent: bool = True) -> int:
+        """Stop every running executor (see ``stop``). Only the agent calls this, on its
+        own decision (shutdown, self-fencing, a rejected incarnation): ``by_agent``
+        defaults to True."""
         allocs = self.running_allocations()
-        counts = await asyncio.gather(*(self.stop(a, grace_s) for a in allocs))
+        counts = await asyncio.gather(*(self.stop(a, grace_s, by_agent=by_agent) for a in allocs))
         return sum(counts)
 
     # -- executors of a previous agent process ----------------------------------------

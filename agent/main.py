@@ -1,12 +1,15 @@
 """``tessera-agent``: one per node. Registers the node's devices, heartbeats, runs
 executors on request, reports their events, and self-fences (stops its executors)
 when it has lost the controller for half the grace period (the controller requeues
-the node's jobs after the whole grace period)."""
+the node's jobs after the whole grace period). Executors it stops on its own decision
+(shutdown, self-fencing) are reported ``stopped_by_agent``: the controller requeues
+their jobs as preemptions instead of failing them."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import traceback
 import sys
 import time
 from pathlib import Path
@@ -26,6 +29,29 @@ from .executors import Executor, ExecutorManager
 from .partitions import MODES, Partitions
 
 K = controller_pb2.ExecutorReport
+
+# Self-fencing must end before the controller's grace period does (it then requeues the
+# node's jobs elsewhere): the fence's SIGTERM->SIGKILL delay is what is left of the grace
+# period after this margin (for the SIGKILL, clock drift, the controller's own timing).
+FENCE_MARGIN_S = 1.0
+DRAIN_S = 3.0  # at shutdown, how long the exit reports of the stopped executors may take
+
+
+class RegistrationRefused(Exception):
+    """The controller refused this node's registration (INVALID_ARGUMENT)."""
+
+
+def fence_grace(stop_grace_s: float, grace_s: float, silent_s: float) -> float:
+    """The SIGTERM->SIGKILL delay of a self-fence after ``silent_s`` without the controller:
+    ``stop_grace_s``, cut so that the executors are gone before the controller's grace
+    period ``grace_s`` ends (less ``FENCE_MARGIN_S``), but at least 1 s."""
+    return min(stop_grace_s, max(1.0, grace_s - silent_s - FENCE_MARGIN_S))
+
+
+def heartbeat_timeout(grace_s: float) -> float:
+    """One heartbeat RPC's deadline: a quarter of the grace period (at least 1 s), so that a
+    slow controller round is not taken for silence, and a lost one still leaves time to fence."""
+    return max(1.0, grace_s / 4)
 
 
 def module_time(phases: dict) -> controller_pb2.ModuleTime:
@@ -59,6 +85,21 @@ class Agent:
         self.interval_s = 1.0
         self.registered = asyncio.Event()
         self.stale: set[str] = set()
+        self.failure = ""  # set when a background task died: the daemon stops, non-zero
+
+    def supervise(self, task: asyncio.Task, name: str, stop: asyncio.Event) -> asyncio.Task:
+        """Fail-stop: when ``task`` dies of an exception, log it and set ``stop`` (the daemon
+        exits non-zero rather than run without heartbeats or reports)."""
+        def done(t: asyncio.Task) -> None:
+            if t.cancelled() or t.exception() is None:
+                return
+            e = t.exception()
+            self.log.error("background task died; stopping the agent", task=name, error=repr(e),
+                           traceback="".join(traceback.format_exception(e)))
+            self.failure = self.failure or f"{name} died: {e!r}"
+            stop.set()
+        task.add_done_callback(done)
+        return task
 
     # -- reports ----------------------------------------------------------------------
     async def _on_report(self, ex: Executor, r: dict) -> None:
@@ -72,6 +113,8 @@ class Agent:
             msg.modules[name].CopyFrom(module_time(ph))
         if r.get("busy") is not None:
             msg.busy = float(r["busy"])
+        if r.get("stopped_by_agent"):
+            msg.stopped_by_agent = True  # the agent's shutdown or self-fence: requeued, not failed
         await self.reports.put(msg)
 
     async def _send_reports(self) -> None:
@@ -80,21 +123,28 @@ class Agent:
         backoff = 0.1
         while True:
             msg = await self.reports.get()
-            while True:
-                try:
-                    resp = await self.nodes.ReportExecutor(msg, timeout=5)
-                    backoff = 0.1
-                    if resp.stale and msg.allocation_id not in self.stale:
-                        self.stale.add(msg.allocation_id)
-                        self.log.warning("allocation is stale; stopping it", allocation=msg.allocation_id, job_id=msg.job_id)
-                        asyncio.create_task(self.mgr.stop(msg.allocation_id, self.cfg.stop_grace_s))
-                    break
-                except grpc.aio.AioRpcError as e:
-                    if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
-                        self.log.warning("report refused", error=e.details(), job_id=msg.job_id)
+            try:
+                while True:
+                    try:
+                        resp = await self.nodes.ReportExecutor(msg, timeout=5)
+                        backoff = 0.1
+                        if resp.stale and msg.allocation_id not in self.stale:
+                            self.stale.add(msg.allocation_id)
+                            self.log.warning("allocation is stale; stopping it", allocation=msg.allocation_id,
+                                             job_id=msg.job_id)
+                            asyncio.create_task(self.mgr.stop(msg.allocation_id, self.cfg.stop_grace_s))
                         break
+                    except grpc.aio.AioRpcError as e:
+                        if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+                            self.log.warning("report refused", error=e.details(), job_id=msg.job_id)
+                            break
+                    except Exception as e:  # a bug here must not end reporting: retried like a lost RPC
+                        self.log.error("report failed", error=repr(e), job_id=msg.job_id,
+                                       traceback=traceback.format_exc())
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
+            finally:
+                self.reports.task_done()  # acknowledged or dropped (or the sender cancelled): see serve's drain
 
     async def _on_step(self, ex: Executor, ev: dict) -> None:
         if self.prof is None:
@@ -130,12 +180,15 @@ class Agent:
                 return
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise SystemExit(f"controller refused registration: {e.details()}")
+                    raise RegistrationRefused(f"controller refused registration: {e.details()}") from None
                 self.log.info("waiting for controller", error=e.code().name)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
 
     async def heartbeats(self) -> None:
+        """Heartbeat every interval; stop what the controller says is not current; re-register
+        when the incarnation is rejected; self-fence after half the grace period without an
+        answer. Any other error of a round (logged) counts as a failed heartbeat."""
         last_ok = time.monotonic()
         while True:
             await asyncio.sleep(self.interval_s)
@@ -143,25 +196,37 @@ class Agent:
                 resp = await self.nodes.Heartbeat(controller_pb2.HeartbeatRequest(
                     name=self.cfg.name, incarnation=self.node.incarnation,
                     running_allocations=self.mgr.running_allocations(), partitions=partitions_proto(self.parts)),
-                    timeout=max(self.interval_s, 1.0))
+                    timeout=heartbeat_timeout(self.grace_s))
                 last_ok = time.monotonic()
                 for a in resp.stop_allocations:
                     self.log.warning("controller says allocation is not current; stopping it", allocation=a)
                     asyncio.create_task(self.mgr.stop(a, self.cfg.stop_grace_s))
+                continue
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     self.log.warning("incarnation rejected; stopping executors and registering again", error=e.details())
-                    await self.mgr.stop_all(self.cfg.stop_grace_s)
-                    await self.register()
+                    await self.mgr.stop_all(self.cfg.stop_grace_s, by_agent=True)
+                    await self.register()  # RegistrationRefused: this task dies, the agent stops
                     last_ok = time.monotonic()
-                elif time.monotonic() - last_ok > self.grace_s / 2 and self.mgr.running_allocations():
-                    # The controller requeues our jobs once it has not heard from us for
-                    # grace_s; stopping at half of that means a job never runs here and
-                    # elsewhere at once, even if the controller's clock runs a bit fast.
-                    self.log.warning("lost the controller for half the grace period; stopping executors",
-                                     silent_s=round(time.monotonic() - last_ok, 1))
-                    await self.mgr.stop_all(self.cfg.stop_grace_s)
+                    continue
+            except Exception as e:
+                self.log.error("heartbeat failed", error=repr(e), traceback=traceback.format_exc())
+            await self._maybe_fence(last_ok)
 
+    async def _maybe_fence(self, last_ok: float) -> None:
+        silent = time.monotonic() - last_ok
+        if silent > self.grace_s / 2 and self.mgr.running_allocations():
+            # The controller requeues our jobs once it has not heard from us for grace_s;
+            # stopping at half of that, and within what is left of it (fence_grace), means a
+            # job never runs here and elsewhere at once, even if the controller's clock runs
+            # a bit fast. Reported stopped_by_agent: requeued, not failed.
+            grace = fence_grace(self.cfg.stop_grace_s, self.grace_s, silent)
+            self.log.warning("lost the controller for half the grace period; stopping executors",
+                             silent_s=round(silent, 1), stop_grace_s=round(grace, 1))
+            try:
+                await self.mgr.stop_all(grace, by_agent=True)
+            except Exception as e:
+                self.log.error("self-fence failed", error=repr(e), traceback=traceback.format_exc())
 
     async def watch_faults(self) -> None:
         """Poll MPS server logs; a fatal fault fails every executor of that GPU (each
@@ -170,7 +235,10 @@ class Agent:
             return
         while True:
             await asyncio.sleep(self.cfg.fault_poll_s)
-            self.mgr.check_faults()
+            try:
+                self.mgr.check_faults()
+            except Exception as e:
+                self.log.error("fault check failed", error=repr(e), traceback=traceback.format_exc())
 
 
 async def serve(cfg: AgentConfig, stop: asyncio.Event | None = None) -> None:
@@ -181,43 +249,71 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event | None = None) -> None:
     # Executors a crashed predecessor left running (own sessions): killed before this
     # incarnation registers, or the controller would relaunch their jobs beside them.
     await agent.mgr.kill_orphans()
-    agent.parts.start()  # MPS daemons; stopped (idempotently) when the agent stops
-    server = grpc.aio.server()
-    agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentService(agent.node, agent.mgr, cfg.stop_grace_s), server)
-    hs = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    svc = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
-    reflection.enable_server_reflection([svc, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    if server.add_insecure_port(cfg.listen) == 0:
-        raise SystemExit(f"--listen: cannot bind {cfg.listen}")
-    await server.start()
-    sender = asyncio.create_task(agent._send_reports())
-    await agent.register()
-    for n in (svc, ""):
-        await hs.set(n, health_pb2.HealthCheckResponse.SERVING)
-    beats = asyncio.create_task(agent.heartbeats())
-    faults = asyncio.create_task(agent.watch_faults())
     stop = stop or asyncio.Event()
+    agent.parts.start()  # MPS daemons; stopped (idempotently) when the agent stops
+    server = None
+    hs = health.aio.HealthServicer()
+    tasks: list[asyncio.Task] = []
+    refused = ""
     try:
-        await stop.wait()
+        server = grpc.aio.server()
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentService(agent.node, agent.mgr, cfg.stop_grace_s), server)
+        health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+        svc = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
+        reflection.enable_server_reflection([svc, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        if server.add_insecure_port(cfg.listen) == 0:
+            server = None
+            raise SystemExit(f"--listen: cannot bind {cfg.listen}")
+        await server.start()
+        tasks.append(agent.supervise(asyncio.create_task(agent._send_reports()), "report sender", stop))
+        # Registration retries until the controller answers; a stop (SIGTERM) ends it.
+        reg = asyncio.create_task(agent.register())
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({reg, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not reg.done():
+            reg.cancel()
+            agent.log.info("stopped before registering")
+        else:
+            try:
+                reg.result()
+            except RegistrationRefused as e:
+                refused = str(e)
+                stop.set()
+        if not stop.is_set():
+            for n in (svc, ""):
+                await hs.set(n, health_pb2.HealthCheckResponse.SERVING)
+            tasks.append(agent.supervise(asyncio.create_task(agent.heartbeats()), "heartbeats", stop))
+            tasks.append(agent.supervise(asyncio.create_task(agent.watch_faults()), "fault watcher", stop))
+            await stop.wait()
     finally:
         agent.log.info("agent stopping")
         agent.mgr.stopping = True  # LaunchExecutor: UNAVAILABLE from now on
         await hs.enter_graceful_shutdown()
-        beats.cancel()
-        faults.cancel()
-        await agent.mgr.stop_all(cfg.stop_grace_s)
-        agent.parts.stop()
-        # Let the exit reports of the executors just stopped reach the controller.
+        for t in tasks[1:]:
+            t.cancel()
         try:
-            async with asyncio.timeout(3):
-                while not agent.reports.empty():
-                    await asyncio.sleep(0.05)
-        except TimeoutError:
-            pass
-        sender.cancel()
-        await server.stop(grace=2)
-        await agent.channel.close()
+            # The agent's decision: the exits are reported stopped_by_agent (requeued, not failed).
+            await agent.mgr.stop_all(cfg.stop_grace_s, by_agent=True)
+        finally:
+            agent.parts.stop()
+            # Let the exit reports of the executors just stopped reach the controller: the
+            # sender marks each report done once acknowledged (or refused), so join waits
+            # for the one in flight too.
+            if tasks and not tasks[0].done():
+                try:
+                    await asyncio.wait_for(agent.reports.join(), DRAIN_S)
+                except TimeoutError:
+                    agent.log.warning("exit reports not delivered before shutdown", pending=agent.reports.qsize())
+            for t in tasks:
+                t.cancel()
+            if server is not None:
+                await server.stop(grace=2)
+            await agent.channel.close()
+    if refused:
+        raise SystemExit(refused)
+    if agent.failure:
+        raise SystemExit(f"tessera-agent: {agent.failure}")
 
 
 def main(argv: list[str] | None = None) -> int:
