@@ -39,7 +39,7 @@ from rich.text import Text
 
 from . import manifest
 from .api.v1 import types_pb2
-from .client import TERMINAL_PHASES, Client, TesseraError, parse_phase, phase_name, resolve_address
+from .client import TERMINAL_PHASES, Client, NoControllerAddress, TesseraError, parse_phase, phase_name, resolve_address
 from .errors import SpecError
 
 ClientFactory = Callable[[str | None], Any]
@@ -596,6 +596,9 @@ def main(argv: list[str] | None = None, client_factory: ClientFactory | None = N
         return a.fn(a, client_factory or _default_client, out, err)
     except UsageError as e:
         err.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
+        return 2
+    except NoControllerAddress as e:  # nothing was asked of a server: a usage error
+        err.print(f"[red]error:[/] {escape(e.message)}", highlight=False)
         return 2
     except TesseraError as e:
         err.print(f"[red]error:[/] {e.code.name}: {escape(e.message)}", highlight=False)

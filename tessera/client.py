@@ -38,7 +38,7 @@ from . import manifest
 from .api.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 
 __all__ = [
-    "AsyncClient", "Client", "TesseraError", "TERMINAL_PHASES", "phase_name", "parse_phase",
+    "AsyncClient", "Client", "NoControllerAddress", "TesseraError", "TERMINAL_PHASES", "phase_name", "parse_phase",
     "resolve_address", "TESTBED_FILE",
 ]
 
@@ -79,6 +79,11 @@ def parse_phase(name: str) -> int:
         raise ValueError(f"unknown phase {name!r} (one of {', '.join(names)})") from None
 
 
+class NoControllerAddress(TesseraError):
+    """No controller address anywhere (flag, env, testbed file): a usage error of the
+    client, raised before any server is contacted (the CLI exits 2)."""
+
+
 def resolve_address(address: str | None = None, testbed_dir: str | Path | None = None) -> str:
     """Controller address: ``address`` if given, else env TESSERA_CONTROLLER, else the
     ``controller`` entry of ``<testbed_dir or .tessera>/testbed.json``. ``TesseraError``
@@ -95,7 +100,7 @@ def resolve_address(address: str | None = None, testbed_dir: str | Path | None =
             return str(addr)
     except (OSError, ValueError):
         pass
-    raise TesseraError(
+    raise NoControllerAddress(
         grpc.StatusCode.FAILED_PRECONDITION,
         f"no controller address: pass --controller HOST:PORT, set TESSERA_CONTROLLER, or start a "
         f"local testbed with `tessera up` (writes {path})",

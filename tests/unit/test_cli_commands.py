@@ -208,7 +208,7 @@ def test_no_controller_address_explains(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     err = io.StringIO()
     code = cli.main(["nodes"], err=Console(file=err, width=200), out=Console(file=io.StringIO()))
-    assert code == 1
+    assert code == 2  # nothing was asked of a server: a usage error, like a bad flag
     assert "--controller" in err.getvalue() and "TESSERA_CONTROLLER" in err.getvalue()
 
 
@@ -334,3 +334,4 @@ def test_up_with_dir_an_existing_file_exits_1(tmp_path, monkeypatch):
     f.write_text("x")
     code, out, err, *_ = run(["up", "--dir", str(f)])
     assert code == 1 and "afile" in err, err
+

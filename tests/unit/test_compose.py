@@ -124,6 +124,21 @@ def test_dockerfile_pins_the_same_torch_and_copies_existing_dirs():
         assert (ROOT / src).exists(), f"Dockerfile copies missing {src}"
 
 
+def test_every_volume_mount_point_is_made_in_the_image_for_the_daemon_user():
+    """A named volume takes its mount point's owner from the image only when the image has
+    that directory: each one a service mounts must be created (and chowned) before USER."""
+    text = (ROOT / "compose" / "Dockerfile").read_text()
+    made = text.split("USER tessera")[0]
+    assert "chown -R tessera /var/lib/tessera" in made
+    for name, svc in compose()["services"].items():
+        for vol in svc.get("volumes", []):
+            target = (vol.split(":")[1] if isinstance(vol, str) else vol["target"])
+            if target.startswith("/var/lib/tessera/"):
+                assert target in made, f"{name}: {target} is not created in the image"
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", ".git", ".tessera"} <= set(ignore)  # the build context stays small and local state stays out
+
+
 def test_systemd_units_run_console_scripts():
     declared = scripts()
     units = sorted((ROOT / "deploy" / "systemd").glob("*.service"))
