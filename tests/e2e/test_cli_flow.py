@@ -157,4 +157,4 @@ def test_down_leaves_no_process_behind(bed):
             pass
     # with no testbed, the CLI explains how to find a controller
     r = bed.run("nodes")
-    assert r.returncode == 1 and "TESSERA_CONTROLLER" in r.stderr
+    assert r.returncode == 2 and "TESSERA_CONTROLLER" in r.stderr  # a usage error: no server was asked
