@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from tessera import log
+from tessera.fsutil import atomic_write
 from tessera.perfmodel import ComputeFit, ComputeSample, PerfModel, ProfilePoint, fit_comm, fit_compute, fit_interference
 
 WARMUP_STEPS = 2
@@ -293,16 +294,6 @@ class ModelKeeper:
                       ms=round((time.perf_counter() - t0) * 1000, 1))
 
     def _persist(self, model: PerfModel, revision: int, fitted_at: float, measurements: int) -> None:
-        tmp = self.path.with_suffix(".tmp")
         blob = json.dumps({"revision": revision, "fitted_at": fitted_at,
                            "measurements": measurements, "snapshot": model.to_dict()})
-        with open(tmp, "w") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        atomic_write(self.path, lambda f: f.write(blob.encode()))

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tessera import log
+from tessera.fsutil import fsync_dir
 from tessera.api.v1 import profiler_pb2
 
 from . import models
@@ -239,14 +240,6 @@ async def _settle(fut: asyncio.Future) -> None:
             break
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class MeasurementStore:
     """Measurements by (source, seq), deduplicated by each source's watermark (the
     highest persisted seq; a profilerd numbers in order, so anything at or below it has
@@ -406,7 +399,7 @@ class MeasurementStore:
         # From here on the old file is unlinked: appends must go to the new one.
         self._file.close()
         self._file = self._open_append()
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         self._size = len(blob)
         self.compactions += 1
         self.log.info("measurement log compacted", path=str(self.path), bytes_before=before, bytes_after=len(blob),

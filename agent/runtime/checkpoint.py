@@ -18,11 +18,11 @@ Tensors are full (unsharded) so that any plan can resume from any other.
 from __future__ import annotations
 
 import os
-import tempfile
-from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
+
+from tessera.fsutil import atomic_write
 
 FORMAT = "tessera-gpt-ckpt/1"
 FILENAME = "checkpoint.pt"
@@ -31,39 +31,6 @@ FILENAME = "checkpoint.pt"
 def path_in(directory: str) -> str:
     """Where the checkpoint of ``directory`` lives."""
     return os.path.join(directory, FILENAME)
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str, write: Callable[[BinaryIO], Any]) -> None:
-    """Replace ``path`` atomically and durably: ``write(f)`` fills a temp file in the same
-    directory (created if missing), which is flushed, fsynced and ``os.replace``d over
-    ``path``; then the directory is fsynced (the rename is durable only once the directory
-    entry is). After a crash a reader finds the old file or the new one, whole; a failed
-    write leaves no temp file behind. Every checkpoint-like file of the runtime goes
-    through here."""
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.splitext(path)[1])
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(directory)
 
 
 def save(obj: dict[str, Any], directory: str) -> str:

@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from agent.runtime.checkpoint import atomic_write
 from agent.runtime.model import GPTConfig
 from agent.runtime.multimodal.data import SyntheticData
 from agent.runtime.multimodal.disagg import CostModel, DistEngine, init_from_spec, plan_items
@@ -45,6 +44,7 @@ from agent.runtime.multimodal.reorder import batches, group_ranks
 from agent.runtime.multimodal.reshard import choose_layout, decoupled_plan
 from agent.runtime.report import Reporter
 from tessera.errors import SpecError
+from tessera.fsutil import atomic_write
 from tessera.spec.multimodal import media_tokens_max, validate_multimodal
 
 CKPT_NAME = "multimodal.pt"
@@ -110,7 +110,7 @@ def _phases(st: StepStats) -> dict[str, float]:
 
 
 def _save(path: str, model: MMModel, opt: torch.optim.Optimizer, step: int, order: dict | None = None) -> None:
-    """Write the checkpoint atomically and durably (``agent.runtime.checkpoint.atomic_write``): a
+    """Write the checkpoint atomically and durably (``tessera.fsutil.atomic_write``): a
     temp file in the same directory, flushed and fsynced, renamed over ``path``, then the
     directory fsynced, so after a crash a reader finds the old or the new checkpoint whole.
     ``order``: ``{"ranks", "group_batches"}`` that ordered the loader group of ``step``."""

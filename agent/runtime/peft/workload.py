@@ -54,7 +54,6 @@ from typing import Any
 
 import torch
 
-from agent.runtime.checkpoint import atomic_write
 from agent.runtime.model import GPT, GPTConfig
 from agent.runtime.peft.data import make_dataset
 from agent.runtime.peft.engine import MuxEngine, TaskState
@@ -62,6 +61,7 @@ from agent.runtime.report import Reporter
 from agent.runtime.threads import ThreadFollower
 from tessera import log
 from tessera.errors import SpecError
+from tessera.fsutil import atomic_write
 from tessera.spec.peft import validate_peft, validate_task
 
 EXIT_OK, EXIT_FAIL, EXIT_SPEC, EXIT_TERM = 0, 1, 2, 143
