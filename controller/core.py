@@ -578,13 +578,15 @@ class Controller:
                 down[n.name] = f"node {n.name} stopped heartbeating for {self.cfg.grace_s:g}s"
             elif n.state != types_pb2.READY:
                 down[n.name] = f"node {n.name} is not ready"
-        if down:
-            await self._requeue_node_jobs(down)
-        await self._requeue_never_launched(now)
+        # One read of every job per round; another only after a step changed some.
+        jobs, _ = await self.store.list_jobs()
+        requeued = await self._requeue_node_jobs(down, jobs) if down else 0
+        requeued += await self._requeue_never_launched(now, jobs)
+        if requeued:
+            jobs, _ = await self.store.list_jobs()
         # 2. schedule: the policy sees every partition and every pending and running job;
         # its reply is carried out as fenced writes, then agent RPCs.
         nodes = [v.value for v in await self.store.list_nodes()]
-        jobs, _ = await self.store.list_jobs()
         # Jobs fused into an executor that is gone (host ended, moved, never reported):
         # back to PENDING as a preemption, before the policy sees the cluster.
         orphaned = fusion.orphans(jobs, now, max(2 * self.cfg.grace_s, 30.0))
@@ -1038,16 +1040,17 @@ class Controller:
         self.log.warning("job requeued", job_id=job_id, reason=reason)
         self.kick.set()
 
-    async def _requeue_never_launched(self, now: float) -> None:
+    async def _requeue_never_launched(self, now: float, jobs: list[types_pb2.Job]) -> int:
         """Requeue (transient) every job SCHEDULED for more than ``grace_s`` whose
         allocation a node of its placement left out of a heartbeat sent more than
         ``grace_s`` after the scheduling: its launch never happened (the controller that
         wrote it died or was deposed before the RPC, or the launch failed and its requeue
         did not go through). The grace counts from the later of the scheduling and this
         controller's launch of the allocation (a relaunch first waits for the old ranks to
-        checkpoint and exit). Fused guests have no executor of their own: skipped."""
+        checkpoint and exit). Fused guests have no executor of their own: skipped.
+        ``jobs``: every job as read this round. Returns how many were requeued."""
         grace = self.cfg.grace_s
-        jobs, _ = await self.store.list_jobs()
+        requeued = 0
         live = {j.status.allocation_id for j in jobs if j.status.phase in ACTIVE}
         self.launched_at = {a: t for a, t in self.launched_at.items() if a in live}
         for j in jobs:
@@ -1066,20 +1069,27 @@ class Controller:
                     await self._requeue(j.id, st.allocation_id,
                                         f"executor never started on {missing[0]} (allocation {st.allocation_id} "
                                         f"absent from its heartbeats {grace:g}s after scheduling)", transient=True)
+                    requeued += 1
                 except Conflict as e:
                     self.log.warning("requeue of a never-launched job deferred", job_id=j.id, error=str(e))
+        return requeued
 
-    async def _requeue_node_jobs(self, down: dict[str, str]) -> None:
-        """Requeue every active job placed on a node of ``down`` (node -> reason). A job
-        whose requeue conflicts is left for the next round; the others still go."""
-        jobs, _ = await self.store.list_jobs()
+    async def _requeue_node_jobs(self, down: dict[str, str], jobs: list[types_pb2.Job] | None = None) -> int:
+        """Requeue every active job placed on a node of ``down`` (node -> reason); ``jobs``:
+        every job as already read (else read here). A job whose requeue conflicts is left
+        for the next round; the others still go. Returns how many were requeued."""
+        if jobs is None:
+            jobs, _ = await self.store.list_jobs()
+        requeued = 0
         for j in jobs:
             hit = [s.node for s in j.status.placement if s.node in down]
             if j.status.phase in ACTIVE and hit:
                 try:
                     await self._requeue(j.id, j.status.allocation_id, down[hit[0]])
+                    requeued += 1
                 except Conflict as e:
                     self.log.warning("requeue of a lost node's job deferred", job_id=j.id, error=str(e))
+        return requeued
 
     async def _stop_alloc(self, alloc_id: str, shards, reason: str) -> None:
         """Best effort: the heartbeat reply stops anything that this misses."""

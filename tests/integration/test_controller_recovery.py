@@ -93,17 +93,17 @@ async def test_scheduled_job_never_launched_is_requeued_after_the_grace(ctl):
     # Within the grace: the launch may still be on its way — nothing happens.
     now[0] += GRACE / 2
     await ctl.heartbeat(hb)
-    await ctl._requeue_never_launched(now[0])
+    await ctl._requeue_never_launched(now[0], (await store.list_jobs())[0])
     assert (await store.get_job("j-000000000002")).value.status.phase == P.SCHEDULED
     # A heartbeat past the grace that lists the allocation: it runs, nothing happens.
     now[0] += GRACE
     await ctl.heartbeat(controller_pb2.HeartbeatRequest(name="n2", incarnation="inc1", running_allocations=["a-2"]))
-    await ctl._requeue_never_launched(now[0])
+    await ctl._requeue_never_launched(now[0], (await store.list_jobs())[0])
     assert (await store.get_job("j-000000000002")).value.status.phase == P.SCHEDULED
     # A later heartbeat without it: never launched -> requeued as transient (a preemption).
     now[0] += 1
     await ctl.heartbeat(hb)
-    await ctl._requeue_never_launched(now[0])
+    await ctl._requeue_never_launched(now[0], (await store.list_jobs())[0])
     j = (await store.get_job("j-000000000002")).value
     assert j.status.phase == P.PENDING and j.status.allocation_id == "" and j.status.preemptions == 1
     assert "executor never started on n2" in j.status.reason
@@ -123,11 +123,11 @@ async def test_grace_counts_from_the_launch_of_a_relaunch(ctl):
     await ctl.heartbeat(hb)  # sent during that wait
     ctl.launched_at["a-5"] = now[0]  # the launch went out now
     now[0] += 1
-    await ctl._requeue_never_launched(now[0])
+    await ctl._requeue_never_launched(now[0], (await store.list_jobs())[0])
     assert (await store.get_job("j-000000000005")).value.status.phase == P.SCHEDULED
     now[0] += GRACE
     await ctl.heartbeat(hb)
-    await ctl._requeue_never_launched(now[0])
+    await ctl._requeue_never_launched(now[0], (await store.list_jobs())[0])
     assert (await store.get_job("j-000000000005")).value.status.phase == P.PENDING
 
 
