@@ -20,8 +20,11 @@ rides on H's grant):
   and ``workload.seed`` (the backbone's initialisation); "" for other workloads.
 * who fuses (:func:`fusion_problem`, :func:`pick_host`): P and H are peft jobs with the
   same backbone and the same resolved chunk size, H is RUNNING (its executor started),
-  not itself a guest, on the partition the placement names, and every fused name fits
-  the 63-character task-name limit. Otherwise the placement is carried out as before
+  not itself a guest, on the partition the placement names, every fused name fits
+  the 63-character task-name limit, and the executor would carry at most
+  ``MAX_TASKS`` (256) unfinished tasks with P's added (:func:`executor_load`: H's own
+  and every active guest's; the cap a single job's spec has, now per executor, whose
+  memory and step time grow with its tasks). Otherwise the placement is carried out as before
   (P's own executor, packed on the shared partition).
 * routing (:func:`split_fused`): a TASK report of H's executor whose task name is
   ``<P id>_<task>`` goes to P's ``status.tasks`` as ``<task>`` when P is fused into that
@@ -49,7 +52,7 @@ import re
 from tessera import manifest
 from tessera.api.v1 import types_pb2
 from tessera.modelkey import arch_key
-from tessera.spec.peft import validate_peft
+from tessera.spec.peft import MAX_TASKS, validate_peft
 
 from . import tasks as peft_tasks
 
@@ -99,8 +102,21 @@ def _peft(job: types_pb2.Job) -> dict:
     return out
 
 
-def fusion_problem(host: types_pb2.Job, guest: types_pb2.Job) -> str:
-    """Why ``guest``'s tasks cannot be added to ``host``'s running executor ("" = they can)."""
+def executor_load(host: types_pb2.Job, jobs: list[types_pb2.Job]) -> int:
+    """Unfinished tasks in ``host``'s executor: its own (spec and added; ended ones no
+    longer count) plus every task of each active guest fused into it that has not ended."""
+    def unfinished(job: types_pb2.Job) -> int:
+        names = peft_tasks.task_names(job)
+        names += [t.name for t in job.status.tasks if t.name not in names]
+        return sum(1 for n in names if (t := peft_tasks.find(job, n)) is None or t.phase not in TERMINAL)
+
+    return unfinished(host) + sum(unfinished(g) for g in guests_of(host.id, jobs) if g.id != host.id)
+
+
+def fusion_problem(host: types_pb2.Job, guest: types_pb2.Job, load: int | None = None) -> str:
+    """Why ``guest``'s tasks cannot be added to ``host``'s running executor ("" = they can).
+    ``load``: the executor's unfinished tasks (:func:`executor_load`); None counts the
+    host's own only (no other job known)."""
     if guest.spec.workload.type != "peft" or host.spec.workload.type != "peft":
         return "only peft jobs fuse"
     if host.id == guest.id:
@@ -121,6 +137,10 @@ def fusion_problem(host: types_pb2.Job, guest: types_pb2.Job) -> str:
     for t in pg["tasks"]:
         if len(fused_name(guest.id, t["name"])) > MAX_TASK_NAME:
             return f"task name {t['name']!r} too long to fuse (at most {MAX_TASK_NAME - len(guest.id) - 1} chars)"
+    have = executor_load(host, []) if load is None else load
+    if have + len(pg["tasks"]) > MAX_TASKS:
+        return (f"host {host.id}'s executor carries {have} unfinished tasks; {len(pg['tasks'])} more would "
+                f"exceed {MAX_TASKS} per executor")
     return ""
 
 
@@ -137,7 +157,7 @@ def pick_host(guest: types_pb2.Job, node: str, partition: str, jobs: list[types_
         on = any(s.node == node and partition in (list(s.partition_ids) or list(s.device_ids)) for s in h.status.placement)
         if not on or h.id == guest.id or h.status.phase not in ACTIVE:
             continue
-        p = fusion_problem(h, guest)
+        p = fusion_problem(h, guest, executor_load(h, jobs))
         if not p:
             return h, ""
         why = p

@@ -76,6 +76,33 @@ def test_which_jobs_fuse():
     assert fusion.fusion_problem(host, g) == "only peft jobs fuse"
 
 
+def test_an_executor_carries_at_most_max_tasks_unfinished_tasks_fused_ones_included():
+    from tessera.spec.peft import MAX_TASKS
+
+    host = running_on(peft_job(H, tasks=tuple(f"h{i}" for i in range(100))))
+    g1 = running_on(peft_job("j-00000000000d", tasks=tuple(f"g{i}" for i in range(100))))
+    g1.status.fused_into = H
+    jobs = [host, g1]
+    assert fusion.executor_load(host, jobs) == 200
+    big = peft_job(G, tasks=tuple(f"n{i}" for i in range(MAX_TASKS - 199)))
+    why = fusion.fusion_problem(host, big, fusion.executor_load(host, jobs))
+    assert "200 unfinished tasks" in why and f"exceed {MAX_TASKS}" in why
+    h, why = fusion.pick_host(big, "n1", "cpu0", jobs)
+    assert h is None  # (the last candidate's reason is reported: the guest g1 is itself fused)
+    fits = peft_job(G, tasks=tuple(f"n{i}" for i in range(MAX_TASKS - 200)))
+    assert fusion.pick_host(fits, "n1", "cpu0", jobs)[0] is host
+    # ended tasks no longer count: the guest's first 50 finished, the host's first 10 were cancelled
+    for i in range(50):
+        g1.status.tasks.add(name=f"g{i}", phase=P.SUCCEEDED)
+    for i in range(10):
+        host.status.tasks.add(name=f"h{i}", phase=P.CANCELLED)
+    assert fusion.executor_load(host, jobs) == 140
+    assert fusion.pick_host(big, "n1", "cpu0", jobs)[0] is host
+    # a guest that ended (or moved on) no longer loads the executor
+    g1.status.phase = P.SUCCEEDED
+    assert fusion.executor_load(host, jobs) == 90
+
+
 def test_pick_host_takes_the_oldest_running_peft_job_on_the_partition():
     old = running_on(peft_job("j-00000000000a", created=1.0), alloc="a-old")
     new = running_on(peft_job("j-00000000000b", created=2.0), alloc="a-new")
