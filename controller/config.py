@@ -15,7 +15,10 @@ class ControllerConfig:
     reconcile_interval_s: float = field(default=1.0, metadata={"help": "period of the reconcile loop, one policy round each (it also runs on events: submit, finish, node change)"})
     lease_ttl_s: int = field(default=5, metadata={"help": "TTL of the leader lease, seconds"})
     max_attempts: int = field(default=5, metadata={"help": "placements of a job before it is FAILED"})
-    state_dir: str = field(default=".tessera/controller", metadata={"help": "local state directory"})
+    # Deprecated: everything the controller keeps is in etcd (jobs, nodes, leases); it has
+    # no local state. Accepted (and ignored, with a warning) so that existing configs and
+    # command lines keep working.
+    state_dir: str = field(default="", metadata={"help": "deprecated and ignored: the controller keeps all its state in etcd"})
     checkpoint_root: str = field(default=".tessera/checkpoints", metadata={"help": "checkpoint root shared by all nodes (a shared filesystem in a real cluster)"})
     estimator: str = field(default="", metadata={"help": "estimator address HOST:PORT (optional; enables profiling jobs and estimates)"})
     profile_steps: int = field(default=8, metadata={"help": "steps of a profiling job (the estimator drops the first 2 as warm-up)"})

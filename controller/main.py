@@ -85,6 +85,9 @@ async def serve(cfg: ControllerConfig, ready: asyncio.Event | None = None, stop:
         # The policy's live estimator evaluates the snapshot this loop keeps fresh.
         ctl.snapshot = lambda: prof.link.model
         loops.append(asyncio.create_task(prof.run(loop_stop)))
+    if cfg.state_dir:
+        logger.warning("state_dir is deprecated and ignored: the controller keeps all its state in etcd",
+                       state_dir=cfg.state_dir)
     logger.info("controller started", listen=cfg.listen, port=bound, etcd=cfg.etcd, prefix=cfg.prefix, identity=identity)
     if ready is not None:
         ready.set()

@@ -240,7 +240,7 @@ class Testbed:
             (port,) = free_ports(1)
             ctl_addr = f"127.0.0.1:{port}"
             args = ["--listen", ctl_addr, "--etcd", self._etcd.endpoint, "--prefix", "/tessera", "--grace-s", str(grace_s),
-                    "--state-dir", self._state("controller"), "--checkpoint-root", self._state("checkpoints")]
+                    "--checkpoint-root", self._state("checkpoints")]
             if est_addr:
                 args += ["--estimator", est_addr]
             p = self._spawn("controller", "controller", args, ctl_addr)
