@@ -129,3 +129,48 @@ def test_workload_reports_spec_errors():
         from agent.runtime.multimodal.workload import parse
 
         parse({"model": {"seq_len": 16}, "multimodal": {}})
+
+
+def _worker_view(q):
+    """(allowed cores, intra-op threads) as seen on the module worker's own thread."""
+    import os
+
+    return q.submit(lambda: (sorted(os.sched_getaffinity(0)), torch.get_num_threads())).result()
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_colocated_split_follows_a_live_regrant():
+    """The agent's UpdateGrant re-pins every thread of the executor (agent.executors.
+    pin_process, used here on this very process); at the next step boundary the engine
+    gives the encoder and the LLM disjoint cores of the new grant again, and training
+    goes on equal to a plain step."""
+    import os
+
+    from agent.executors import pin_process
+
+    before = sorted(os.sched_getaffinity(0))
+    two = before[:2]
+    bs = _batches(3)
+    m, o = _fresh()
+    ref = [plain_step(m, o, b).loss for b in bs]
+    m2, o2 = _fresh()
+    try:
+        pin_process(os.getpid(), two[:1])  # the grant at launch: one core, both modules share it
+        with ColocatedEngine(m2, o2, encoder_quota=0.5, micro_batches=3, pin=True) as eng:
+            assert (eng.enc_cpus, eng.llm_cpus) == (two[:1], two[:1])
+            losses = [eng.step(bs[0]).loss]
+            assert eng.follow_grant() is None  # unchanged grant: nothing to do
+            pin_process(os.getpid(), two)  # grow: every thread (the workers too) now on both cores
+            assert _worker_view(eng.enc)[0] == two and _worker_view(eng.llm)[0] == two
+            assert eng.follow_grant() == ([two[0]], [two[1]])
+            assert _worker_view(eng.enc) == ([two[0]], 1) and _worker_view(eng.llm) == ([two[1]], 1)
+            losses.append(eng.step(bs[1]).loss)
+            pin_process(os.getpid(), two[1:])  # shrink back to one core: shared again
+            assert eng.follow_grant() == ([two[1]], [two[1]])
+            assert _worker_view(eng.enc) == ([two[1]], 1) and _worker_view(eng.llm) == ([two[1]], 1)
+            losses.append(eng.step(bs[2]).loss)
+    finally:
+        os.sched_setaffinity(0, before)
+        pin_process(os.getpid(), before)
+    for a, b in zip(losses, ref):
+        assert math.isclose(a, b, rel_tol=TOL)

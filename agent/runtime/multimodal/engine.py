@@ -94,6 +94,12 @@ class _Quota:
                 os.sched_setaffinity(0, self.cpus)  # pid 0 = this thread on Linux
             torch.set_num_threads(len(self.cpus))
 
+    def repin(self, cpus: list[int]) -> None:
+        """Move this worker to ``cpus`` (run on the worker thread itself: thread affinity
+        and the intra-op budget are per thread). Waits until applied."""
+        self.cpus = list(cpus)
+        self.pool.submit(self._init).result()
+
     def submit(self, fn, *args) -> Future:
         def run():
             if self.stream is None:
@@ -129,14 +135,43 @@ class ColocatedEngine:
         pin: bool = True,
     ) -> None:
         self.model, self.opt, self.micro_batches, self.concurrent = model, opt, micro_batches, concurrent
+        self.encoder_quota = encoder_quota
         self.device = model.gpt.head.weight.device
         cpus = sorted(cpus if cpus is not None else (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)))
+        self.cpus = cpus
         self.enc_cpus, self.llm_cpus = split_cpus(cpus, encoder_quota)
         self.enc = self.llm = None
         if concurrent:
             hi, lo = -1, 0  # CUDA: lower number = higher priority
             self.enc = _Quota("encoder", self.enc_cpus, self.device, hi if encoder_quota >= 0.5 else lo, pin)
             self.llm = _Quota("llm", self.llm_cpus, self.device, lo if encoder_quota >= 0.5 else hi, pin)
+
+    def follow_grant(self, cpus: list[int] | None = None) -> tuple[list[int], list[int]] | None:
+        """Re-split the cores after the agent changed the executor's grant in place.
+
+        ``UpdateGrant`` re-pins every thread of the process to the new core set (the
+        module workers included), which would leave both modules sharing every core.
+        Called at a step boundary with the calling thread's allowed cores (the new grant;
+        ``cpus`` for tests): when the set changed, the encoder and LLM workers get a new
+        disjoint split with the same ``encoder_quota`` (:func:`split_cpus`), each pinned
+        and with its intra-op budget resized on its own thread. Returns the new
+        (encoder, LLM) cores, or None when nothing changed (or not concurrent / on
+        CUDA, where the quota is not a core set)."""
+        if self.device.type != "cpu":
+            return None
+        if cpus is None:
+            if not hasattr(os, "sched_getaffinity"):
+                return None
+            cpus = os.sched_getaffinity(0)
+        now = sorted(cpus)
+        if not now or now == self.cpus:
+            return None
+        self.cpus = now
+        self.enc_cpus, self.llm_cpus = split_cpus(now, self.encoder_quota)
+        if self.enc is not None and self.llm is not None:
+            self.enc.repin(self.enc_cpus)
+            self.llm.repin(self.llm_cpus)
+        return self.enc_cpus, self.llm_cpus
 
     def close(self) -> None:
         for q in (self.enc, self.llm):

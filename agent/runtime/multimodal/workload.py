@@ -43,6 +43,7 @@ from agent.runtime.multimodal.models import MMModel
 from agent.runtime.multimodal.reorder import batches, group_ranks
 from agent.runtime.multimodal.reshard import choose_layout, decoupled_plan
 from agent.runtime.report import Reporter
+from agent.runtime.threads import ThreadFollower
 from tessera.errors import SpecError
 from tessera.fsutil import atomic_write
 from tessera.spec.multimodal import media_tokens_max, validate_multimodal
@@ -152,6 +153,7 @@ def _run(spec: dict, reporter: Reporter) -> int:
         raise SpecError("resources.devices", f"colocated mode runs on one device, got world_size {world}")
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
+    follower = ThreadFollower(int(spec.get("threads") or 0))  # disaggregated ranks: intra-op threads
     data = SyntheticData(mm, cfg.vocab, cfg.seq_len, p["batch_size"], p["seed"])
     torch.manual_seed(p["seed"])
     model = MMModel(cfg, mm)
@@ -203,9 +205,16 @@ def _run(spec: dict, reporter: Reporter) -> int:
         for step, ids in enumerate(loader, start=start):
             extra: dict[str, Any] = {}
             if colo is not None:
+                split = colo.follow_grant()  # the agent may have changed our cores live (UpdateGrant)
+                if split is not None:
+                    reporter.event("threads", job_id=spec.get("job_id"), threads=len(split[0]) + len(split[1]),
+                                   cores=len(colo.cpus), encoder_cores=split[0], llm_cores=split[1], step=step)
                 st = colo.step([data.sample(i) for i in ids])
                 extra["encoder_quota"] = mm["colocated"]["encoder_quota"]
             else:
+                threads = follower.poll()  # the agent may have changed our cores live (UpdateGrant)
+                if threads is not None:
+                    reporter.event("threads", job_id=spec.get("job_id"), threads=threads, cores=follower.cores, step=step)
                 items = plan_items(data, ids, cost)
                 if dg["adaptive"] or step == start or pinned is not None:
                     layout = choose_layout(sum(i.enc for i in items), sum(i.llm for i in items), world,
