@@ -6,6 +6,20 @@ agent/runtime/README.md) started in its own session; its stdout+stderr go, line 
 line and prefixed with ``[rank N]``, to ``<state>/logs/<job_id>.log``. ``TESSERA_EVENT``
 lines become reports (``on_report``) and profiler measurements (``on_step``).
 Reports of start and exit are never dropped; progress is throttled.
+
+An executor's processes are its leader (the runtime) and whatever it spawns: they share
+the leader's session and carry its ``TESSERA_EXECUTOR_TOKEN``. When the leader exits, for
+whatever reason, the rest of them are ended (SIGTERM, SIGKILL after ``reap_grace_s``)
+before its grant is released and its exit reported.
+
+Environment variables (read here):
+
+- ``TESSERA_EXECUTOR_TOKEN`` (set for each executor, never read from the agent's own
+  environment): a random token naming one executor, recorded before it is spawned; a
+  restarted agent finds the processes of an executor it never recorded by it.
+- ``TESSERA_FAILPOINT`` (tests only): ``executor-spawned`` makes the agent process exit at
+  once (``os._exit(FAILPOINT_EXIT)``) right after spawning an executor, before its record is
+  completed: the crash window of executor records. Not passed on to executors.
 """
 
 from __future__ import annotations
@@ -13,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import signal
 import sys
 import time
@@ -22,10 +37,18 @@ from pathlib import Path
 
 from agent.runtime.report import parse_line
 from tessera import log
+from tessera.fsutil import atomic_write
 from tessera.modelkey import model_key, profile_labels
 
 from .devices import LocalDevice
 from .partitions import BadGrant, CapacityRefused, Grant, MpsBackend, NotLive, Partitions, UnknownPartition
+
+
+KILL_WAIT_S = 5.0  # after SIGKILL of a group, how long stop waits for the executor's output to close
+REAP_GRACE_S = 2.0  # default SIGTERM->SIGKILL delay for what an exited leader left (ExecutorManager.reap_grace_s)
+TOKEN_ENV = "TESSERA_EXECUTOR_TOKEN"
+FAILPOINT_ENV = "TESSERA_FAILPOINT"
+FAILPOINT_EXIT = 86  # the exit code of an agent process stopped by a failpoint
 
 
 class CapacityError(Exception):
@@ -73,6 +96,12 @@ class Executor:
     # EXITED report then says ``stopped_by_agent`` and the controller requeues the job as a
     # preemption instead of failing it. Never set by a stop the controller asked for.
     stopped_by_agent: bool = False
+    # Its TESSERA_EXECUTOR_TOKEN (every process of it inherits the token) and its leader's
+    # start time (``process_start_ticks``; None when it was gone before it could be read).
+    token: str = ""
+    start_ticks: int | None = None
+    transport: asyncio.SubprocessTransport | None = None
+    leader_exited: asyncio.Event = field(default_factory=asyncio.Event)  # set when the leader process exits
 
     @property
     def grant_id(self) -> str:
@@ -140,6 +169,9 @@ def grant_id(allocation_id: str, rank: int) -> str:
 
 
 class ExecutorManager:
+    """The executors of this node. ``reap_grace_s``: once an executor's leader has exited,
+    how long the rest of its processes get between SIGTERM and SIGKILL."""
+
     def __init__(
         self,
         state_dir: Path,
@@ -149,8 +181,10 @@ class ExecutorManager:
         report_interval_s: float = 0.5,
         python: str = sys.executable,
         parts: Partitions | None = None,
+        reap_grace_s: float = REAP_GRACE_S,
     ) -> None:
         self.state_dir = Path(state_dir)
+        self.reap_grace_s = reap_grace_s
         self.devices = {d.id: d for d in devices}
         self.on_report = on_report
         self.on_step = on_step
@@ -296,6 +330,7 @@ class ExecutorManager:
         spec_path = self.state_dir / "specs" / f"{allocation_id}-r{rank}.json"
         spec_path.write_text(json.dumps(spec, indent=1))
         env = dict(os.environ)
+        env.pop(FAILPOINT_ENV, None)
         env["OMP_NUM_THREADS"] = str(spec["threads"])
         env["TESSERA_JOB_ID"], env["TESSERA_ALLOCATION_ID"], env["TESSERA_RANK"] = job_id, allocation_id, str(rank)
         env["PYTHONUNBUFFERED"] = "1"
@@ -308,12 +343,29 @@ class ExecutorManager:
         if grant is not None:
             env = grant.apply_env(env)  # the partition's quota wins (MPS percentages, core sets)
         ex = Executor(allocation_id, job_id, rank, list(device_ids), self.log_path(job_id),
-                      model_key=model_key(spec.get("workload", {})), labels=profile_labels(spec, devs[0].kind), grant=grant)
-        ex.proc = ex_proc = await asyncio.create_subprocess_exec(
-            self.python, "-m", "agent.runtime", "--spec", str(spec_path),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
-            start_new_session=True, cwd=str(self.state_dir),
-        )
+                      model_key=model_key(spec.get("workload", {})), labels=profile_labels(spec, devs[0].kind), grant=grant,
+                      token=secrets.token_hex(16))
+        env[TOKEN_ENV] = ex.token
+        # Recorded before it exists (an intent: its token, no pid yet), so that a crash of
+        # this agent at any point after the spawn leaves a record to find it by.
+        self._write_record(ex)
+        try:
+            # create_subprocess_exec, with a protocol that says when the leader exits: the
+            # Process's wait() also waits for its output to close, which a member of its
+            # group may hold open for ever.
+            loop = asyncio.get_running_loop()
+            transport, protocol = await loop.subprocess_exec(
+                lambda: _ExecutorProtocol(loop), self.python, "-m", "agent.runtime", "--spec", str(spec_path),
+                stdin=None, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
+                start_new_session=True, cwd=str(self.state_dir),
+            )
+            ex.proc = ex_proc = asyncio.subprocess.Process(transport, protocol, loop)
+            ex.transport, ex.leader_exited = transport, protocol.leader_exited
+        except BaseException:
+            self._remove_record(ex)
+            raise
+        _failpoint("executor-spawned")
+        ex.start_ticks = process_start_ticks(ex_proc.pid)
         if cores:
             # Pin from the parent: a preexec_fn is unsafe in a process with gRPC threads
             # (fork without exec may deadlock or crash). The child has not started its
@@ -325,7 +377,7 @@ class ExecutorManager:
         if devs[0].kind == "cpu" and cores:
             ex.cores = len(cores)
             ex.cpu_mark = (0.0, time.monotonic())  # a fresh process: no CPU time used yet
-        self._write_record(ex)
+        self._write_record(ex)  # completes the intent: pid, group, start time
         self.executors[key] = ex
         self.log.info("executor started", job_id=job_id, allocation=allocation_id, rank=rank, pid=ex.proc.pid,
                       devices=device_ids, cores=cores, partition=grant.partition_id if grant else "",
@@ -335,23 +387,28 @@ class ExecutorManager:
         return ex, False
 
     async def _pump(self, ex: Executor) -> None:
-        """Copy output to the log file, turn events into reports, report the exit."""
-        last_error = ""
+        """Copy output to the log file, turn events into reports; once the leader exits,
+        end the rest of its processes (``_reap``), then release the grant and report the
+        exit. The executor counts as running (``running``, its grant held) until then."""
         with open(ex.log_path, "ab", buffering=0) as f:
             assert ex.proc is not None and ex.proc.stdout is not None
             prefix = f"[rank {ex.rank}] ".encode()
-            async for raw in ex.proc.stdout:
-                f.write(prefix + raw)
-                line = raw.decode(errors="replace").rstrip("\n")
-                ev = parse_line(line)
-                if ev is None:
-                    if line.strip():
-                        last_error = line.strip()
-                    continue
-                await self._event(ex, ev)
-                if ev["event"] == "error":
-                    last_error = str(ev.get("message", ""))
-            code = await ex.proc.wait()
+            reader = asyncio.create_task(self._copy_output(ex, f, prefix))
+            await ex.leader_exited.wait()
+            # Not EOF first: a member of the group that holds the output open (a worker that
+            # ignores SIGTERM) would keep the exit unreported, and one that closed it would leak.
+            await self._reap(ex)
+            try:
+                async with asyncio.timeout(KILL_WAIT_S):
+                    last_error = await asyncio.shield(reader)
+            except TimeoutError:
+                # Its processes are gone, yet the output is open: a process outside its
+                # session and without its token (or not ours to kill) holds it.
+                self.log.warning("executor output still open after its processes ended; closing it",
+                                 job_id=ex.job_id, allocation=ex.allocation_id, rank=ex.rank)
+                _close_output(ex)
+                last_error = await reader
+            code = await ex.proc.wait()  # at once: the leader has exited and its output is closed
             # A signal kill shows as a negative return code: report it the shell's way.
             ex.exit_code = code if code >= 0 else 128 - code
             f.write(prefix + f"exited with code {ex.exit_code}\n".encode())
@@ -368,13 +425,60 @@ class ExecutorManager:
             self.parts.release(ex.grant_id)
         if ex.fault and ex.exit_code == 0:
             ex.exit_code = 1  # a faulted executor never counts as a success
-        self._record_path(ex.allocation_id, ex.rank).unlink(missing_ok=True)
+        self._remove_record(ex)
         ex.done.set()
         await self.on_report(ex, {"kind": "EXITED", "exit_code": ex.exit_code,
                                   "message": ex.fault[:400] if ex.fault else
                                   "" if ex.exit_code == 0 else last_error[-400:],
                                   # A rank that finished (0) or faulted is reported as such.
                                   "stopped_by_agent": ex.stopped_by_agent and ex.exit_code != 0 and not ex.fault})
+
+    async def _copy_output(self, ex: Executor, f, prefix: bytes) -> str:
+        """Copy ``ex``'s output to ``f`` line by line until EOF, handling its events; returns
+        its last error (the last ``error`` event's message, or the last non-event line)."""
+        last_error = ""
+        assert ex.proc is not None and ex.proc.stdout is not None
+        async for raw in ex.proc.stdout:
+            f.write(prefix + raw)
+            line = raw.decode(errors="replace").rstrip("\n")
+            ev = parse_line(line)
+            if ev is None:
+                if line.strip():
+                    last_error = line.strip()
+                continue
+            await self._event(ex, ev)
+            if ev["event"] == "error":
+                last_error = str(ev.get("message", ""))
+        return last_error
+
+    async def _reap(self, ex: Executor) -> None:
+        """After ``ex``'s leader exited: SIGTERM what is left of its processes (its session's
+        members, its token's carriers: ``executor_processes``), SIGKILL them after
+        ``reap_grace_s``, and wait up to ``KILL_WAIT_S`` for them to be gone. Processes
+        spawned meanwhile are found by a new scan. Never signals a pid that was reused."""
+        assert ex.proc is not None
+        left = executor_processes(ex.token, ex.proc.pid, ex.start_ticks)
+        if not left:
+            return
+        self.log.warning("executor leader exited; ending the processes it left", job_id=ex.job_id,
+                         allocation=ex.allocation_id, rank=ex.rank, pid=ex.proc.pid, code=ex.proc.returncode,
+                         pids=[p for p, _ in left], grace_s=self.reap_grace_s)
+        termed: set[tuple[int, int]] = set()
+        for sig, wait_s in ((signal.SIGTERM, self.reap_grace_s), (signal.SIGKILL, KILL_WAIT_S)):
+            deadline = time.monotonic() + wait_s
+            while True:
+                for p in left:
+                    if sig == signal.SIGKILL or p not in termed:  # SIGKILL again: newcomers, racers
+                        _send_verified(*p, sig)
+                        termed.add(p)
+                if time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.05)
+                left = executor_processes(ex.token, ex.proc.pid, ex.start_ticks)
+                if not left:
+                    return
+        self.log.error("processes of an exited executor survive SIGKILL", job_id=ex.job_id,
+                       allocation=ex.allocation_id, rank=ex.rank, pids=[p for p, _ in left])
 
     async def _event(self, ex: Executor, ev: dict) -> None:
         if ev["event"] == "task":
@@ -489,8 +593,7 @@ class ExecutorManager:
                     # exit is reported and the grant released.
                     self.log.warning("executor output still open after SIGKILL of its process group; "
                                      "closing it", job_id=e.job_id, allocation=e.allocation_id, rank=e.rank)
-                    if e.proc is not None and e.proc.stdout is not None:
-                        e.proc.stdout.feed_eof()
+                    _close_output(e)
                     await e.done.wait()
         if targets:
             self.log.info("executors stopped", allocation=allocation_id, count=len(targets))
@@ -539,69 +642,193 @@ class ExecutorManager:
         return self.state_dir / "executors" / f"{allocation_id}-r{rank}.json"
 
     def _write_record(self, ex: Executor) -> None:
-        """Record the running executor's process group (atomically: a crash leaves the old
-        record or the new one), so that an agent restarted after a crash can kill it."""
-        assert ex.proc is not None
-        pid = ex.proc.pid
-        try:
-            pgid = os.getpgid(pid)
-        except ProcessLookupError:
-            pgid = pid  # already gone; it led its own session
-        rec = {"pid": pid, "pgid": pgid, "start_ticks": process_start_ticks(pid),
-               "allocation_id": ex.allocation_id, "job_id": ex.job_id, "rank": ex.rank}
+        """Record ``ex`` durably and atomically (``tessera.fsutil.atomic_write``: a crash
+        leaves the old record or the new one, whole), so that an agent restarted after a
+        crash can kill it. Before the spawn (no ``proc``) the record is an intent: token,
+        allocation, job and rank, ``pid`` null; after it, the same with the leader's pid,
+        process group and start time. A failed write is logged, not raised."""
+        pid = pgid = None
+        if ex.proc is not None:
+            pid = ex.proc.pid
+            try:
+                pgid = os.getpgid(pid)
+            except ProcessLookupError:
+                pgid = pid  # already gone; it led its own session
+        rec = {"pid": pid, "pgid": pgid, "start_ticks": ex.start_ticks if pid is not None else None,
+               "token": ex.token, "allocation_id": ex.allocation_id, "job_id": ex.job_id, "rank": ex.rank}
         path = self._record_path(ex.allocation_id, ex.rank)
-        tmp = path.with_name(path.name + ".tmp")
+        data = json.dumps(rec).encode()
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(rec, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            atomic_write(path, lambda f: f.write(data))
         except OSError as e:
             self.log.warning("cannot record executor process; a crash of this agent would leave it running",
                              path=str(path), error=str(e), allocation=ex.allocation_id, rank=ex.rank)
 
+    def _remove_record(self, ex: Executor) -> None:
+        """Delete ``ex``'s record, unless it is already another executor's (a later launch of
+        the same allocation and rank)."""
+        path = self._record_path(ex.allocation_id, ex.rank)
+        try:
+            rec = json.loads(path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError):
+            rec = None
+        if not isinstance(rec, dict) or rec.get("token") in (None, ex.token):
+            path.unlink(missing_ok=True)
+
     async def kill_orphans(self, wait_s: float = 5.0) -> list[dict]:
         """Kill the executors a previous agent process on this state dir left running (it
         crashed: they lead their own sessions and outlive it), before this agent registers
-        and the controller relaunches their jobs here. Each recorded process group is
-        SIGKILLed when it is provably the recorded one: its leader's /proc start time
-        matches the record, or (the leader gone) a member of the group still carries the
-        executor's TESSERA_ALLOCATION_ID and TESSERA_RANK; a pid or pgid reused by another
-        process is never signalled. Waits up to ``wait_s`` for them to die; removes every
-        record. Returns the records of the groups killed."""
+        and the controller relaunches their jobs here. For a complete record, the recorded
+        process group is SIGKILLed when it is provably the recorded one: its leader's /proc
+        start time matches the record, or (the leader gone) a member of the group still
+        carries the executor's TESSERA_ALLOCATION_ID and TESSERA_RANK. Every live process
+        of this uid whose environment carries the record's TESSERA_EXECUTOR_TOKEN is
+        SIGKILLed too: that is how an intent (recorded, spawned, crash before its pid was
+        recorded) is found. A pid or pgid reused by another process is never signalled.
+        Records are read from ``*.json`` files, temp files of an interrupted write
+        included (a whole record there names a real executor as well). Waits up to
+        ``wait_s`` for them to die; removes every record. Returns the records of the
+        executors killed (one per token)."""
         killed: list[dict] = []
-        pids: list[int] = []
-        for path in sorted((self.state_dir / "executors").glob("*.json*")):
+        pids: list[tuple[int, int | None]] = []
+        tokens: set[str] = set()
+        for path in sorted((self.state_dir / "executors").glob("*.json*"), key=lambda p: p.name.startswith(".")):
             try:
                 rec = json.loads(path.read_text()) if path.suffix == ".json" else None
             except (OSError, ValueError):
                 rec = None
             if isinstance(rec, dict):
+                token = rec.get("token") if isinstance(rec.get("token"), str) and rec.get("token") else None
+                hit: list[tuple[int, int | None]] = []
                 members = _orphan_members(rec)
                 if members:
                     try:
                         os.killpg(int(rec["pgid"]), signal.SIGKILL)
-                        killed.append(rec)
-                        pids += members
-                        self.log.warning("killed the executor of a previous agent process", pid=rec.get("pid"),
-                                         pgid=rec.get("pgid"), allocation=rec.get("allocation_id"),
-                                         job_id=rec.get("job_id"), rank=rec.get("rank"), processes=len(members))
+                        hit += [(p, None) for p in members]
                     except ProcessLookupError:
                         pass
-                else:
+                for p, ticks in executor_processes(token) if token else []:
+                    if _send_verified(p, ticks, signal.SIGKILL):
+                        hit.append((p, ticks))
+                if hit and (token is None or token not in tokens):
+                    killed.append(rec)
+                    self.log.warning("killed the executor of a previous agent process", pid=rec.get("pid"),
+                                     pgid=rec.get("pgid"), allocation=rec.get("allocation_id"),
+                                     job_id=rec.get("job_id"), rank=rec.get("rank"), processes=len(hit),
+                                     recorded="spawned" if rec.get("pid") is not None else "intent only")
+                elif not hit:
                     self.log.info("executor of a previous agent process already gone", pid=rec.get("pid"),
                                   allocation=rec.get("allocation_id"), rank=rec.get("rank"))
+                if token:
+                    tokens.add(token)
+                pids += hit
             path.unlink(missing_ok=True)
         deadline = time.monotonic() + wait_s
         while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if process_start_ticks(p) is not None]
+            pids = [(p, t) for p, t in pids if process_start_ticks(p) is not None and t in (None, process_start_ticks(p))]
             if pids:
                 await asyncio.sleep(0.05)
         return killed
 
 
-KILL_WAIT_S = 5.0  # after SIGKILL of a group, how long stop waits for the executor's output to close
+
+
+class _ExecutorProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """The stream protocol of ``create_subprocess_exec``, plus ``leader_exited``: set
+    when the process exits (its output may still be open)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=2 ** 16, loop=loop)  # create_subprocess_exec's default limit
+        self.leader_exited = asyncio.Event()
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        self.leader_exited.set()
+
+
+def _close_output(e: Executor) -> None:
+    """Close ``e``'s output pipe on the agent's side (its reader ends at EOF of what was
+    read; the Process's wait() can then return)."""
+    pipe = e.transport.get_pipe_transport(1) if e.transport is not None else None
+    if pipe is not None:
+        pipe.close()
+    elif e.proc is not None and e.proc.stdout is not None:
+        e.proc.stdout.feed_eof()
+
+
+def _failpoint(name: str) -> None:
+    """Tests only: exit this process at once, with no cleanup, when ``TESSERA_FAILPOINT``
+    names ``name`` (a crash at that point)."""
+    if os.environ.get(FAILPOINT_ENV) == name:
+        os._exit(FAILPOINT_EXIT)
+
+
+def executor_processes(token: str | None, sid: int | None = None,
+                       since_ticks: int | None = None) -> list[tuple[int, int]]:
+    """(pid, start ticks) of the live (not zombie) processes of this uid, this process
+    excepted, that belong to an executor: their environment carries
+    ``TESSERA_EXECUTOR_TOKEN=token``, or (``sid`` given) they are in session ``sid`` and
+    started no earlier than ``since_ticks`` (the leader's start; what a child that replaced
+    its environment is found by — a session id is not reused while a member lives)."""
+    needle = f"{TOKEN_ENV}={token}".encode() if token else None
+    me, uid = os.getpid(), os.getuid()
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for d in entries:
+        if not d.isdigit() or int(d) == me:
+            continue
+        pid = int(d)
+        rest = _proc_stat(pid)
+        if rest is None or rest[0] in ("Z", "X"):
+            continue
+        try:
+            if os.stat(f"/proc/{d}").st_uid != uid:
+                continue
+        except OSError:
+            continue
+        ticks = int(rest[19])
+        if sid is not None and int(rest[3]) == sid and (since_ticks is None or ticks >= since_ticks):
+            found.append((pid, ticks))
+            continue
+        if needle is None:
+            continue
+        try:
+            env = Path(f"/proc/{d}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if needle in env:
+            found.append((pid, ticks))
+    return found
+
+
+def _send_verified(pid: int, ticks: int, sig: int) -> bool:
+    """Send ``sig`` to process ``pid`` only if it is still the one that started at
+    ``ticks`` (through a pidfd: the pid cannot be reused between the check and the
+    signal). True when sent."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    except (AttributeError, OSError):
+        fd = None  # no pidfd (old kernel): check and kill, the classic narrow race
+    try:
+        if process_start_ticks(pid) != ticks:
+            return False
+        if fd is None:
+            os.kill(pid, sig)
+        else:
+            signal.pidfd_send_signal(fd, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _orphan_members(rec: dict) -> list[int]:
@@ -649,14 +876,17 @@ def pin_process(pid: int, cores) -> None:
 
 
 def _signal(e: Executor, sig: int) -> None:
+    """Send ``sig`` to every process of executor ``e`` until it is ``done``."""
     # The executor leads its own session: signal the whole group, so that anything it
-    # spawned (data-loader workers, local ranks) goes too.
-    # Not "the leader exited": a member that ignores SIGTERM (and holds the output open)
-    # outlives it. Until ``done`` (the pump saw EOF of the output and reaped the leader)
-    # the group is this executor's: a pgid is not reused while a member lives, and once
-    # the last holder of the output is gone the pump ends at once; a signal to an empty
-    # group is a ProcessLookupError.
+    # spawned (data-loader workers, local ranks) goes too. While the leader is not reaped
+    # (returncode None) its pid, and so the group id, cannot be reused. Once it is, the
+    # pump is ending the rest (``_reap``); they are signalled process by process, each
+    # verified, so that a stop's SIGKILL still cuts the reap's grace short.
     if e.proc is None or e.done.is_set():
+        return
+    if e.proc.returncode is not None:
+        for p, ticks in executor_processes(e.token, e.proc.pid, e.start_ticks):
+            _send_verified(p, ticks, sig)
         return
     try:
         os.killpg(e.proc.pid, sig)

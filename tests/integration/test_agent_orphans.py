@@ -3,7 +3,9 @@ runtime (the manager's ``python``): a child in the executor's session that ignor
 SIGTERM and holds its output open (``stop`` must still end, kill it, release the grant
 and report the exit), and executors left running by a crashed agent process (a new
 agent on the same state dir kills them before it registers; never a process that merely
-reuses a recorded pid). Also: a shutting-down agent refuses new launches."""
+reuses a recorded pid; nor one spawned but not yet recorded when the agent crashed); the
+processes an executor's leader leaves behind when it exits on its own (ended before the
+exit is reported and the grant released). Also: a shutting-down agent refuses new launches."""
 
 from __future__ import annotations
 
@@ -48,9 +50,9 @@ LAUNCH = dict(job_id="j-1", rank=0, world_size=1, master_addr="127.0.0.1", maste
               runtime_spec={"workload": {"type": "gpt"}}, checkpoint_dir="")
 
 
-def fake_runtime(tmp_path: Path) -> str:
-    rt = tmp_path / "fake-python"
-    rt.write_text(FAKE_RUNTIME.format(python=sys.executable))
+def fake_runtime(tmp_path: Path, source: str = FAKE_RUNTIME, **fmt) -> str:
+    rt = tmp_path / f"fake-python-{abs(hash(source + repr(sorted(fmt.items()))))}"
+    rt.write_text(source.format(python=sys.executable, **fmt))
     rt.chmod(0o755)
     return str(rt)
 
@@ -87,7 +89,8 @@ async def wait_dead(pids, timeout: float = 10.0) -> None:
             await asyncio.sleep(0.05)
 
 
-def make_mgr(tmp_path: Path, state: Path, reports: list | None = None) -> ExecutorManager:
+def make_mgr(tmp_path: Path, state: Path, reports: list | None = None, runtime: str | None = None,
+             **kw) -> ExecutorManager:
     devs = discover(1, use_nvml=False)
     parts = Partitions.for_devices(devs, state_dir=str(state))
 
@@ -95,7 +98,7 @@ def make_mgr(tmp_path: Path, state: Path, reports: list | None = None) -> Execut
         if reports is not None:
             reports.append((ex.allocation_id, ex.rank, r))
 
-    return ExecutorManager(state, devs, on_report, python=fake_runtime(tmp_path), parts=parts)
+    return ExecutorManager(state, devs, on_report, python=runtime or fake_runtime(tmp_path), parts=parts, **kw)
 
 
 async def test_stop_ends_when_a_group_member_ignores_sigterm_and_holds_stdout(tmp_path):
@@ -191,7 +194,7 @@ async def test_orphan_group_is_killed_when_only_its_leader_is_gone(tmp_path):
     """The crash came mid-stop: the leader died of SIGTERM, the worker that ignores it
     lives on in the group; its environment proves it is the recorded executor's."""
     state = tmp_path / "state"
-    mgr = make_mgr(tmp_path, state)
+    mgr = make_mgr(tmp_path, state, reap_grace_s=60)  # the crashed agent: it never got to SIGKILL the child
     dev = next(iter(mgr.devices))
     ex, _ = await mgr.launch(allocation_id="a-2", device_ids=[dev], **LAUNCH)
     leader, child = await wait_pids(state / "specs" / "a-2-r0.json")
@@ -253,3 +256,144 @@ async def test_concurrent_launches_of_one_rank_start_one_process(tmp_path):
     assert mgr._launch_locks == {}
     await mgr.stop("a-4", 2.0)
     await wait_dead([leader])
+
+
+# A fake runtime whose leader exits on its own (code {code}) once it has started a child
+# that ignores SIGTERM: a worker that keeps the output open (inherit), one that closed it
+# (devnull), or one that closed it and left the session (setsid: only its inherited
+# TESSERA_EXECUTOR_TOKEN says whose it is).
+EXITING_RUNTIME = """#!{python}
+import os, signal, subprocess, sys
+spec = sys.argv[sys.argv.index("--spec") + 1]
+mode = {mode!r}
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited by the child
+out = None if mode == "inherit" else subprocess.DEVNULL
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], stdout=out, stderr=out,
+                         start_new_session=mode == "setsid")
+with open(spec + ".pids.tmp", "w") as f:
+    f.write(f"{{os.getpid()}} {{child.pid}}")
+os.replace(spec + ".pids.tmp", spec + ".pids")
+print("leaving", flush=True)
+sys.exit({code})
+"""
+
+
+@pytest.mark.parametrize("mode,code", [("inherit", 0), ("devnull", 3), ("setsid", 0)])
+async def test_leader_exit_ends_what_it_left_before_the_exit_is_reported(tmp_path, mode, code):
+    state = tmp_path / "state"
+    seen: dict = {}
+    devs = discover(1, use_nvml=False)
+    parts = Partitions.for_devices(devs, state_dir=str(state))
+    pids_file = state / "specs" / "a-5-r0.json.pids"
+    exited = asyncio.Event()
+
+    async def on_report(ex, r):
+        if r["kind"] == "EXITED":
+            # What holds at the moment the exit is reported.
+            _, child = map(int, pids_file.read_text().split())
+            seen.update(report=r, child_alive=alive(child), grants=[g.grant_id for g in parts.grants()],
+                        record=(state / "executors" / "a-5-r0.json").exists())
+            exited.set()
+
+    rt = fake_runtime(tmp_path, EXITING_RUNTIME, mode=mode, code=code)
+    mgr = ExecutorManager(state, devs, on_report, python=rt, parts=parts, reap_grace_s=0.5)
+    ex, _ = await mgr.launch(allocation_id="a-5", device_ids=[devs[0].id], **LAUNCH)
+    leader, child = await wait_pids(state / "specs" / "a-5-r0.json")
+    # Before the fix: with the output held the exit is never reported; without, the child leaks.
+    await asyncio.wait_for(exited.wait(), 15)
+    assert seen["report"]["exit_code"] == code, "the leader's own exit code is reported"
+    assert not seen["child_alive"], "the child is gone when the exit is reported"
+    assert seen["grants"] == [], "the grant is released only after the child is gone"
+    assert not seen["record"]
+    assert not alive(leader) and not alive(child)
+    assert ex.done.is_set() and ex.exit_code == code
+    assert "leaving" in (state / "logs" / "j-1.log").read_text()
+
+
+# An agent process that dies (the failpoint: os._exit) right after spawning an executor,
+# before that executor's record holds its pid.
+CRASH_AFTER_SPAWN = """
+import asyncio, sys
+sys.path.insert(0, {root!r})
+from pathlib import Path
+from agent.devices import discover
+from agent.executors import ExecutorManager
+from agent.partitions import Partitions
+
+async def main():
+    devs = discover(1, use_nvml=False)
+    parts = Partitions.for_devices(devs, state_dir={state!r})
+    async def on_report(ex, r):
+        pass
+    mgr = ExecutorManager(Path({state!r}), devs, on_report, python={rt!r}, parts=parts)
+    await mgr.launch(allocation_id="a-new", job_id="j-new", rank=0, world_size=1, device_ids=[devs[0].id],
+                     master_addr="127.0.0.1", master_port=1, runtime_spec={{"workload": {{"type": "gpt"}}}},
+                     checkpoint_dir="")
+    print("NOT CRASHED", flush=True)
+
+asyncio.run(main())
+"""
+
+# Like FAKE_RUNTIME, but silent: its agent is gone, nobody reads its output.
+QUIET_RUNTIME = FAKE_RUNTIME.replace('print("ready", flush=True)\n', "")
+
+
+async def test_executor_spawned_but_not_recorded_is_killed_by_the_next_agent(tmp_path):
+    from agent.executors import FAILPOINT_EXIT
+
+    state = tmp_path / "state"
+    code = CRASH_AFTER_SPAWN.format(root=str(ROOT), state=str(state), rt=fake_runtime(tmp_path, QUIET_RUNTIME))
+    env = dict(os.environ, TESSERA_FAILPOINT="executor-spawned")
+    agent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        out, _ = await asyncio.to_thread(agent.communicate, timeout=60)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert agent.returncode == FAILPOINT_EXIT and "NOT CRASHED" not in out, "the agent dies right after the spawn"
+    leader, child = await wait_pids(state / "specs" / "a-new-r0.json")
+    rec = json.loads((state / "executors" / "a-new-r0.json").read_text())
+    assert rec["pid"] is None and rec["allocation_id"] == "a-new", "only the intent was recorded"
+    environ = Path(f"/proc/{leader}/environ").read_bytes().split(b"\0")
+    assert f"TESSERA_EXECUTOR_TOKEN={rec['token']}".encode() in environ
+    assert not any(v.startswith(b"TESSERA_FAILPOINT=") for v in environ), "the failpoint is not passed on"
+    assert alive(leader) and alive(child)
+
+    # Another executor's process (another token, same allocation and rank env) is spared.
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True, env=dict(
+        os.environ, TESSERA_EXECUTOR_TOKEN="0" * 32, TESSERA_ALLOCATION_ID="a-new", TESSERA_RANK="0"))
+    try:
+        mgr = make_mgr(tmp_path, state)
+        killed = await mgr.kill_orphans()
+        assert [(k["allocation_id"], k["pid"]) for k in killed] == [("a-new", None)]
+        await wait_dead([leader, child])
+        assert alive(other.pid), "a process with another token is never killed"
+        assert list((state / "executors").iterdir()) == [], "every record is removed"
+    finally:
+        other.kill()
+        other.wait()
+
+
+async def test_a_record_is_one_durable_atomic_write(tmp_path, monkeypatch):
+    """Records go through tessera.fsutil.atomic_write: the intent before the spawn, the
+    complete record after; no temp file is left; the exit removes it."""
+    import agent.executors as aex
+
+    writes: list[dict] = []
+    real = aex.atomic_write
+
+    def spy(path, write):
+        real(path, write)
+        writes.append(json.loads(Path(path).read_text()))
+
+    monkeypatch.setattr(aex, "atomic_write", spy)
+    mgr = make_mgr(tmp_path, tmp_path / "state")
+    ex, _ = await mgr.launch(allocation_id="a-6", device_ids=[next(iter(mgr.devices))], **LAUNCH)
+    leader, _ = await wait_pids(mgr.state_dir / "specs" / "a-6-r0.json")
+    assert [w["pid"] for w in writes] == [None, leader]
+    assert writes[1]["start_ticks"] == process_start_ticks(leader) and writes[1]["pgid"] == leader
+    assert writes[0]["token"] == writes[1]["token"] == ex.token
+    assert sorted(p.name for p in (mgr.state_dir / "executors").iterdir()) == ["a-6-r0.json"]
+    await mgr.stop("a-6", 1.0)
+    assert list((mgr.state_dir / "executors").iterdir()) == []
