@@ -43,10 +43,25 @@ job's directory; only such an add may use a reserved ``j-<12 hex>_`` task name, 
 ``spec["allocation_id"]``: a later executor of another allocation reading the same file
 does not re-add another job's tasks). :class:`PeftRunner` exposes the same operations as
 methods.
+
+A control line that cannot be applied (not JSON, an unknown op, a bad or unknown field,
+a cancel of an unknown task, an add whose dataset file is missing or unreadable, or
+whose ``state.pt`` cannot be read) is *rejected*: an ``error`` event (``fatal: false``,
+``line``: its index in the file, ``field``: the dotted field at fault, e.g.
+``control[3].task.dataset.path``) and nothing else changes: the other tasks keep
+training. A line is applied or rejected at most once: rejections are recorded in
+``<checkpoint_dir>/peft-control.rejected.jsonl`` (line index + SHA-256 of the line), and a
+later executor of the same directory, which re-reads the control file from its start,
+skips a recorded line without applying it again or reporting it again, so a bad line
+can never take a relaunch down. The one per-line failure that is fatal is the engine
+failing while it admits a valid task (out of memory growing the adapter banks: the
+banks may be half-resized): that line is recorded as rejected first, the running tasks
+are checkpointed (best effort), and the executor exits 1; its relaunch skips the line.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -65,6 +80,12 @@ from tessera.fsutil import atomic_write
 from tessera.spec.peft import validate_peft, validate_task
 
 EXIT_OK, EXIT_FAIL, EXIT_SPEC, EXIT_TERM = 0, 1, 2, 143
+REJECTED_FILE = "peft-control.rejected.jsonl"
+
+
+class EngineError(RuntimeError):
+    """The engine failed while admitting a valid task (e.g. out of memory growing the
+    adapter banks); its state may be inconsistent, so the executor must stop."""
 
 
 def _num(wl: dict, name: str, default: Any, kind: type, minimum: float) -> Any:
@@ -110,6 +131,20 @@ def resolve_task(t: dict, chunk_size: int, path: str) -> dict:
     return t
 
 
+def load_dataset(ds: dict, vocab: int, path: str):
+    """:func:`make_dataset` of a resolved task ``dataset`` section; a file that is missing,
+    not a regular file, unreadable or without a usable sample is ``SpecError`` on
+    ``<path>.path`` (a user's mistake, not an executor failure)."""
+    try:
+        return make_dataset(ds, vocab, ds["max_len"], ds["seed"])
+    except OSError as e:
+        raise SpecError(f"{path}.path", f"cannot read {ds.get('path')!r}: {e.strerror or e}") from e
+    except ValueError as e:
+        if ds["kind"] == "synthetic":
+            raise
+        raise SpecError(f"{path}.path", str(e)) from e
+
+
 def atomic_torch_save(obj: Any, path: str) -> None:
     """Write ``obj`` to ``path`` so that readers see the old or the new file, never a torn one."""
     atomic_write(path, lambda f: torch.save(obj, f))
@@ -140,6 +175,9 @@ class PeftRunner:
         self.control_file = control_file or (os.path.join(checkpoint_dir, "peft-control.jsonl") if checkpoint_dir else None)
         self._control_pos = 0
         self._control_line = 0
+        # Control lines rejected by this or an earlier executor: (line index, sha256).
+        self._rejected_file = os.path.join(checkpoint_dir, REJECTED_FILE) if checkpoint_dir else None
+        self._rejected: set[tuple[int, str]] = self._load_rejected()
         self.allocation_id = allocation_id
         self._task_dirs: dict[str, str] = {}  # tasks checkpointing outside peft/<name> (fused in)
         self.ended_before: dict[str, str] = {}  # task -> phase, for tasks that ended in an earlier run
@@ -162,30 +200,54 @@ class PeftRunner:
         already ended in an earlier run (its adapter.pt: succeeded; its outcome.json:
         cancelled), reported as such. ``task_dir``: where its files live (default
         ``<checkpoint_dir>/peft/<name>``). ``fused``: the task is another job's, fused in
-        by the controller, so its name may (must) have the reserved ``<job id>_`` form."""
+        by the controller, so its name may (must) have the reserved ``<job id>_`` form.
+        ``SpecError`` (nothing changed) for a bad task, a name already running, or a
+        dataset file that is missing or unreadable (field ``<path>.dataset.path``);
+        :class:`EngineError` if the engine failed while admitting it."""
+        return self._commit_add(self._prepare_add(task, path, task_dir, fused))
+
+    def _prepare_add(self, task: Any, path: str | None, task_dir: Any, fused: bool) -> dict:
+        """Everything of an add that can fail without changing the runner or the engine:
+        validation, the dataset (files read), the task's earlier files (state.pt read)."""
         path = path or f"tasks[{self._added}]"
         p = self.params
         t = validate_task(task, path, self._added, defaults=p, fused=fused)
         t = resolve_task(t, self.section["chunk_size"], path)
-        if task_dir is not None:
-            if not isinstance(task_dir, str) or not os.path.isabs(task_dir):
-                raise SpecError(f"{path.rsplit('.', 1)[0]}.dir", f"must be an absolute path, got {task_dir!r}")
-            self._task_dirs[t["name"]] = task_dir
+        running = self.engine.tasks.get(t["name"])
+        if running is not None and running.status == "running":
+            raise SpecError(f"{path}.name", f"task {t['name']!r} is already running")
+        if task_dir is not None and (not isinstance(task_dir, str) or not os.path.isabs(task_dir)):
+            raise SpecError(f"{path.rsplit('.', 1)[0]}.dir", f"must be an absolute path, got {task_dir!r}")
         if t["dataset"]["seed"] is None:
             t["dataset"]["seed"] = p["seed"] + self._added
+        tdir = task_dir if task_dir is not None else self.task_dir(t["name"])
+        prep: dict[str, Any] = {"t": t, "task_dir": task_dir, "tdir": tdir, "ended": None, "ds": None, "state": None}
+        prep["ended"] = self._ended_in_earlier_run(tdir, t["steps"]) if tdir else None
+        if prep["ended"] is not None:
+            return prep
+        prep["ds"] = load_dataset(t["dataset"], self.cfg.vocab, f"{path}.dataset")
+        if tdir and os.path.exists(os.path.join(tdir, "state.pt")):
+            prep["state"] = torch.load(os.path.join(tdir, "state.pt"), map_location="cpu", weights_only=True)
+        return prep
+
+    def _commit_add(self, prep: dict) -> TaskState | None:
+        """Apply a prepared add; :class:`EngineError` if the engine failed on the way."""
+        t = prep["t"]
+        if prep["task_dir"] is not None:
+            self._task_dirs[t["name"]] = prep["task_dir"]
         self._added += 1
-        tdir = self.task_dir(t["name"])
-        ended = self._ended_in_earlier_run(tdir, t["steps"]) if tdir else None
-        if ended is not None:
-            phase, step = ended
+        if prep["ended"] is not None:
+            phase, step = prep["ended"]
             self.ended_before[t["name"]] = phase
             self.rep.event("task", task=t["name"], phase=phase, step=step, steps=t["steps"],
                            loss=None, tokens_per_s=None, resumed=True)
             return None
-        ds = make_dataset(t["dataset"], self.cfg.vocab, t["dataset"]["max_len"], t["dataset"]["seed"])
-        st = self.engine.add_task(t, ds)
-        if tdir and os.path.exists(os.path.join(tdir, "state.pt")):
-            self.engine.restore(st, torch.load(os.path.join(tdir, "state.pt"), map_location="cpu", weights_only=True))
+        try:
+            st = self.engine.add_task(t, prep["ds"])
+            if prep["state"] is not None:
+                self.engine.restore(st, prep["state"])
+        except Exception as e:
+            raise EngineError(f"adding task {t['name']!r} failed: {type(e).__name__}: {e}") from e
         self.log.info("task_added", task=st.name, slot=st.slot, rank=t["rank"], targets=t["target_modules"],
                       resumed_step=st.step, running=len(self.engine.running()))
         self._task_event(st)
@@ -218,7 +280,10 @@ class PeftRunner:
         return st
 
     def poll_control(self) -> None:
-        """Apply the complete lines appended to the control file since the last poll."""
+        """Apply the complete lines appended to the control file since the last poll; a
+        line that cannot be applied is rejected (see the module doc) and the others are
+        still applied. Raises only :class:`EngineError` (the line recorded first) or an
+        I/O error of a valid cancel's checkpoint."""
         if not self.control_file or not os.path.exists(self.control_file):
             return
         with open(self.control_file, "rb") as f:
@@ -227,30 +292,83 @@ class PeftRunner:
         end = data.rfind(b"\n") + 1  # a half-written last line waits for the next poll
         self._control_pos += end
         for raw in data[:end].splitlines():
-            field = f"control[{self._control_line}]"
+            n = self._control_line
             self._control_line += 1
             if not raw.strip():
                 continue
+            key = (n, hashlib.sha256(raw).hexdigest())
+            if key in self._rejected:
+                self.log.info("control line rejected earlier: skipped", line=n)
+                continue
+            field = f"control[{n}]"
             try:
-                cmd = json.loads(raw)
-                if not isinstance(cmd, dict) or cmd.get("op") not in ("add", "cancel"):
-                    raise SpecError(f"{field}.op", "must be add or cancel")
-                if cmd["op"] == "add":
-                    if cmd.get("allocation") and self.allocation_id and cmd["allocation"] != self.allocation_id:
-                        continue  # another allocation's fused task (an earlier executor of this dir)
-                    # Only the controller's fused adds carry "dir" (the guest's own directory).
-                    self.add_task(cmd.get("task"), f"{field}.task", cmd.get("dir"), fused=cmd.get("dir") is not None)
-                else:
-                    name = cmd.get("task")
-                    if name not in self.engine.tasks and name in self.ended_before:
-                        continue  # replayed cancel of a task that ended in an earlier run
-                    if name not in self.engine.tasks:
-                        raise SpecError(f"{field}.task", f"no task named {name!r}")
-                    self.cancel_task(name)
+                action = self._parse_control(raw, field)
             except SpecError as e:
-                self.rep.event("error", message=str(e), field=e.field, fatal=False)
-            except (ValueError, KeyError) as e:
-                self.rep.event("error", message=f"{field}: {e}", field=field, fatal=False)
+                self._reject(key, e.field, str(e))
+                continue
+            except Exception as e:  # nothing has changed yet: the line alone is bad
+                self._reject(key, field, f"{field}: {type(e).__name__}: {e}")
+                continue
+            try:
+                action()
+            except EngineError as e:
+                self._reject(key, f"{field}.task", f"{field}: {e}", fatal=True)
+                try:
+                    self.checkpoint_running()
+                except Exception as ce:  # the engine may be half-resized; keep the first error
+                    self.log.warning("checkpoint after engine failure failed", error=repr(ce))
+                raise
+
+    def _parse_control(self, raw: bytes, field: str):
+        """The action of one control line (a no-arg callable, or a no-op), after every check
+        that can fail without changing anything; raises for a line to reject."""
+        try:
+            cmd = json.loads(raw)
+        except ValueError as e:  # not JSON, or not UTF-8
+            raise SpecError(field, f"not a JSON object ({e})") from e
+        if not isinstance(cmd, dict) or cmd.get("op") not in ("add", "cancel"):
+            raise SpecError(f"{field}.op", "must be add or cancel")
+        if cmd["op"] == "add":
+            alloc = cmd.get("allocation")
+            if alloc and self.allocation_id and alloc != self.allocation_id:
+                return lambda: None  # another allocation's fused task (an earlier executor of this dir)
+            # Only the controller's fused adds carry "dir" (the guest's own directory).
+            prep = self._prepare_add(cmd.get("task"), f"{field}.task", cmd.get("dir"), fused=cmd.get("dir") is not None)
+            return lambda: self._commit_add(prep)
+        name = cmd.get("task")
+        if not isinstance(name, str):
+            raise SpecError(f"{field}.task", f"must be a task name (a string), got {type(name).__name__}")
+        if name not in self.engine.tasks and name in self.ended_before:
+            return lambda: None  # replayed cancel of a task that ended in an earlier run
+        if name not in self.engine.tasks:
+            raise SpecError(f"{field}.task", f"no task named {name!r}")
+        return lambda: self.cancel_task(name)
+
+    def _reject(self, key: tuple[int, str], field: str, message: str, fatal: bool = False) -> None:
+        """Record a rejected control line (so no later executor applies it) and report it."""
+        self._rejected.add(key)
+        if self._rejected_file:
+            try:
+                with open(self._rejected_file, "a") as f:
+                    f.write(json.dumps({"line": key[0], "sha256": key[1], "field": field, "message": message}) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:  # the line is still rejected here; a relaunch rejects it again
+                self.log.warning("cannot record a rejected control line", line=key[0], error=repr(e))
+        self.rep.event("error", message=message, field=field, line=key[0], fatal=fatal)
+
+    def _load_rejected(self) -> set[tuple[int, str]]:
+        out: set[tuple[int, str]] = set()
+        if not self._rejected_file or not os.path.exists(self._rejected_file):
+            return out
+        with open(self._rejected_file, "rb") as f:
+            for raw in f:
+                try:
+                    r = json.loads(raw)
+                    out.add((int(r["line"]), str(r["sha256"])))
+                except (ValueError, KeyError, TypeError):
+                    continue  # a torn last record (crash while appending): that line is re-checked
+        return out
 
     # -- running ----------------------------------------------------------------------
     def step(self) -> bool:

@@ -1,0 +1,137 @@
+"""The peft control file: a bad line is rejected once, never kills the executor, and is
+never applied again by a relaunched executor."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import pytest
+import torch
+
+from agent.runtime.peft import lora
+from agent.runtime.peft.workload import REJECTED_FILE, PeftRunner, parse, run
+from agent.runtime.report import Reporter, parse_line
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+MODEL = {"vocab": 64, "seq_len": 32, "layers": 1, "hidden": 32, "heads": 4}
+
+
+def workload(tasks, **kw):
+    return {"type": "peft", "model": MODEL, "steps": 4, "batch_size": 3, "learning_rate": 0.01, "seed": 0,
+            "peft": {"mode": "spatial", "chunk_size": 32, "tasks": tasks}, **kw}
+
+
+def events(buf):
+    return [e for e in (parse_line(line) for line in buf.getvalue().splitlines()) if e]
+
+
+def spec(tmp_path, tasks, **kw):
+    return {"job_id": "j", "workload": workload(tasks, **kw), "dist": {}, "checkpoint_dir": str(tmp_path),
+            "threads": 1}
+
+
+def control(tmp_path, *lines):
+    with open(os.path.join(tmp_path, "peft-control.jsonl"), "a") as f:
+        for line in lines:
+            f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
+
+
+@pytest.mark.parametrize("line,field", [
+    ({"op": "cancel", "task": ["a"]}, "control[0].task"),
+    ({"op": "cancel", "task": {"x": 1}}, "control[0].task"),
+    ({"op": "add", "task": {"name": "x", "dataset": {"kind": "text", "path": "/nonexistent/data.txt"}}},
+     "control[0].task.dataset.path"),
+    ({"op": "add", "task": {"name": "y", "dataset": {"kind": "jsonl", "path": "/"}}},
+     "control[0].task.dataset.path"),
+    ("{not json", "control[0]"),
+    ({"op": "add", "task": {"name": "z", "rank": 4}, "dir": "relative/dir"}, "control[0].dir"),
+])
+def test_bad_line_is_a_non_fatal_error_and_the_others_train_on(tmp_path, line, field):
+    control(tmp_path, line)
+    buf = io.StringIO()
+    assert run(spec(tmp_path, [{"name": "a", "steps": 3}]), Reporter(buf)) == 0
+    ev = events(buf)
+    errs = [e for e in ev if e["event"] == "error"]
+    assert [(e["field"], e["line"], e["fatal"]) for e in errs] == [(field, 0, False)]
+    assert [e["phase"] for e in ev if e["event"] == "task" and e["task"] == "a"] == ["running", "succeeded"]
+    assert ev[-1]["event"] == "done"
+
+
+def test_rejected_line_is_never_applied_by_a_relaunch(tmp_path):
+    data = tmp_path / "late.txt"
+    tasks = [{"name": "a", "steps": 3}]
+    cfg, sec, p = parse(workload(tasks, checkpoint_every=1))
+    buf = io.StringIO()
+    r = PeftRunner(cfg, sec, p, Reporter(buf), str(tmp_path))
+    r.add_task(sec["tasks"][0])
+    assert r.step()
+    control(tmp_path, {"op": "add", "task": {"name": "c", "steps": 2, "dataset": {"kind": "text", "path": str(data)}}},
+            {"op": "cancel", "task": 7})
+    assert r.step()  # the executor survives both lines
+    assert [(e["field"], e["line"]) for e in events(buf) if e["event"] == "error"] == [
+        ("control[0].task.dataset.path", 0), ("control[1].task", 1)]
+    assert set(r.engine.tasks) == {"a"} and r.engine.tasks["a"].step == 2
+    with open(tmp_path / REJECTED_FILE) as f:
+        assert [json.loads(x)["line"] for x in f] == [0, 1]
+    # The file appears later: the relaunch (re-reading the control file from its start)
+    # still does not add c, and reports nothing again.
+    data.write_text("some text long enough for a sample\n" * 4)
+    buf2 = io.StringIO()
+    again = PeftRunner(cfg, sec, p, Reporter(buf2), str(tmp_path))
+    again.add_task(sec["tasks"][0])
+    assert again.engine.tasks["a"].step == 2  # resumed from its state.pt
+    while again.step():
+        pass
+    assert set(again.engine.tasks) == {"a"} and again.engine.tasks["a"].status == "succeeded"
+    assert not [e for e in events(buf2) if e["event"] == "error"]
+    # An edited line at the same index is a different line: it is applied.
+    with open(tmp_path / "peft-control.jsonl", "w") as f:
+        f.write(json.dumps({"op": "add", "task": {"name": "c", "steps": 1,
+                                                   "dataset": {"kind": "text", "path": str(data)}}}) + "\n")
+    third = PeftRunner(cfg, sec, p, Reporter(io.StringIO()), str(tmp_path))
+    third.poll_control()
+    assert third.engine.tasks["c"].status == "running"
+
+
+def test_bad_dataset_path_in_the_spec_is_a_spec_error(tmp_path):
+    buf = io.StringIO()
+    rc = run(spec(tmp_path, [{"name": "a"}, {"name": "b", "dataset": {"kind": "text", "path": str(tmp_path)}}]),
+             Reporter(buf))
+    errs = [e for e in events(buf) if e["event"] == "error"]
+    assert rc == 2 and [e["field"] for e in errs] == ["workload.peft.tasks[1].dataset.path"]
+
+
+def test_engine_failure_is_fatal_once_then_the_line_is_skipped(tmp_path, monkeypatch):
+    # The one hardware boundary: memory runs out while the adapter banks grow.
+    real = lora.LoRABank.resize
+
+    def oom(self, slots, rank):
+        if rank > 8:  # the added task's rank 16, not a's 8
+            raise torch.OutOfMemoryError("simulated: cannot allocate the grown bank")
+        real(self, slots, rank)
+
+    tasks = [{"name": "a", "steps": 5}]
+    control(tmp_path, {"op": "add", "task": {"name": "big", "rank": 16, "steps": 2}})
+    with monkeypatch.context() as m:
+        m.setattr(lora.LoRABank, "resize", oom)
+        buf = io.StringIO()
+        assert run(spec(tmp_path, tasks, checkpoint_every=100), Reporter(buf)) == 1
+    errs = [e for e in events(buf) if e["event"] == "error"]
+    assert errs[0]["fatal"] is True and errs[0]["line"] == 0 and errs[0]["field"] == "control[0].task"
+    assert "OutOfMemoryError" in errs[0]["message"] and len(errs) == 2  # then run()'s exit event
+    assert os.path.exists(tmp_path / "peft" / "a" / "state.pt")  # a checkpointed before the exit
+    buf2 = io.StringIO()
+    assert run(spec(tmp_path, tasks, checkpoint_every=100), Reporter(buf2)) == 0  # no crash loop
+    ev = events(buf2)
+    assert not [e for e in ev if e["event"] == "error"]
+    assert set(ev[-1]["tasks"]) == {"a"} and ev[-1]["tasks"]["a"]["phase"] == "succeeded"
