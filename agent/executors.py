@@ -343,8 +343,8 @@ class ExecutorManager:
         if grant is not None:
             env = grant.apply_env(env)  # the partition's quota wins (MPS percentages, core sets)
         ex = Executor(allocation_id, job_id, rank, list(device_ids), self.log_path(job_id),
-                      model_key=model_key(spec.get("workload", {})), labels=profile_labels(spec, devs[0].kind), grant=grant,
-                      token=secrets.token_hex(16))
+                      model_key=model_key(spec.get("workload", {})), labels=profile_labels(spec, devs[0].kind),
+                      grant=grant, token=secrets.token_hex(16))
         env[TOKEN_ENV] = ex.token
         # Recorded before it exists (an intent: its token, no pid yet), so that a crash of
         # this agent at any point after the spawn leaves a record to find it by.
@@ -694,7 +694,9 @@ class ExecutorManager:
         killed: list[dict] = []
         pids: list[tuple[int, int | None]] = []
         tokens: set[str] = set()
-        for path in sorted((self.state_dir / "executors").glob("*.json*"), key=lambda p: p.name.startswith(".")):
+        # Records first, then temp files (".tmp-*"): a record and its temp file name one executor.
+        paths = sorted((self.state_dir / "executors").glob("*.json*"), key=lambda p: (p.name.startswith("."), p.name))
+        for path in paths:
             try:
                 rec = json.loads(path.read_text()) if path.suffix == ".json" else None
             except (OSError, ValueError):
@@ -727,12 +729,10 @@ class ExecutorManager:
             path.unlink(missing_ok=True)
         deadline = time.monotonic() + wait_s
         while pids and time.monotonic() < deadline:
-            pids = [(p, t) for p, t in pids if process_start_ticks(p) is not None and t in (None, process_start_ticks(p))]
+            pids = [(p, t) for p, t in pids if (now := process_start_ticks(p)) is not None and t in (None, now)]
             if pids:
                 await asyncio.sleep(0.05)
         return killed
-
-
 
 
 class _ExecutorProtocol(asyncio.subprocess.SubprocessStreamProtocol):

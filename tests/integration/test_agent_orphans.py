@@ -363,6 +363,7 @@ async def test_executor_spawned_but_not_recorded_is_killed_by_the_next_agent(tmp
     # Another executor's process (another token, same allocation and rank env) is spared.
     other = subprocess.Popen(["sleep", "60"], start_new_session=True, env=dict(
         os.environ, TESSERA_EXECUTOR_TOKEN="0" * 32, TESSERA_ALLOCATION_ID="a-new", TESSERA_RANK="0"))
+    (state / "executors" / ".tmp-x1.json").write_text("{")  # atomic_write's temp file, torn by a crash
     try:
         mgr = make_mgr(tmp_path, state)
         killed = await mgr.kill_orphans()
