@@ -16,11 +16,11 @@ Section (defaults in brackets)::
       name: str (lower-case, digits, '-', '_'), required; not ``j-<12 hex>_...``
                                              (reserved: a task fused in from job j-... is
                                              named ``<job id>_<task>`` in the host's executor)
-      rank: int >= 1                         [8]
+      rank: int >= 1, <= the model's hidden size when known   [8]
       alpha: number > 0                      [2 * rank]
       target_modules: non-empty list of qkv|proj|fc|out, no repeats   [[qkv, proj]]
       learning_rate: number > 0 | null       [null = workload.learning_rate]
-      batch_size: int >= 1 | null            [null = workload.batch_size]  sequences per step
+      batch_size: 1..MAX_BATCH_SIZE (65536) | null   [null = workload.batch_size]  sequences per step
       steps: int >= 1 | null                 [null = workload.steps]
       dataset: {kind: synthetic | jsonl | text [synthetic],
                 seed: int >= 0 | null [null = workload.seed + task index],
@@ -30,7 +30,10 @@ Section (defaults in brackets)::
 
 ``defaults`` (optional: ``{"learning_rate", "batch_size", "steps", "seed"}``, the
 workload-level values) resolves the inheritable ``null`` fields; without it they stay
-``null`` for the executor to resolve.
+``null`` for the executor to resolve. ``hidden`` (optional: ``workload.model.hidden``)
+bounds each task's rank: a LoRA factor of rank r on a linear of width ``hidden`` is only
+meaningful for r <= hidden (the adapter banks of a larger rank could only fail to
+allocate in the executor); without it the rank is checked against ``INT_MAX`` only.
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ def _mapping(v: Any, path: str) -> dict:
 
 
 INT_MAX = 2**31 - 1  # every integer of a task (rank, batch size, steps, lengths, seeds)
+# Sequences per task step: the whole batch is materialised and packed every step, so a
+# larger one can only exhaust the executor's memory (or take forever) after placement.
+MAX_BATCH_SIZE = 65536
 
 
 def _int(v: Any, path: str, minimum: int, nullable: bool = False, maximum: int = INT_MAX) -> int | None:
@@ -142,10 +148,12 @@ def _dataset(d: dict, path: str, seed: int | None) -> dict:
     return out
 
 
-def validate_task(t: Any, path: str, index: int = 0, defaults: dict | None = None, fused: bool = False) -> dict:
+def validate_task(t: Any, path: str, index: int = 0, defaults: dict | None = None, fused: bool = False,
+                  hidden: int | None = None) -> dict:
     """One task of the section (also used for tasks added at run time); see module doc.
     ``fused``: the task is another job's fused in by the controller, whose name has the
-    reserved ``<job id>_`` prefix (allowed only then)."""
+    reserved ``<job id>_`` prefix (allowed only then). ``hidden``: the model's hidden size,
+    the largest rank allowed (unchecked when None)."""
     t = _mapping(t, path)
     _unknown(t, _TASK, path)
     dflt = defaults or {}
@@ -157,7 +165,7 @@ def validate_task(t: Any, path: str, index: int = 0, defaults: dict | None = Non
     if not fused and FUSED_PREFIX_RE.match(name):
         raise SpecError(f"{path}.name", f"the prefix 'j-<12 hex digits>_' is reserved for fused tasks "
                                          f"(<job id>_<task>), got {name!r}")
-    rank = _int(t.get("rank", 8), f"{path}.rank", 1)
+    rank = _int(t.get("rank", 8), f"{path}.rank", 1, maximum=INT_MAX if hidden is None else hidden)
     alpha = _pos_float(t.get("alpha", 2.0 * rank), f"{path}.alpha")
     tm = t.get("target_modules", ["qkv", "proj"])
     if not isinstance(tm, list) or not tm:
@@ -179,15 +187,17 @@ def validate_task(t: Any, path: str, index: int = 0, defaults: dict | None = Non
         "alpha": alpha,
         "target_modules": list(tm),
         "learning_rate": _pos_float(inherit("learning_rate"), f"{path}.learning_rate", nullable=True),
-        "batch_size": _int(inherit("batch_size"), f"{path}.batch_size", 1, nullable=True),
+        "batch_size": _int(inherit("batch_size"), f"{path}.batch_size", 1, nullable=True, maximum=MAX_BATCH_SIZE),
         "steps": _int(inherit("steps"), f"{path}.steps", 1, nullable=True),
         "dataset": _dataset(_mapping(t.get("dataset"), f"{path}.dataset"), f"{path}.dataset",
                             None if seed is None else seed + index),
     }
 
 
-def validate_peft(section: Any, path: str = "workload.peft", defaults: dict | None = None) -> dict:
-    """Validated copy of ``section`` with defaults filled; ``SpecError`` names the bad field."""
+def validate_peft(section: Any, path: str = "workload.peft", defaults: dict | None = None,
+                  hidden: int | None = None) -> dict:
+    """Validated copy of ``section`` with defaults filled; ``SpecError`` names the bad field.
+    ``hidden``: the model's hidden size when known (bounds every task's rank)."""
     s = _mapping(section, path)
     _unknown(s, _TOP, path)
     out: dict[str, Any] = {
@@ -205,7 +215,7 @@ def validate_peft(section: Any, path: str = "workload.peft", defaults: dict | No
     seen: set[str] = set()
     out["tasks"] = []
     for i, t in enumerate(tasks):
-        vt = validate_task(t, f"{path}.tasks[{i}]", i, defaults)
+        vt = validate_task(t, f"{path}.tasks[{i}]", i, defaults, hidden=hidden)
         if vt["name"] in seen:
             raise SpecError(f"{path}.tasks[{i}].name", f"duplicate task name {vt['name']!r}")
         seen.add(vt["name"])

@@ -55,6 +55,8 @@ def control(tmp_path, *lines):
      "control[0].task.dataset.path"),
     ("{not json", "control[0]"),
     ({"op": "add", "task": {"name": "z", "rank": 4}, "dir": "relative/dir"}, "control[0].dir"),
+    ({"op": "add", "task": {"name": "big", "rank": 2**31 - 1}}, "control[0].task.rank"),  # > model hidden (32)
+    ({"op": "add", "task": {"name": "big", "batch_size": 2**31 - 1}}, "control[0].task.batch_size"),
 ])
 def test_bad_line_is_a_non_fatal_error_and_the_others_train_on(tmp_path, line, field):
     control(tmp_path, line)
@@ -135,3 +137,11 @@ def test_engine_failure_is_fatal_once_then_the_line_is_skipped(tmp_path, monkeyp
     ev = events(buf2)
     assert not [e for e in ev if e["event"] == "error"]
     assert set(ev[-1]["tasks"]) == {"a"} and ev[-1]["tasks"]["a"]["phase"] == "succeeded"
+
+
+def test_rank_above_the_model_hidden_size_is_a_spec_error(tmp_path):
+    buf = io.StringIO()
+    assert run(spec(tmp_path, [{"name": "a", "rank": 33}]), Reporter(buf)) == 2
+    assert [e["field"] for e in events(buf) if e["event"] == "error"] == ["workload.peft.tasks[0].rank"]
+    cfg, sec, _ = parse(workload([{"name": "a", "rank": 32}]))
+    assert sec["tasks"][0]["rank"] == cfg.hidden == 32

@@ -75,6 +75,8 @@ T = "workload.peft.tasks"
     ({"tasks": [{"name": "a"}, {"name": "j-0123456789ab_t0"}]}, f"{T}[1].name"),
     ({"tasks": [{"name": "a", "rank": 10**400}]}, f"{T}[0].rank"),  # was an OverflowError (alpha = 2 * rank)
     ({"tasks": [{"name": "a", "steps": 2**31}]}, f"{T}[0].steps"),
+    ({"tasks": [{"name": "a", "batch_size": 65537}]}, f"{T}[0].batch_size"),
+    ({"tasks": [{"name": "a", "batch_size": 2**31 - 1}]}, f"{T}[0].batch_size"),
 ])
 def test_errors_name_the_field(section, field):
     with pytest.raises(SpecError) as ei:
@@ -120,3 +122,17 @@ def test_largest_peft_spec_fits_one_etcd_value():
     d = manifest.validate({"apiVersion": "tessera/v1", "name": "a",
                            "workload": {"type": "peft", "steps": 1, "peft": {"tasks": tasks}}})
     assert len(manifest.to_proto(d).SerializeToString()) < 512 * 1024
+
+
+def test_rank_is_bounded_by_the_model_hidden_size():
+    # A rank-r factor on a width-`hidden` linear is only meaningful for r <= hidden.
+    ok = validate_peft({"tasks": [{"name": "a", "rank": 32}]}, hidden=32)
+    assert ok["tasks"][0]["rank"] == 32 and validate_peft(ok, hidden=32) == ok
+    for rank in (33, 2**31 - 1):
+        with pytest.raises(SpecError) as ei:
+            validate_peft({"tasks": [{"name": "a"}, {"name": "b", "rank": rank}]}, hidden=32)
+        assert ei.value.field == "workload.peft.tasks[1].rank" and "<= 32" in str(ei.value)
+    with pytest.raises(SpecError) as ei:
+        validate_task({"name": "c", "rank": 64}, "control[0].task", hidden=32)
+    assert ei.value.field == "control[0].task.rank"
+    assert validate_peft({"tasks": [{"name": "a", "batch_size": 65536}]})["tasks"][0]["batch_size"] == 65536

@@ -109,7 +109,7 @@ def parse(workload: dict) -> tuple[GPTConfig, dict, dict]:
         "checkpoint_every": _num(workload, "checkpoint_every", 0, int, 0),
         "report_every": _num(workload, "report_every", 10, int, 1),
     }
-    sec = validate_peft(workload.get("peft"), "workload.peft", defaults=p)
+    sec = validate_peft(workload.get("peft"), "workload.peft", defaults=p, hidden=cfg.hidden)
     if sec["chunk_size"] is None:
         sec["chunk_size"] = cfg.seq_len
     if sec["chunk_size"] > cfg.seq_len:
@@ -211,7 +211,7 @@ class PeftRunner:
         validation, the dataset (files read), the task's earlier files (state.pt read)."""
         path = path or f"tasks[{self._added}]"
         p = self.params
-        t = validate_task(task, path, self._added, defaults=p, fused=fused)
+        t = validate_task(task, path, self._added, defaults=p, fused=fused, hidden=self.cfg.hidden)
         t = resolve_task(t, self.section["chunk_size"], path)
         running = self.engine.tasks.get(t["name"])
         if running is not None and running.status == "running":
