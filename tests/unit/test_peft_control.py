@@ -145,3 +145,19 @@ def test_rank_above_the_model_hidden_size_is_a_spec_error(tmp_path):
     assert [e["field"] for e in events(buf) if e["event"] == "error"] == ["workload.peft.tasks[0].rank"]
     cfg, sec, _ = parse(workload([{"name": "a", "rank": 32}]))
     assert sec["tasks"][0]["rank"] == cfg.hidden == 32
+
+
+def test_rejected_duplicate_add_does_not_move_the_running_task_files(tmp_path):
+    other = tmp_path / "other-job" / "peft" / "a"
+    cfg, sec, p = parse(workload([{"name": "a", "steps": 3}], checkpoint_every=1))
+    buf = io.StringIO()
+    r = PeftRunner(cfg, sec, p, Reporter(buf), str(tmp_path))
+    r.add_task(sec["tasks"][0])
+    assert r.step()
+    control(tmp_path, {"op": "add", "task": {"name": "a"}, "dir": str(other)})
+    while r.step():
+        pass
+    assert [e["field"] for e in events(buf) if e["event"] == "error"] == ["control[0].task.name"]
+    assert r.task_dir("a") == str(tmp_path / "peft" / "a")
+    assert sorted(os.listdir(tmp_path / "peft" / "a")) == ["adapter.pt", "state.pt"]
+    assert not os.path.exists(other)

@@ -233,10 +233,9 @@ class PeftRunner:
     def _commit_add(self, prep: dict) -> TaskState | None:
         """Apply a prepared add; :class:`EngineError` if the engine failed on the way."""
         t = prep["t"]
-        if prep["task_dir"] is not None:
-            self._task_dirs[t["name"]] = prep["task_dir"]
         self._added += 1
         if prep["ended"] is not None:
+            self._record_dir(t["name"], prep["task_dir"])
             phase, step = prep["ended"]
             self.ended_before[t["name"]] = phase
             self.rep.event("task", task=t["name"], phase=phase, step=step, steps=t["steps"],
@@ -248,10 +247,17 @@ class PeftRunner:
                 self.engine.restore(st, prep["state"])
         except Exception as e:
             raise EngineError(f"adding task {t['name']!r} failed: {type(e).__name__}: {e}") from e
+        # Only now: a rejected add (a duplicate name) must not re-point a running task's files.
+        self._record_dir(t["name"], prep["task_dir"])
         self.log.info("task_added", task=st.name, slot=st.slot, rank=t["rank"], targets=t["target_modules"],
                       resumed_step=st.step, running=len(self.engine.running()))
         self._task_event(st)
         return st
+
+    def _record_dir(self, name: str, task_dir: str | None) -> None:
+        """``name``'s files live in ``task_dir`` from now on (None: where they were)."""
+        if task_dir is not None:
+            self._task_dirs[name] = task_dir
 
     @staticmethod
     def _ended_in_earlier_run(tdir: str, steps: int) -> tuple[str, int] | None:
