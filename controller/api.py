@@ -1,7 +1,7 @@
 """Thin gRPC servicers of the controller: translate messages and map errors to codes.
 
 Error mapping: SpecError -> INVALID_ARGUMENT (message names the field); NotFound ->
-NOT_FOUND; AlreadyExists -> ALREADY_EXISTS; PreconditionFailed -> FAILED_PRECONDITION;
+NOT_FOUND (for a job id: says how long finished jobs are kept, ``finished_job_ttl_s``); AlreadyExists -> ALREADY_EXISTS; PreconditionFailed -> FAILED_PRECONDITION;
 NotLeader / Conflict / etcd unreachable -> UNAVAILABLE (retry); anything else ->
 INTERNAL, logged.
 """
@@ -119,12 +119,19 @@ async def watch_jobs(ctl: Controller, request):
                 yield controller_pb2.JobEvent(type=controller_pb2.JobEvent.SNAPSHOT, job=j, revision=rev)
         start = rev
     prefix = store.k("jobs") + b"/"
-    watch = await store.c.watch_prefix(prefix, start_revision=start + 1)
+    # A deletion (retention removing a finished job) carries no value: a tenant's watch of
+    # all its jobs asks etcd for the previous value too, to tell whose job it was.
+    by_tenant = bool(request.tenant) and not request.job_id
+    watch = await store.c.watch_prefix(prefix, start_revision=start + 1, prev_kv=by_tenant)
     try:
         async for ev in watch:
             rev = ev.kv.mod_revision
             if ev.kind == aetcd.EventKind.DELETE:
                 job = types_pb2.Job(id=ev.kv.key[len(prefix):].decode())
+                if by_tenant:
+                    if ev.prev_kv is None or types_pb2.Job.FromString(ev.prev_kv.value).spec.tenant != request.tenant:
+                        continue
+                    job.spec.tenant = request.tenant
                 if not request.job_id or job.id == request.job_id:
                     yield controller_pb2.JobEvent(type=controller_pb2.JobEvent.DELETED, job=job, revision=rev)
                 continue

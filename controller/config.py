@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tessera.errors import SpecError
+
 
 @dataclass(frozen=True)
 class ControllerConfig:
@@ -24,3 +26,11 @@ class ControllerConfig:
     profile_steps: int = field(default=8, metadata={"help": "steps of a profiling job (the estimator drops the first 2 as warm-up)"})
     policy: str = field(default="tessera", metadata={"help": "scheduling policy: tessera (packing, elastic resize, preemption) | firstfit (whole partitions, submission order)"})
     identity: str = field(default="", metadata={"help": "this controller's identity in the election (default: host:pid)"})
+    finished_job_ttl_s: float = field(default=604800.0, metadata={
+        "help": "a finished job (SUCCEEDED, FAILED, CANCELLED) is removed from etcd this many seconds after it "
+                "ended (default 7 days; 0 keeps finished jobs forever)"})
+
+    def __post_init__(self) -> None:
+        if self.finished_job_ttl_s < 0:
+            raise SpecError("finished_job_ttl_s",
+                            f"must be >= 0 seconds (0 keeps finished jobs forever), got {self.finished_job_ttl_s:g}")

@@ -118,6 +118,53 @@ def _decode_page_token(token: str) -> tuple[float, str] | None:
         raise SpecError("page_token", f"not a token this server issued: {token!r}") from None
 
 
+# Finished jobs removed per reconcile round at most (retention): a backlog (the TTL just
+# lowered, or a leader that was down for a while) drains over several rounds instead of
+# stalling one; each removal is one etcd transaction.
+MAX_REMOVALS_PER_ROUND = 500
+
+
+def finished_at(job: types_pb2.Job) -> float:
+    """When a terminal ``job`` ended: the time of its last history entry into its current
+    phase; for a record without one (older records), its last history entry of any phase;
+    else its creation time."""
+    st = job.status
+    t = next((h.time for h in reversed(st.history) if h.phase == st.phase), 0.0)
+    return t or max((h.time for h in st.history), default=0.0) or job.created
+
+
+def expired_jobs(jobs: list[types_pb2.Job], now: float, ttl_s: float,
+                 limit: int = MAX_REMOVALS_PER_ROUND) -> list[types_pb2.Job]:
+    """The finished jobs to remove at ``now`` (pure): terminal jobs that ended more than
+    ``ttl_s`` before ``now`` (:func:`finished_at`), the longest-finished first, at most
+    ``limit``; none when ``ttl_s`` is 0 (kept forever). Of those, a job is kept while
+    another job that stays needs it: a guest fused into it (``status.fused_into``: a
+    host outlives its guests' records), a job whose estimate names it as its profiling
+    job (``status.estimate.profile_job_id``: removing that profiling job would make the
+    profiling loop submit it again); and a guest is kept while its host is not finished.
+    A job kept for these reasons protects the jobs it needs in turn."""
+    if not ttl_s > 0 or limit <= 0:
+        return []
+    old = [(finished_at(j), j.id, j) for j in jobs if j.status.phase in TERMINAL]
+    old = sorted(x for x in old if now - x[0] > ttl_s)[:limit]
+    chosen = {j.id: j for _, _, j in old}
+    if not chosen:
+        return []
+    by_id = {j.id: j for j in jobs}
+
+    def needs(j: types_pb2.Job) -> tuple[str, ...]:
+        return tuple(x for x in (j.status.fused_into, j.status.estimate.profile_job_id) if x)
+
+    needed = {ref for j in jobs if j.id not in chosen for ref in needs(j)}
+    keep = [jid for jid, j in chosen.items() if jid in needed or (
+        (h := by_id.get(j.status.fused_into)) is not None and h.status.phase not in TERMINAL)]
+    while keep:
+        j = chosen.pop(keep.pop(), None)
+        if j is not None:
+            keep.extend(ref for ref in needs(j) if ref in chosen)
+    return [j for _, _, j in old if j.id in chosen]
+
+
 @dataclass
 class _Rank:
     node: str
@@ -167,6 +214,14 @@ class Controller:
     async def on_lost(self) -> None:
         self.leading = False
 
+    def not_found(self, job_id: str) -> NotFound:
+        """The NOT_FOUND of a job id that is not (or no longer) stored."""
+        ttl = self.cfg.finished_job_ttl_s
+        if not ttl > 0:
+            return NotFound(f"job {job_id} not found (finished jobs are kept forever here: finished_job_ttl_s=0)")
+        return NotFound(f"job {job_id} not found: finished jobs are kept for finished_job_ttl_s={ttl:g}s "
+                        f"({_span(ttl)}) after they end, then removed; it may have ended earlier than that")
+
     def _require_leader(self) -> None:
         if not self.leading or self.store.fencing_token is None:
             raise NotLeader("this controller is not the leader; retry against the leader")
@@ -178,7 +233,7 @@ class Controller:
         for _ in range(RETRIES):
             v = await self.store.get_job(job_id)
             if v is None:
-                raise NotFound(f"job {job_id} not found")
+                raise self.not_found(job_id)
             job = v.value
             out = fn(job)
             if inspect.isawaitable(out):  # an async fn may read (and compare) other keys
@@ -219,11 +274,24 @@ class Controller:
                 job.revision = await self.store.create_job(job, idem)
             except Conflict:
                 if idem:
-                    existing = await self.store.get_idem(norm.tenant, idem)
-                    if existing is not None:
+                    iv = await self.store.get_idem_versioned(norm.tenant, idem)
+                    if iv is not None:
+                        existing = iv.value
                         v = await self.store.get_job(existing)
                         if v is None:
-                            raise Conflict("idempotency key points at a missing job") from None
+                            # The key outlived its job (a record removed without it by an
+                            # older version, or by hand): it names nothing, so it is freed
+                            # and the submission creates a new job. Retention removes a
+                            # job's key with it (Store.delete_job).
+                            try:
+                                await self.store.delete_idem(norm.tenant, idem, iv.mod_revision)
+                            except Conflict:
+                                pass
+                            except Fenced as e:
+                                raise NotLeader(str(e)) from None
+                            self.log.warning("dangling idempotency key freed", tenant=norm.tenant, key=idem,
+                                             job_id=existing)
+                            continue
                         if canonical_spec(v.value.spec) != canonical_spec(norm):
                             raise AlreadyExists(
                                 f"idempotency_key {idem!r} was used for another spec (job {existing})") from None
@@ -241,7 +309,7 @@ class Controller:
         parent_id, task = peft_tasks.split_id(job_id)
         v = await self.store.get_job(parent_id)
         if v is None:
-            raise NotFound(f"job {parent_id} not found")
+            raise self.not_found(parent_id)
         if task is None:
             return v.value
         tv = peft_tasks.view(v.value, task)
@@ -600,7 +668,7 @@ class Controller:
         live = {j.status.allocation_id for j in active}
         self._strays = {k for k in self._strays if k[0] in live}
         if not pending and not active:
-            return {"placed": 0, "lost_nodes": lost}
+            return {"placed": 0, "lost_nodes": lost, "removed": await self.remove_finished(jobs, now)}
         decision_id = "d-" + secrets.token_hex(4)
         dlog = self.log.bind(decision_id=decision_id)
         # Partitions an agent still holds for an allocation that etcd no longer has (a
@@ -659,7 +727,42 @@ class Controller:
                   reshards=[(r.job_id, r.encoder_ranks, r.llm_ranks) for r in reply.reshards],
                   repartitions=[(r.group_id, r.quotas) for r in reply.repartitions], starving=list(reply.starving),
                   ms=round(dt, 2), **out)
+        # Last: removals never delay this round's placements.
+        out["removed"] = await self.remove_finished(jobs, now)
         return out
+
+    async def remove_finished(self, jobs: list[types_pb2.Job], now: float) -> int:
+        """Retention: remove the finished jobs of ``jobs`` (every job as read this round)
+        that :func:`expired_jobs` selects, each in one fenced transaction compared on the
+        job's mod revision (a job changed since it was read is left for a later round) that
+        also deletes its idempotency key, its allocation's rank exits and any partition
+        units the allocation still holds (a guest's allocation is its host's: untouched).
+        ``Fenced`` propagates (a deposed leader removes nothing). Returns how many were
+        removed."""
+        doomed = expired_jobs(jobs, now, self.cfg.finished_job_ttl_s)
+        if not doomed:
+            return 0
+        t0 = time.perf_counter()
+        live = {j.status.allocation_id for j in jobs if j.status.phase not in TERMINAL and j.status.allocation_id}
+        holders = await self.store.list_holders()
+        removed, deferred = 0, 0
+        for j in doomed:
+            alloc = j.status.allocation_id
+            cmp, ops = [], []
+            if alloc and not j.status.fused_into and alloc not in live:
+                held = [key for key, hs in holders.items() if alloc in hs]
+                cmp, ops = await self.store.realloc_ops(drop=alloc, drop_keys=held)
+            try:
+                await self.store.delete_job(j, j.revision, cmp, ops)
+            except Conflict:
+                deferred += 1  # changed (or a partition record moved) since read: next round
+                continue
+            removed += 1
+            self.launched_at.pop(alloc, None)
+        self.log.info("finished jobs removed", removed=removed, deferred=deferred, ttl_s=self.cfg.finished_job_ttl_s,
+                      oldest_finished_s_ago=round(now - finished_at(doomed[0]), 1),
+                      ms=round((time.perf_counter() - t0) * 1000, 2))
+        return removed
 
     def round_estimator(self, nodes: list[types_pb2.Node], jobs: list[types_pb2.Job]) -> object | None:
         """The estimator of this round: ``self.estimator`` when set; else a
@@ -1139,3 +1242,11 @@ def _set_decision(job: types_pb2.Job, policy: str, reason: str, now: float, deci
     decide(job, policy, "wait", reason, now, decision_id)
     job.status.reason = reason if reason.startswith("waiting") else f"waiting: {reason}"
     return [], []
+
+
+def _span(seconds: float) -> str:
+    """A duration for people: "7d", "36h", "90m", "45s"."""
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= n and seconds % n == 0:
+            return f"{seconds / n:g}{unit}"
+    return f"{seconds:g}s"

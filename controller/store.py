@@ -4,7 +4,7 @@ Layout under the configurable prefix P (default ``/tessera``)::
 
     P/leader                      controller id, on the leader's lease
     P/jobs/<job_id>               Job (protobuf bytes)
-    P/idem/<tenant>/<key>         job id of an idempotent submission
+    P/idem/<tenant>/<key>         job id of an idempotent submission (deleted with the job)
     P/nodes/<name>                Node (protobuf bytes)
     P/allocs/<node>/<partition>   JSON {allocation id: units} of the allocations holding
                                   quotas of the partition (one key per partition, written
@@ -12,6 +12,11 @@ Layout under the configurable prefix P (default ``/tessera``)::
                                   units sum to at most the partition's capacity: a partition
                                   is never allocated beyond capacity at any revision)
     P/exits/<alloc_id>/<rank>     exit code of a rank of an allocation
+
+A finished job is removed ``finished_job_ttl_s`` after it ended (``delete_job``): its
+record, its idempotency key when it still names the job, its allocation's rank exits and
+any partition units its allocation still holds, in one fenced transaction compared on the
+job's mod revision. No other key is keyed by job or allocation.
 
 Every write is one etcd transaction. Read-modify-writes compare the mod revision read
 (optimistic concurrency: ``Conflict`` when someone else wrote first) and, when a
@@ -100,6 +105,8 @@ class Store:
             for r in resp:
                 if hasattr(r, "HasField") and r.HasField("response_put"):
                     return int(r.response_put.header.revision)
+                if hasattr(r, "HasField") and r.HasField("response_delete_range"):
+                    return int(r.response_delete_range.header.revision)
             return 0
         if fence and not await self.is_leader():
             raise Fenced("leader key changed: this controller was deposed")
@@ -154,6 +161,11 @@ class Store:
         g = await self.c.get(self.idem_key(tenant, key))
         return None if g is None else g.value.decode()
 
+    async def get_idem_versioned(self, tenant: str, key: str) -> Versioned | None:
+        """The job id an idempotency key names (str) and the key's mod revision; None if absent."""
+        g = await self.c.get(self.idem_key(tenant, key))
+        return None if g is None else Versioned(g.value.decode(), g.mod_revision)
+
     # -- writes -----------------------------------------------------------------------
     def put_job_op(self, job: types_pb2.Job):
         j = types_pb2.Job()
@@ -175,6 +187,27 @@ class Store:
         """Write ``job`` if its record is still at ``mod_revision``."""
         cmp = [self.c.transactions.mod(self.job_key(job.id)) == mod_revision, *extra_cmp]
         return await self.txn(cmp, [self.put_job_op(job), *extra_ops])
+
+    async def delete_job(self, job: types_pb2.Job, mod_revision: int, extra_cmp=(), extra_ops=()) -> int:
+        """Remove ``job``'s record if it is still at ``mod_revision`` (``Conflict`` when it
+        changed or is gone; ``Fenced`` when deposed), with the caller's compares and writes,
+        and its idempotency key when that still names this job (compared on its mod
+        revision: a key rewritten meanwhile fails the transaction with ``Conflict``)."""
+        cmp = [self.c.transactions.mod(self.job_key(job.id)) == mod_revision, *extra_cmp]
+        ops = [self.c.transactions.delete(self.job_key(job.id)), *extra_ops]
+        if job.idempotency_key:
+            iv = await self.get_idem_versioned(job.spec.tenant, job.idempotency_key)
+            if iv is not None and iv.value == job.id:
+                ik = self.idem_key(job.spec.tenant, job.idempotency_key)
+                cmp.append(self.c.transactions.mod(ik) == iv.mod_revision)
+                ops.append(self.c.transactions.delete(ik))
+        return await self.txn(cmp, ops)
+
+    async def delete_idem(self, tenant: str, key: str, mod_revision: int) -> int:
+        """Remove an idempotency key that names a job no longer stored, if still at
+        ``mod_revision`` (``Conflict`` otherwise)."""
+        ik = self.idem_key(tenant, key)
+        return await self.txn([self.c.transactions.mod(ik) == mod_revision], [self.c.transactions.delete(ik)])
 
     async def realloc_ops(self, drop: str = "", drop_keys=(), add: str = "",
                           add_units: dict[tuple[str, str], int] | None = None,
