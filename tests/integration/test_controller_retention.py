@@ -254,3 +254,12 @@ async def test_the_daemon_removes_an_expired_job_get_is_not_found_and_watch_filt
         stop.set()
         await asyncio.wait_for(task, 30)
         await c.close()
+
+
+async def test_a_dangling_idempotency_key_is_freed_by_the_next_submission(ctl):
+    """A key that names a job no longer stored (removed by an older version without its
+    key, or by hand) no longer blocks its tenant: the submission creates a job."""
+    ctl, store, c, now = ctl
+    await c.put(store.idem_key("t", "key-9"), b"j-0000000009ff")
+    job_, created = await ctl.submit(manifest.to_proto(manifest.validate(DOC)), "key-9")
+    assert created and job_.id != "j-0000000009ff" and await store.get_idem("t", "key-9") == job_.id
