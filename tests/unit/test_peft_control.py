@@ -161,3 +161,40 @@ def test_rejected_duplicate_add_does_not_move_the_running_task_files(tmp_path):
     assert r.task_dir("a") == str(tmp_path / "peft" / "a")
     assert sorted(os.listdir(tmp_path / "peft" / "a")) == ["adapter.pt", "state.pt"]
     assert not os.path.exists(other)
+
+
+def resumed(tmp_path, steps_first, steps_again, at):
+    """A task trained ``at`` steps and checkpointed (SIGTERM), then relaunched with ``steps_again``."""
+    cfg, sec, p = parse(workload([{"name": "a", "steps": steps_first}]))
+    first = PeftRunner(cfg, sec, p, Reporter(io.StringIO()), str(tmp_path))
+    first.add_task(sec["tasks"][0])
+    for _ in range(at):
+        assert first.step()
+    first.checkpoint_running()
+    saved = first.engine.tasks["a"].tokens
+    cfg, sec, p = parse(workload([{"name": "a", "steps": steps_again}]))
+    buf = io.StringIO()
+    again = PeftRunner(cfg, sec, p, Reporter(buf), str(tmp_path))
+    again.add_task(sec["tasks"][0])
+    return again, buf, saved
+
+
+def test_tokens_per_s_after_a_resume_counts_only_this_executors_tokens(tmp_path):
+    again, buf, saved = resumed(tmp_path, 8, 8, 4)
+    t = again.engine.tasks["a"]
+    assert t.step == 4 and t.tokens == saved > 0  # the total carries over ...
+    first = [e for e in events(buf) if e["event"] == "task"][0]
+    assert first["step"] == 4 and first["tokens_per_s"] == 0.0  # ... the rate does not
+    assert again.step()
+    now = t.added_at + 2.0
+    assert t.tokens_per_s(now) == pytest.approx((t.tokens - saved) / 2.0)
+
+
+def test_resumed_task_already_at_its_steps_ends_without_training(tmp_path):
+    again, buf, _ = resumed(tmp_path, 8, 3, 4)
+    t = again.engine.tasks["a"]
+    assert t.status == "succeeded" and t.step == 4 and again.engine.running() == []
+    assert not again.step()  # no extra step
+    assert [(e["phase"], e["step"]) for e in events(buf) if e["event"] == "task"] == [("succeeded", 4)]
+    ad = torch.load(tmp_path / "peft" / "a" / "adapter.pt", weights_only=True)
+    assert ad["step"] == 4

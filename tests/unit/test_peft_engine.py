@@ -356,3 +356,22 @@ def test_set_workers_between_steps_keeps_the_serial_result():
     with pytest.raises(ValueError, match="workers"):
         varied.set_workers(0)
     assert varied.workers == 2
+
+
+def test_forward_task_refuses_a_task_that_is_not_running():
+    # An ended task's slot may already be another task's: forwarding through it would
+    # silently use that task's adapter.
+    a = task("a", 0, steps=2)
+    e = engine([], slots=1)
+    e.add_task(a, dataset(a))
+    while e.step():
+        pass
+    b = task("b", 1, steps=5)
+    e.add_task(b, dataset(b))
+    assert e.tasks["a"].slot == e.tasks["b"].slot
+    x = torch.randint(0, CFG.vocab, (1, 10))
+    with pytest.raises(ValueError, match="'a' is not running.*succeeded.*merge_adapter"):
+        e.forward_task("a", x)
+    with pytest.raises(KeyError):
+        e.forward_task("zzz", x)
+    assert e.forward_task("b", x).shape == (1, 10, CFG.vocab)

@@ -77,13 +77,16 @@ class TaskState:
     first_loss: float = float("nan")
     added_at: float = field(default_factory=time.perf_counter)
     ended_at: float | None = None
+    tokens_at_add: int = 0  # tokens already trained when it joined this engine (a resumed task's)
     pack: PackStats = field(default_factory=PackStats)
     final_adapter: dict | None = None
 
     def tokens_per_s(self, now: float | None = None) -> float:
-        """Effective (non-padding) tokens per second since the task joined the engine."""
+        """Effective (non-padding) tokens per second since the task joined the engine:
+        the tokens it trained here (not those of an earlier executor it resumed from) over
+        the time since it was added."""
         end = self.ended_at if self.ended_at is not None else (now or time.perf_counter())
-        return self.tokens / max(end - self.added_at, 1e-9)
+        return (self.tokens - self.tokens_at_add) / max(end - self.added_at, 1e-9)
 
 
 @dataclass
@@ -364,8 +367,18 @@ class MuxEngine:
 
     @torch.no_grad()
     def forward_task(self, name_or_slot: str | int, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of plain causal ``tokens`` (B, T) through one slot's adapter (inference)."""
-        slot = self.tasks[name_or_slot].slot if isinstance(name_or_slot, str) else name_or_slot
+        """Logits of plain causal ``tokens`` (B, T) through one slot's adapter (inference).
+        By name: only a running task (KeyError if unknown; ValueError if it ended, since
+        its slot is freed and may hold another task's adapter: apply its
+        ``final_adapter`` with :func:`merge_adapter` instead)."""
+        if isinstance(name_or_slot, str):
+            t = self.tasks[name_or_slot]
+            if t.status != "running":
+                raise ValueError(f"task {name_or_slot!r} is not running ({t.status}): its slot is freed; "
+                                 f"use merge_adapter(GPT(cfg), its final_adapter)")
+            slot = t.slot
+        else:
+            slot = name_or_slot
         self.ctx.single = slot
         try:
             return self.model(tokens.to(self.device))
@@ -398,7 +411,9 @@ class MuxEngine:
                 "tokens": t.tokens, "first_loss": t.first_loss}
 
     def restore(self, t: TaskState, state: dict) -> None:
-        """Load :meth:`task_state` output into a running task (same spec)."""
+        """Load :meth:`task_state` output into a running task (same spec). A task whose
+        saved step is already >= its steps (its spec asks for fewer steps now) ends at
+        once, succeeded, with that adapter as its final one: it trains no further step."""
         apply_adapter_to_slot(self, t.slot, state["adapter"])
         opt = state["optim"]
         full = {n: {k: v.to(self.device) for k, v in m.items()} for n, m in opt["moments"].items()}
@@ -413,8 +428,11 @@ class MuxEngine:
                     src = full[n][k]
                     tensor[t.slot][tuple(slice(0, d) for d in src.shape)] = src
         t.step = int(state["adapter"]["step"])
-        t.tokens = int(state.get("tokens", 0))
+        t.tokens = t.tokens_at_add = int(state.get("tokens", 0))
         t.first_loss = float(state.get("first_loss", float("nan")))
+        if t.step >= t.steps:
+            t.final_adapter = self.adapter(t)
+            self._end(t, "succeeded")
 
 
 def micro_batches(fills: list[int], per_batch: int) -> list[tuple[list[int], int]]:

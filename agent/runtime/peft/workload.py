@@ -251,7 +251,10 @@ class PeftRunner:
         self._record_dir(t["name"], prep["task_dir"])
         self.log.info("task_added", task=st.name, slot=st.slot, rank=t["rank"], targets=t["target_modules"],
                       resumed_step=st.step, running=len(self.engine.running()))
-        self._task_event(st)
+        if st.status == "running":
+            self._task_event(st)
+        else:  # its state.pt already has its steps (fewer asked now): adapter.pt, succeeded
+            self._end(st)
         return st
 
     def _record_dir(self, name: str, task_dir: str | None) -> None:
