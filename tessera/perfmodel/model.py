@@ -131,16 +131,24 @@ class PerfModel:
 
     def estimate_batch(self, cands: list[Candidate]) -> list[Estimate]:
         """Estimate many candidates; order preserved. Invalid or unsupported ones get
-        ``insufficient_data`` (with the reason) instead of raising."""
+        ``insufficient_data`` (with the reason) instead of raising. An invalid candidate
+        (bad plan, model shape, quota, oversubscription or schedule) is never answered,
+        not even from a profile; a measured profile answers a valid candidate only when
+        its device type has no fitted compute curve (missing or not fitted yet)."""
         out: list[Estimate | None] = [None] * len(cands)
         groups: dict[tuple, list[int]] = {}
         for i, c in enumerate(cands):
-            why = self._why_not(c)
-            if why and c.device_type in self.profiles:
+            bad = self._invalid(c)
+            if bad:
+                out[i] = _insufficient(bad)
+                continue
+            no_curve = self._no_curve(c)
+            if no_curve and c.device_type in self.profiles:
                 hit = self._from_profile(c)
                 if hit is not None:
                     out[i] = hit
                     continue
+            why = no_curve or self._missing(c)
             if why:
                 out[i] = _insufficient(why)
             else:
@@ -152,11 +160,13 @@ class PerfModel:
 
     def _from_profile(self, c: Candidate) -> Estimate | None:
         """From the measured profile of exactly this configuration's per-rank shape, or
-        None. Used only where the fitted curve cannot answer (too few profiles). A
-        single-device plan is the profile itself; a data-parallel plan (dp > 1, tp = pp
-        = 1) is the profile of its per-rank batch plus the gradient all-reduce (4 bytes
-        per parameter), the loss all-reduce and the wait for the slowest rank over the
-        link's fitted table."""
+        None. Used only where the fitted curve cannot answer (too few profiles), for a
+        candidate already checked valid. A single-device plan is the profile itself; a
+        data-parallel plan (dp > 1, tp = pp = 1) is the profile of its per-rank batch plus
+        the gradient all-reduce (4 bytes per parameter), the loss all-reduce and the wait
+        for the slowest rank over the link's fitted table. A profile point with seconds
+        not finite and > 0, or a spread not finite and >= 0, answers nothing; the answer's
+        seconds are finite and > 0 and its confidence in [0, 1], or there is none."""
         if c.tp != 1 or c.pp != 1 or c.colocated != 1 or min(c.batch, c.layers, c.micro_batches, c.dp) < 1:
             return None
         if c.batch % c.dp:
@@ -169,6 +179,8 @@ class PerfModel:
         for p in self.profiles.get(c.device_type, ()):
             if (p.module, p.rows, p.seq, p.micro_batches) == (c.module, rows, seq, c.micro_batches) \
                     and abs(p.q - c.quota) < 1e-9:
+                if not p.usable():
+                    continue  # a corrupt measurement: no answer rather than a wrong one
                 params = F.stage_params(c.layers, c.hidden, c.vocab, c.seq_len, 1, 1)
                 seconds, r, breakdown = p.seconds, p.rel_std(), {"profile": p.seconds}
                 if comm is not None:
@@ -179,10 +191,12 @@ class PerfModel:
                     csig = comm.ops["all_reduce"].get("rel_sigma", 0.0)
                     r = math.sqrt(r * r + (csig * (grad + loss) / seconds) ** 2)
                     breakdown.update(grad_allreduce=grad, loss_allreduce=loss, straggle=wait)
+                if not (math.isfinite(seconds) and seconds > 0 and math.isfinite(r) and r > 0):
+                    continue
                 mem = 16.0 * params + F.activation_bytes(rows / c.micro_batches, seq, c.layers, c.hidden, c.heads,
                                                          c.vocab, 1)
                 return Estimate(status="ok", seconds=seconds, memory_bytes=float(mem), rel_std=r,
-                                confidence=math.erf(CONF_TOLERANCE / (math.sqrt(2.0) * r)),
+                                confidence=min(1.0, max(0.0, math.erf(CONF_TOLERANCE / (math.sqrt(2.0) * r)))),
                                 reason=f"measured profile of the per-rank configuration ({p.steps} steps)"
                                        + (f" + all-reduce over {c.link!r}" if comm is not None else "")
                                        + f"; no fitted curve for {c.device_type!r} yet",
@@ -190,11 +204,13 @@ class PerfModel:
         return None
 
     def _why_not(self, c: Candidate) -> str:
-        fit = self.compute.get(c.device_type)
-        if fit is None:
-            return f"no compute profile for device type {c.device_type!r}"
-        if fit.status != "ok":
-            return fit.reason or f"compute model of {c.device_type!r} not fitted"
+        """Why the fitted model cannot estimate ``c`` ("" if it can): the candidate is
+        invalid, or data it needs is missing."""
+        return self._invalid(c) or self._no_curve(c) or self._missing(c)
+
+    @staticmethod
+    def _invalid(c: Candidate) -> str:
+        """Why ``c`` is not a valid configuration at all ("" if it is); no data helps."""
         if min(c.dp, c.tp, c.pp, c.micro_batches, c.batch, c.layers) < 1 or c.layers < c.pp:
             return "invalid plan (dp, tp, pp, micro_batches, batch >= 1; layers >= pp)"
         if c.batch % (c.dp * c.micro_batches) or c.hidden % c.tp or c.heads % c.tp:
@@ -207,6 +223,19 @@ class PerfModel:
             return "oversubscription must be a finite number >= 0, colocated >= 1"
         if c.schedule not in ("1f1b", "gpipe"):
             return f"unknown schedule {c.schedule!r} (1f1b or gpipe)"
+        return ""
+
+    def _no_curve(self, c: Candidate) -> str:
+        """Why the device type has no usable fitted compute curve ("" if it has one)."""
+        fit = self.compute.get(c.device_type)
+        if fit is None:
+            return f"no compute profile for device type {c.device_type!r}"
+        if fit.status != "ok":
+            return fit.reason or f"compute model of {c.device_type!r} not fitted"
+        return ""
+
+    def _missing(self, c: Candidate) -> str:
+        """Why a valid candidate lacks communication or colocation data ("" if it has it)."""
         if c.world > 1:
             cf = self.comm.get(c.link)
             if cf is None:
@@ -345,6 +374,11 @@ class ProfilePoint:
         run-to-run prior, in quadrature."""
         se = 1.25 * (self.spread / 2.56) / math.sqrt(max(self.steps, 1))
         return math.sqrt(se * se + RUN_TO_RUN ** 2)
+
+    def usable(self) -> bool:
+        """A real measurement: seconds finite and > 0, spread finite and >= 0, steps >= 1."""
+        return (math.isfinite(self.seconds) and self.seconds > 0 and math.isfinite(self.spread)
+                and self.spread >= 0 and self.steps >= 1)
 
     def to_dict(self) -> dict:
         return {"module": self.module, "rows": self.rows, "seq": self.seq, "micro_batches": self.micro_batches,

@@ -206,3 +206,41 @@ def test_comm_uncertainty_counts_tp_allreduces_and_pipeline_sends():
     for kw in (dict(tp=2), dict(pp=2, micro_batches=4)):
         e = noisy.estimate(cand(**kw))
         assert e.ok and e.rel_std > one.rel_std + 0.005, kw
+
+
+def _profiled(point, fitted=None):
+    """A model whose cpu device type answers from ``point`` (no fitted curve unless ``fitted``)."""
+    from tessera.perfmodel.compute import ComputeFit
+    return PerfModel(version=1, compute={"cpu": fitted or ComputeFit(device_type="cpu")}, profiles={"cpu": [point]})
+
+
+def _point(**kw):
+    from tessera.perfmodel.model import ProfilePoint
+    base = dict(module="m4x128", rows=16, seq=64, micro_batches=1, q=1.0, seconds=0.5, steps=20, spread=0.1)
+    base.update(kw)
+    return ProfilePoint(**base)
+
+
+@pytest.mark.parametrize("kw", [dict(hidden=0), dict(vocab=-5), dict(heads=0), dict(schedule="bogus"),
+                                dict(oversubscription=float("nan")), dict(oversubscription=-3.0),
+                                dict(quota=float("nan")), dict(seq_len=0)])
+def test_invalid_candidate_is_not_answered_from_a_profile(model, kw):
+    # The candidate matches the profile's per-rank shape: only its validity can refuse it.
+    for m in (_profiled(_point()), _profiled(_point(), fitted=model.compute["cpu"])):
+        assert m.estimate(cand()).ok
+        e = m.estimate(cand(**kw))
+        assert not e.ok and e.confidence == 0.0 and e.seconds != e.seconds and e.reason
+
+
+@pytest.mark.parametrize("kw", [dict(spread=float("nan")), dict(spread=float("inf")), dict(spread=-0.5),
+                                dict(seconds=0.0), dict(seconds=-1.0), dict(seconds=float("nan")),
+                                dict(seconds=float("inf")), dict(steps=0)])
+def test_corrupt_profile_point_gives_no_estimate(kw):
+    e = _profiled(_point(**kw)).estimate(cand())
+    assert not e.ok and e.confidence == 0.0 and e.seconds != e.seconds
+
+
+@pytest.mark.parametrize("spread", [0.0, 1e-12, 0.1, 5.0, 1e6])
+def test_profile_confidence_is_a_probability(spread):
+    e = _profiled(_point(spread=spread)).estimate(cand())
+    assert e.ok and 0.0 <= e.confidence <= 1.0 and e.seconds == 0.5
