@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tessera.errors import SpecError
@@ -23,6 +24,10 @@ class EstimatorConfig:
         "help": "comm rows kept per (link, op, bytes, world) and colocation rows per (device kind, mode, colocated)"})
     compact_bytes: int = field(default=64 << 20, metadata={
         "help": "rewrite the measurement log to what is retained once it exceeds this many bytes (0: never)"})
+    key_ttl_s: float = field(default=7 * 86400.0, metadata={
+        "help": "seconds without a measurement after which the keys of a gone job (job, (job, model key), its "
+                "runs unless one is its configuration's latest profile) and of a gone source are forgotten; model "
+                "keys, comm and colocation rows never expire (0: nothing expires)"})
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -41,3 +46,5 @@ class EstimatorConfig:
             raise SpecError("row_window", f"must be >= 1, got {self.row_window}")
         if self.compact_bytes < 0:
             raise SpecError("compact_bytes", f"must be >= 0 (0 disables compaction), got {self.compact_bytes}")
+        if not (math.isfinite(self.key_ttl_s) and self.key_ttl_s >= 0):
+            raise SpecError("key_ttl_s", f"must be a finite number >= 0 (0 disables expiry), got {self.key_ttl_s}")

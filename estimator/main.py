@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
+from collections.abc import Callable
 
 import structlog
 
@@ -21,15 +23,19 @@ from .store import MeasurementStore, Retention
 SERVICE = grpcserver.full_name(estimator_pb2, "EstimatorService")
 
 
-def open_store(cfg: EstimatorConfig) -> MeasurementStore:
-    """The measurement store of ``cfg`` (its directory, retention windows, compaction threshold)."""
+def open_store(cfg: EstimatorConfig, clock: Callable[[], float] = time.time) -> MeasurementStore:
+    """The measurement store of ``cfg`` (its directory, retention windows, compaction threshold,
+    key expiry); ``clock`` (wall clock) stamps receipt times and ages keys."""
     return MeasurementStore(cfg.state_dir, Retention(step_window=cfg.step_window, run_steps=cfg.run_steps,
-                                                     row_window=cfg.row_window), compact_bytes=cfg.compact_bytes)
+                                                     row_window=cfg.row_window), compact_bytes=cfg.compact_bytes,
+                            key_ttl_s=cfg.key_ttl_s, clock=clock)
 
 
-async def start(cfg: EstimatorConfig) -> tuple[grpcserver.Running, MeasurementStore]:
-    """Open the store and start serving; the caller stops the server, then closes the store."""
-    store = open_store(cfg)
+async def start(cfg: EstimatorConfig,
+                clock: Callable[[], float] = time.time) -> tuple[grpcserver.Running, MeasurementStore]:
+    """Open the store (``clock`` as in ``open_store``) and start serving; the caller stops
+    the server, then closes the store."""
+    store = open_store(cfg, clock)
     try:
         svc = EstimatorService(store, ModelKeeper(store, cfg.state_dir, min_refit_interval_s=cfg.min_refit_interval_s))
         running = await grpcserver.start([(estimator_pb2_grpc.add_EstimatorServiceServicer_to_server, svc)],
@@ -56,7 +62,7 @@ async def serve(cfg: EstimatorConfig, stop: asyncio.Event | None = None) -> None
     finally:
         store.close()
         logger.info("estimator stopped", measurements=store.count, duplicates=store.duplicates, retained=store.retained,
-                    compactions=store.compactions)
+                    compactions=store.compactions, keys=store.keys, expired=dict(store.expired))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -174,14 +174,20 @@ class Profile:
                              seconds=self.median_s, micro_batches=self.micro_batches, seq_len=self.seq_len)
 
 
+def is_profile(steps: dict[int, float]) -> bool:
+    """Whether a run's steps make a profile point: at least ``MIN_MEASURED`` after the
+    ``WARMUP_STEPS`` lowest step numbers."""
+    return len(steps) - WARMUP_STEPS >= MIN_MEASURED
+
+
 def profiles(runs: dict[tuple, dict[int, float]]) -> list[Profile]:
-    """Profile points of the runs with at least ``MIN_MEASURED`` steps after warm-up,
-    sorted by (device type, module, job)."""
+    """Profile points of the runs with at least ``MIN_MEASURED`` steps after warm-up
+    (``is_profile``), sorted by (device type, module, job)."""
     out = []
     for key, steps in runs.items():
-        ts = [steps[k] for k in sorted(steps)][WARMUP_STEPS:]
-        if len(ts) < MIN_MEASURED:
+        if not is_profile(steps):
             continue
+        ts = [steps[k] for k in sorted(steps)][WARMUP_STEPS:]
         job, dev, module = key[:3]
         layers, hidden, heads, vocab, seq_len, batch, mb = key[3:10]
         med = float(np.median(ts))

@@ -21,6 +21,33 @@ every retained record in order yields the same windows, because every window kee
 last N of its key (runs: the lowest and highest step numbers, each at its last value).
 Device samples and kinds this version does not index are dropped by compaction.
 
+Key expiry (``key_ttl_s``, 0 disables): the windows bound memory per key, expiry bounds
+the number of keys. A *key* is one window's key; the job-scoped ones and the sources
+expire, the ones the controller plans with do not (``expired_keys`` is the rule):
+- "job", "job_model" and "source" keys expire once their latest retained record was
+  received more than ``key_ttl_s`` ago (a source's watermark goes with it);
+- a "run" key (one job's single-device run: a profile point) expires on that age only
+  when it is no profile point or when a more recent run of the same configuration (the
+  run key less its job) is one: the latest profile point of every configuration stays,
+  however old, so ListProfiles and the fitted model never lose a configuration;
+- "model" (model key), "comm" and "colocation" keys never expire: they are configurations,
+  not jobs, and their last-N windows already bound them.
+Ages use the estimator's receipt time, not the profilerd's ``Measurement.time``: each
+appended batch is preceded by a receipt marker (``RX_KIND``, empty source, ``values.at``,
+the injected wall clock made monotone), and compaction writes a marker before each
+retained record whose receipt time differs from the previous one's. An expiry is made
+durable before it takes effect in memory: a tombstone record (``EXPIRED_KIND``, empty
+source, ``labels.keys`` the JSON list of [window, key]) is appended and fsynced, and
+replay applies it at its place in the log, so an expired key never comes back on a
+restart (whatever the clock or ``key_ttl_s`` then) while one that reported again after
+its expiry keeps only its new records. Compaction keeps a tombstone (pruned to those of
+its keys) while an earlier retained record still names one of its keys, since replay
+would otherwise put that record back into the expired window. Expiry of a run moves
+``model_revision`` (the model refits without it). Keys are swept on an append at most
+every ``sweep_interval_s`` (``min(key_ttl_s / 10, 60)``) and by ``sweep()``; each sweep
+that expires something logs "keys expired" with counts per window, and ``expired`` counts
+them since open.
+
 Failure handling: a write or fsync that fails truncates the log back to its last good
 size before the error reaches the caller, so no garbage sits before later batches; if
 even that truncate fails the store refuses every further append (``StoreFailed``). A
@@ -34,11 +61,14 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import json
+import math
 import os
 import struct
+import time
 import zlib
-from collections import deque
-from collections.abc import Hashable, Iterable
+from collections import Counter, deque
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +83,13 @@ _HEADER = struct.Struct("<II")
 LOG_NAME = "measurements.log"
 TMP_NAME = LOG_NAME + ".compact.tmp"
 META_KIND = "estimator.checkpoint"
+RX_KIND = "estimator.received"    # receipt time of the records after it (``values.at``)
+EXPIRED_KIND = "estimator.expired"  # keys expired here (``labels.keys``, ``values.at``)
+META_KINDS = frozenset({META_KIND, RX_KIND, EXPIRED_KIND})
 DEFAULT_COMPACT_BYTES = 64 << 20
+DEFAULT_KEY_TTL_S = 7 * 86400.0
+# Windows whose keys expire (see the module docstring); "run" only when superseded.
+EXPIRING = ("source", "job", "job_model", "run")
 # Windows whose change moves ``model_revision`` (the performance model's inputs).
 MODEL_INPUTS = frozenset({"run", "comm", "colocation"})
 
@@ -65,6 +101,12 @@ Slot = tuple[tuple[str, Hashable], object]
 def encode(m: profiler_pb2.Measurement) -> bytes:
     payload = m.SerializeToString(deterministic=True)
     return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def is_meta(m: profiler_pb2.Measurement) -> bool:
+    """A record the store writes for itself (checkpoint, receipt marker, tombstone), not
+    a measurement: no source (the API refuses measurements without one)."""
+    return not m.source and m.kind in META_KINDS
 
 
 def read_log(path: Path) -> tuple[list[profiler_pb2.Measurement], int]:
@@ -207,6 +249,21 @@ class Windows:
         del vals[victim]
         return victim != step
 
+    def remove(self, name: str, key: Hashable) -> tuple[bool, list[int]]:
+        """Drop one key of a window (expiry). Returns whether it was there and the
+        records no window holds any more."""
+        dropped: list[int] = []
+        if name == "run":
+            recs = self.run_records.pop(key, None)
+            self.runs.pop(key, None)
+            held = list(recs.values()) if recs is not None else None
+        else:
+            d = self.last.get(name, {}).pop(key, None)
+            held = [i for i, _ in d] if d is not None else None
+        for i in held or ():
+            self._unref(i, dropped)
+        return held is not None, dropped
+
     def window(self, name: str, key: Hashable) -> deque[tuple[int, object]]:
         """(record, value) pairs of one last-N window, oldest first (empty if unknown)."""
         return self.last.get(name, {}).get(key, deque())
@@ -214,6 +271,63 @@ class Windows:
     def rows(self, name: str) -> list:
         """The values of every key's window of ``name``, in record order."""
         return [v for _, v in heapq.merge(*self.last.get(name, {}).values(), key=lambda e: e[0])]
+
+
+def expired_keys(w: Windows, received: Mapping[int, float], now: float, ttl: float) -> list[tuple[str, Hashable]]:
+    """The (window, key) pairs expired at ``now`` (pure; the rule of the module docstring).
+    ``received[i]``: receipt time of retained record ``i``; a key's age is ``now`` less the
+    receipt time of its latest retained record; it expires when that is more than ``ttl``
+    (``ttl`` <= 0: nothing expires). A run expires only when it makes no profile point
+    (``models.is_profile``) or a run of the same configuration that makes one has a later
+    record; so the latest profile point of each configuration is never expired."""
+    if ttl <= 0:
+        return []
+    horizon = now - ttl
+    out: list[tuple[str, Hashable]] = []
+    for name in ("source", "job", "job_model"):
+        for key, d in w.last.get(name, {}).items():
+            if d and received[d[-1][0]] < horizon:
+                out.append((name, key))
+    latest: dict[tuple, tuple[int, tuple]] = {}  # configuration -> (last record, run) of its latest profile point
+    last: dict[tuple, int] = {}
+    for key, recs in w.run_records.items():
+        if not recs:
+            continue
+        last[key] = max(recs.values())
+        if models.is_profile(w.runs[key]):
+            cfg = key[1:]
+            if cfg not in latest or latest[cfg] < (last[key], key):
+                latest[cfg] = (last[key], key)
+    for key, i in last.items():
+        pinned = latest.get(key[1:])
+        if received[i] < horizon and (pinned is None or pinned[1] != key):
+            out.append(("run", key))
+    return out
+
+
+def _key_to_json(name: str, key: Hashable) -> list:
+    return [name, list(key) if isinstance(key, tuple) else key]
+
+
+def _key_from_json(entry: list) -> tuple[str, Hashable]:
+    name, key = entry
+    return name, tuple(key) if isinstance(key, list) else key
+
+
+def receipt_marker(at: float) -> profiler_pb2.Measurement:
+    """The record that stamps the receipt time of the records after it."""
+    return profiler_pb2.Measurement(kind=RX_KIND, values={"at": at})
+
+
+def tombstone(keys: Iterable[tuple[str, Hashable]], at: float) -> profiler_pb2.Measurement:
+    """The record that expires ``keys`` at its place in the log."""
+    return profiler_pb2.Measurement(kind=EXPIRED_KIND, values={"at": at},
+                                    labels={"keys": json.dumps([_key_to_json(n, k) for n, k in keys])})
+
+
+def tombstone_keys(m: profiler_pb2.Measurement) -> list[tuple[str, Hashable]]:
+    """The (window, key) pairs of a tombstone record."""
+    return [_key_from_json(e) for e in json.loads(m.labels["keys"])]
 
 
 def survivors(records: Iterable[Iterable[Slot]], retention: Retention) -> list[int]:
@@ -247,18 +361,30 @@ class MeasurementStore:
 
     ``count``: measurements accepted over the log's life (kept across compaction);
     ``duplicates``: dropped since open; ``retained``: records held in memory;
-    ``compactions``: log rewrites since open."""
+    ``compactions``: log rewrites since open; ``expired``: keys expired since open, per
+    window (``key_ttl_s``, see the module docstring); ``keys``: keys held, per window.
+    ``clock``: wall clock (seconds since the epoch) of receipt times and expiry; receipt
+    times never go backwards even when it does. Records of a log written before receipt
+    markers existed count as received when the store is opened."""
 
     def __init__(self, state_dir: str | os.PathLike, retention: Retention | None = None, *,
-                 compact_bytes: int = DEFAULT_COMPACT_BYTES) -> None:
+                 compact_bytes: int = DEFAULT_COMPACT_BYTES, key_ttl_s: float = DEFAULT_KEY_TTL_S,
+                 clock: Callable[[], float] = time.time) -> None:
         if compact_bytes < 0:
             raise ValueError(f"compact_bytes: must be >= 0, got {compact_bytes}")
+        if not (math.isfinite(key_ttl_s) and key_ttl_s >= 0):
+            raise ValueError(f"key_ttl_s: must be a finite number >= 0 (0 disables expiry), got {key_ttl_s}")
         self.dir = Path(state_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / LOG_NAME
         self.log = log.get(component="estimator.store")
         self.retention = retention or Retention()
         self.compact_bytes = compact_bytes
+        self.key_ttl_s = key_ttl_s
+        self.sweep_interval_s = min(key_ttl_s / 10, 60.0)
+        self.clock = clock
+        self.expired: Counter[str] = Counter()
+        self._next_sweep = -math.inf
         self.watermarks: dict[str, int] = {}
         self.count = 0
         self.duplicates = 0
@@ -271,6 +397,10 @@ class MeasurementStore:
         self.model_revision = 0
         # Encoded records the windows hold, by record index; insertion order is log order.
         self._blobs: dict[int, bytes] = {}
+        self._rx: dict[int, float] = {}  # receipt time of each retained record
+        # Tombstones a compaction may still need (see the module docstring): index -> (at, keys).
+        self._tombs: dict[int, tuple[float, list[tuple[str, Hashable]]]] = {}
+        self._last_rx = -math.inf
         self._next = 0
         self._retained_bytes = 0
         self._lock = asyncio.Lock()
@@ -288,16 +418,38 @@ class MeasurementStore:
                 f.truncate(good)
                 f.flush()
                 os.fsync(f.fileno())
+        rx = self.clock()  # the receipt time of records logged before receipt markers existed
         for m in records:
-            if not (m.kind == META_KIND and not m.source) and m.seq <= self.watermarks.get(m.source, 0):
+            if is_meta(m):
+                if m.kind == RX_KIND:
+                    rx = m.values["at"]
+                elif m.kind == EXPIRED_KIND:
+                    self._expire(tombstone_keys(m), m.values["at"])
+                else:
+                    self._index(m, b"", [], rx)
+                continue
+            if m.seq <= self.watermarks.get(m.source, 0):
                 self.replay_duplicates += 1  # e.g. a batch resent after its ack was lost
                 continue
-            self._index(m, encode(m), self._replay_slots(m))
+            self._last_rx = max(self._last_rx, rx)
+            self._index(m, encode(m), self._replay_slots(m), rx)
         self._file = self._open_append()
         self._size = good
         self.log.info("measurement store opened", path=str(self.path), measurements=self.count,
                       retained=self.retained, sources=len(self.watermarks), bytes=good,
-                      replay_duplicates=self.replay_duplicates)
+                      replay_duplicates=self.replay_duplicates, keys=self.keys, key_ttl_s=key_ttl_s)
+
+    def _receipt_time(self) -> float:
+        """The clock, never below an earlier receipt time (ages stay monotone)."""
+        self._last_rx = max(self._last_rx, self.clock())
+        return self._last_rx
+
+    @property
+    def keys(self) -> dict[str, int]:
+        """How many keys each window holds (what expiry bounds)."""
+        out = {name: len(by_key) for name, by_key in sorted(self._w.last.items())}
+        out["run"] = len(self._w.runs)
+        return out
 
     def _open_append(self):
         # Unbuffered: a failed write leaves nothing in a user-space buffer that a later
@@ -323,7 +475,7 @@ class MeasurementStore:
         """``slots(m)`` of a logged record; one that cannot be indexed (written by an
         older version that persisted before indexing) keeps only its source's window
         (its watermark), with a warning, and is no model input: never a crash on open."""
-        if m.kind == META_KIND and not m.source:
+        if is_meta(m):
             return []
         try:
             return slots(m)
@@ -332,7 +484,7 @@ class MeasurementStore:
                              kind=m.kind, error=repr(e))
             return [(("source", m.source), None)]
 
-    def _index(self, m: profiler_pb2.Measurement, blob: bytes, record_slots: list[Slot]) -> None:
+    def _index(self, m: profiler_pb2.Measurement, blob: bytes, record_slots: list[Slot], rx: float) -> None:
         if m.kind == META_KIND and not m.source:  # a compaction's checkpoint: restore the counters
             self.count = int(m.values["count"])
             self.model_revision = int(m.values["model_revision"])
@@ -342,12 +494,34 @@ class MeasurementStore:
         i = self._next
         self._next += 1
         self._blobs[i] = blob
+        self._rx[i] = rx
         self._retained_bytes += len(blob)
         changed, dropped = self._w.add(i, record_slots)
-        for j in dropped:
-            self._retained_bytes -= len(self._blobs.pop(j))
+        self._drop(dropped)
         if changed & MODEL_INPUTS:
             self.model_revision += 1
+
+    def _drop(self, records: Iterable[int]) -> None:
+        for j in records:
+            self._retained_bytes -= len(self._blobs.pop(j))
+            del self._rx[j]
+
+    def _expire(self, keys: list[tuple[str, Hashable]], at: float) -> Counter[str]:
+        """Drop ``keys`` from memory (a tombstone's effect, live or on replay); the
+        tombstone stays known to compaction. Returns the keys dropped per window."""
+        done: Counter[str] = Counter()
+        for name, key in keys:
+            present, dropped = self._w.remove(name, key)
+            self._drop(dropped)
+            if name == "source" and self.watermarks.pop(key, None) is not None:
+                present = True
+            if present:
+                done[name] += 1
+        if done["run"]:
+            self.model_revision += 1  # a model input is gone: refit
+        self._tombs[self._next] = (at, list(keys))
+        self._next += 1
+        return done
 
     def _write(self, blob: bytes) -> None:
         """Append and fsync ``blob``; on any failure the log is cut back to its last good
@@ -380,12 +554,41 @@ class MeasurementStore:
         # compact_bytes is not rewritten on every append (nor after every restart).
         return self.compact_bytes > 0 and self._size > max(self.compact_bytes, 2 * self._retained_bytes)
 
-    def _compact(self) -> None:
-        """Rewrite the log to the retained records plus a checkpoint (caller holds the lock)."""
-        before, kept = self._size, len(self._blobs)
+    def _compacted(self) -> tuple[bytes, dict[int, tuple[float, list[tuple[str, Hashable]]]]]:
+        """The compacted log (retained records in log order, each preceded by a receipt
+        marker when its receipt time differs from the previous one's, the tombstones still
+        needed, a checkpoint) and the tombstones it keeps."""
+        parts: list[bytes] = []
+        tombs: dict[int, tuple[float, list[tuple[str, Hashable]]]] = {}
+        named: set[tuple[str, Hashable]] = set()  # expiring keys of the records written since their last tombstone
+        rx = None
+        entries = heapq.merge(((i, 0, b) for i, b in self._blobs.items()),
+                              ((i, 1, t) for i, t in self._tombs.items()))
+        for i, what, x in entries:
+            if what == 0:
+                if self._rx[i] != rx:
+                    rx = self._rx[i]
+                    parts.append(encode(receipt_marker(rx)))
+                parts.append(x)
+                m = profiler_pb2.Measurement()
+                m.ParseFromString(x[_HEADER.size:])
+                named.update(k for k, _ in self._replay_slots(m) if k[0] in EXPIRING)
+            else:
+                at, keys = x
+                needed = [k for k in keys if k in named]
+                if needed:  # replay would put an earlier record back into these windows without it
+                    named.difference_update(needed)
+                    parts.append(encode(tombstone(needed, at)))
+                    tombs[i] = (at, needed)
         meta = profiler_pb2.Measurement(kind=META_KIND, values={"count": self.count,
                                                                 "model_revision": self.model_revision})
-        blob = b"".join(self._blobs.values()) + encode(meta)
+        parts.append(encode(meta))
+        return b"".join(parts), tombs
+
+    def _compact(self) -> None:
+        """Rewrite the log to what ``_compacted`` gives (caller holds the lock)."""
+        before, kept = self._size, len(self._blobs)
+        blob, tombs = self._compacted()
         tmp = self.dir / TMP_NAME
         try:
             with open(tmp, "wb") as f:
@@ -401,14 +604,73 @@ class MeasurementStore:
         self._file = self._open_append()
         fsync_dir(self.dir)
         self._size = len(blob)
+        self._tombs = tombs
         self.compactions += 1
         self.log.info("measurement log compacted", path=str(self.path), bytes_before=before, bytes_after=len(blob),
-                      records_kept=kept, measurements=self.count)
+                      records_kept=kept, tombstones_kept=len(tombs), measurements=self.count)
+
+    async def _sweep_locked(self, force: bool = False) -> Counter[str]:
+        """Expire the keys ``expired_keys`` names now (caller holds the lock): append and
+        fsync their tombstone first, then drop them from memory. Not before
+        ``sweep_interval_s`` since the last sweep unless ``force``. A failed write is
+        logged and changes nothing (the next sweep tries again)."""
+        now = self._receipt_time()
+        if self.key_ttl_s <= 0 or (not force and now < self._next_sweep):
+            return Counter()
+        self._next_sweep = now + self.sweep_interval_s
+        keys = expired_keys(self._w, self._rx, now, self.key_ttl_s)
+        if not keys:
+            return Counter()
+        retained, before = self.retained, self._retained_bytes
+        blob = encode(tombstone(keys, now))
+        fut = asyncio.ensure_future(asyncio.to_thread(self._write, blob))
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await _settle(fut)
+            if not fut.cancelled() and fut.exception() is None:
+                self.expired.update(self._expire(keys, now))  # durable: it takes effect
+            raise
+        except OSError as e:
+            self.log.error("key expiry not persisted; keys kept until the next sweep", path=str(self.path),
+                           keys=len(keys), error=str(e))
+            return Counter()
+        done = self._expire(keys, now)
+        self.expired.update(done)
+        self.log.info("keys expired", key_ttl_s=self.key_ttl_s, expired=dict(done),
+                      sample=[_key_to_json(n, k) for n, k in keys[:5]], records_dropped=retained - self.retained,
+                      bytes_dropped=before - self._retained_bytes, keys=self.keys,
+                      expired_since_open=dict(self.expired))
+        return done
+
+    async def sweep(self) -> Counter[str]:
+        """Expire what is due now (whatever the sweep interval), then compact when due.
+        Returns the keys expired per window."""
+        async with self._lock:
+            done = await self._sweep_locked(force=True)
+            await self._maybe_compact()
+            return done
+
+    async def _maybe_compact(self) -> None:
+        """Compact when due (caller holds the lock); a failure is logged, not raised."""
+        if not self._compaction_due():
+            return
+        fut = asyncio.ensure_future(asyncio.to_thread(self._compact))
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await _settle(fut)
+            if not fut.cancelled() and fut.exception() is not None:
+                self.log.error("measurement log compaction failed", path=str(self.path), error=str(fut.exception()))
+            raise
+        except OSError as e:
+            self.log.error("measurement log compaction failed", path=str(self.path), error=str(e))
 
     async def append(self, measurements: Iterable[profiler_pb2.Measurement]) -> tuple[int, int]:
         """Persist (write + fsync) the measurements not yet seen, then index them.
         Returns (accepted, duplicates). When it returns, the accepted ones are durable.
-        May compact the log first (a failed compaction is logged; the batch stays durable)."""
+        Then, after a batch with something new, may expire keys (``_sweep_locked``) and
+        compact the log (a failed expiry or compaction is logged; the batch stays durable)."""
         async with self._lock:
             seen = dict(self.watermarks)
             new: list[profiler_pb2.Measurement] = []
@@ -431,39 +693,35 @@ class MeasurementStore:
                         raise ValueError(f"measurement {m.source!r} seq {m.seq} ({m.kind}) cannot be indexed: {e!r}; "
                                          "nothing of this batch was persisted") from e
                 blobs = [encode(m) for m in new]
+                rx = self._receipt_time()
                 # The lock must not be released while a thread still works on the file:
                 # when the caller is cancelled, wait for the thread, index what it wrote
                 # (it is durable), then let the cancellation through.
-                fut = asyncio.ensure_future(asyncio.to_thread(self._write, b"".join(blobs)))
+                fut = asyncio.ensure_future(asyncio.to_thread(
+                    self._write, encode(receipt_marker(rx)) + b"".join(blobs)))
                 try:
                     await asyncio.shield(fut)
                 except asyncio.CancelledError:
                     await _settle(fut)
                     if not fut.cancelled() and fut.exception() is None:
-                        self._index_batch(new, blobs, record_slots)
+                        self._index_batch(new, blobs, record_slots, rx)
                         self.duplicates += dups
                     raise
-                self._index_batch(new, blobs, record_slots)
-                if self._compaction_due():
-                    fut = asyncio.ensure_future(asyncio.to_thread(self._compact))
-                    try:
-                        await asyncio.shield(fut)
-                    except asyncio.CancelledError:
-                        await _settle(fut)
-                        if not fut.cancelled() and fut.exception() is not None:
-                            self.log.error("measurement log compaction failed", path=str(self.path),
-                                           error=str(fut.exception()))
-                        self.duplicates += dups
-                        raise
-                    except OSError as e:
-                        self.log.error("measurement log compaction failed", path=str(self.path), error=str(e))
+                self._index_batch(new, blobs, record_slots, rx)
+                try:
+                    # After indexing: a key that reports in this batch is not expired by it.
+                    await self._sweep_locked()
+                    await self._maybe_compact()
+                except asyncio.CancelledError:
+                    self.duplicates += dups
+                    raise
             self.duplicates += dups
             return len(new), dups
 
     def _index_batch(self, new: list[profiler_pb2.Measurement], blobs: list[bytes],
-                     record_slots: list[list[Slot]]) -> None:
+                     record_slots: list[list[Slot]], rx: float) -> None:
         for m, b, sl in zip(new, blobs, record_slots):
-            self._index(m, b, sl)
+            self._index(m, b, sl, rx)
 
     def watermark(self, source: str) -> int:
         """Highest persisted seq of ``source`` (0: nothing from it)."""
