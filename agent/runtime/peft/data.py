@@ -9,9 +9,10 @@ benchmark feeds HF PEFT exactly the sequences Tessera trains on.
   the vocabulary following a task-specific successor map (with noise). Lengths are
   ``uniform`` in ``[min_len, max_len]`` or ``longtail`` (most short, a few long, like
   instruction-tuning corpora).
-* :class:`FileTask`: local text (one sample per non-empty line) or JSONL (one object per
-  line, text under ``field``); UTF-8 bytes modulo ``vocab`` are the tokens; samples are
-  truncated to ``max_len``, shorter than ``min_len`` dropped.
+* :class:`FileTask`: local UTF-8 text (one sample per non-empty line) or JSONL (one object
+  per line, text under ``field``); a leading byte-order mark is skipped, not content; UTF-8
+  bytes modulo ``vocab`` are the tokens; samples are truncated to ``max_len``, shorter
+  than ``min_len`` dropped.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class FileTask:
     def __init__(self, path: str, kind: str, vocab: int, min_len: int, max_len: int, seed: int,
                  field: str | None = "text") -> None:
         self.samples: list[torch.Tensor] = []
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a leading BOM is not content
             for n, line in enumerate(f, 1):
                 line = line.rstrip("\n")
                 if not line.strip():
