@@ -759,6 +759,8 @@ class Controller:
                 continue
             removed += 1
             self.launched_at.pop(alloc, None)
+            self.log.debug("finished job removed", job_id=j.id, phase=P.Name(j.status.phase),
+                           finished_s_ago=round(now - finished_at(j), 1))
         self.log.info("finished jobs removed", removed=removed, deferred=deferred, ttl_s=self.cfg.finished_job_ttl_s,
                       oldest_finished_s_ago=round(now - finished_at(doomed[0]), 1),
                       ms=round((time.perf_counter() - t0) * 1000, 2))
