@@ -273,3 +273,64 @@ def test_key_ttl_precedence_default_and_wiring(tmp_path, monkeypatch):
     s = open_store(EstimatorConfig(state_dir=str(tmp_path / "st"), key_ttl_s=30), clock)
     assert s.key_ttl_s == 30 and s.clock is clock
     s.close()
+
+
+# --- replay equivalence under random histories ---------------------------------------------------
+
+def full_state(s: MeasurementStore) -> dict:
+    """Every window's content, the runs, watermarks and counters."""
+    w = s._w  # noqa: SLF001 - the test compares the whole in-memory state
+    return {"last": {n: {k: [v for _, v in d] for k, d in by_key.items()} for n, by_key in w.last.items() if by_key},
+            "runs": {k: dict(v) for k, v in w.runs.items()}, "watermarks": dict(s.watermarks),
+            "revision": s.model_revision, "count": s.count, "retained": s.retained,
+            "received": sorted(s._rx.values())}  # noqa: SLF001
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_random_histories_replay_to_the_live_state(tmp_path, seed):
+    """Appends from sources that come and go, with jobs that reuse configurations, clock
+    jumps past the TTL and sweeps: a compacting store equals a plain one at every step, and
+    reopening either log (any clock, expiry off) rebuilds the same state."""
+    import random
+
+    rnd = random.Random(seed)
+    ret = Retention(step_window=3, run_steps=3, row_window=2)
+    clock = Clock()
+    plain = MeasurementStore(tmp_path / "p", ret, key_ttl_s=TTL, clock=clock, compact_bytes=0)
+    comp = MeasurementStore(tmp_path / "c", ret, key_ttl_s=TTL, clock=clock, compact_bytes=1)
+    seqs: dict[str, int] = {}
+    steps: dict[str, int] = {}
+    for _ in range(60):
+        batch = []
+        for _ in range(rnd.randint(1, 6)):
+            src = f"p{rnd.randint(1, 3)}"
+            seqs[src] = seqs.get(src, 0) + 1
+            kind = rnd.random()
+            if kind < 0.8:
+                job = f"j{rnd.randint(1, 6)}"
+                steps[job] = steps.get(job, 0) + rnd.choice((1, 1, 1, -1))  # now and then a step resent
+                batch.append(step(src, seqs[src], job=job, model=rnd.choice(("gpt:x", "gpt:y")),
+                                  t=rnd.choice((0.01, 0.02, 0.03)), i=max(steps[job], 1), world_size="1",
+                                  batch=rnd.choice(("8", "16"))))
+            elif kind < 0.9:
+                batch.append(comm(src, seqs[src], nbytes=rnd.choice((4096, 8192))))
+            else:
+                batch.append(device(src, seqs[src]))
+        assert await plain.append(batch) == await comp.append(batch)
+        r = rnd.random()
+        if r < 0.15:
+            clock.t += TTL * rnd.choice((0.5, 1.2, 3))
+        elif r < 0.25:
+            assert await plain.sweep() == await comp.sweep()
+        else:
+            clock.t += rnd.random() * 100
+        assert full_state(comp) == full_state(plain)
+    assert plain.expired and comp.compactions
+    live = full_state(plain)
+    plain.close()
+    comp.close()
+    for d in ("p", "c"):
+        for ttl, t in ((0.0, T0), (TTL, clock.t)):
+            r = MeasurementStore(tmp_path / d, ret, key_ttl_s=ttl, clock=Clock(t), compact_bytes=0)
+            assert full_state(r) == live, (d, ttl)
+            r.close()
