@@ -88,8 +88,6 @@ EXPIRED_KIND = "estimator.expired"  # keys expired here (``labels.keys``, ``valu
 META_KINDS = frozenset({META_KIND, RX_KIND, EXPIRED_KIND})
 DEFAULT_COMPACT_BYTES = 64 << 20
 DEFAULT_KEY_TTL_S = 7 * 86400.0
-# Windows whose keys expire (see the module docstring); "run" only when superseded.
-EXPIRING = ("source", "job", "job_model", "run")
 # Windows whose change moves ``model_revision`` (the performance model's inputs).
 MODEL_INPUTS = frozenset({"run", "comm", "colocation"})
 
@@ -562,6 +560,7 @@ class MeasurementStore:
         tombs: dict[int, tuple[float, list[tuple[str, Hashable]]]] = {}
         named: set[tuple[str, Hashable]] = set()  # expiring keys of the records written since their last tombstone
         rx = None
+        tombstoned = {k for _, keys in self._tombs.values() for k in keys}  # without any, nothing to parse
         entries = heapq.merge(((i, 0, b) for i, b in self._blobs.items()),
                               ((i, 1, t) for i, t in self._tombs.items()))
         for i, what, x in entries:
@@ -570,9 +569,10 @@ class MeasurementStore:
                     rx = self._rx[i]
                     parts.append(encode(receipt_marker(rx)))
                 parts.append(x)
-                m = profiler_pb2.Measurement()
-                m.ParseFromString(x[_HEADER.size:])
-                named.update(k for k, _ in self._replay_slots(m) if k[0] in EXPIRING)
+                if tombstoned:
+                    m = profiler_pb2.Measurement()
+                    m.ParseFromString(x[_HEADER.size:])
+                    named.update(k for k, _ in self._replay_slots(m) if k in tombstoned)
             else:
                 at, keys = x
                 needed = [k for k in keys if k in named]
