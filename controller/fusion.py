@@ -93,7 +93,7 @@ def _peft(job: types_pb2.Job) -> dict:
     sec = manifest.from_proto(job.spec)["workload"].get("peft") or {}
     defaults = {"learning_rate": w.learning_rate or 3e-3, "batch_size": w.batch_size or 8, "steps": w.steps or 100,
                 "seed": w.seed}
-    out = validate_peft(sec, "workload.peft", defaults=defaults)
+    out = validate_peft(sec, "workload.peft", defaults=defaults, hidden=w.model.hidden or None)
     if out["chunk_size"] is None:
         out["chunk_size"] = w.model.seq_len
     for t in out["tasks"]:

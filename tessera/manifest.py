@@ -217,13 +217,15 @@ def _workload(w: dict) -> dict:
         if section in w:
             if typ != section:
                 raise SpecError(f"workload.{section}", f"only allowed when workload.type is {section!r}")
-            out[section] = _section(section, w[section], mod, fn)
+            out[section] = _section(section, w[section], mod, fn, out["model"])
         elif typ == section:
-            out[section] = _section(section, {}, mod, fn)
+            out[section] = _section(section, {}, mod, fn, out["model"])
     return out
 
 
-def _section(section: str, value: Any, mod: str, fn: str) -> dict:
+def _section(section: str, value: Any, mod: str, fn: str, model: dict) -> dict:
+    """The validated section; the peft one is checked against the workload's model (a LoRA
+    rank above ``model.hidden`` is refused here, at submission, not by the executor)."""
     path = f"workload.{section}"
     value = _mapping(value, path)
     try:
@@ -232,7 +234,7 @@ def _section(section: str, value: Any, mod: str, fn: str) -> dict:
         # The workload's own validator is not installed: keep the section as given and
         # let the executor refuse it. Structure was still checked above.
         return value
-    out = validator(value, path)
+    out = validator(value, path, hidden=model["hidden"]) if section == "peft" else validator(value, path)
     _struct_safe(out, path)
     return out
 

@@ -138,3 +138,29 @@ def test_non_utf8_manifest_is_a_spec_error_naming_the_file(tmp_path):
     with pytest.raises(SpecError) as e:
         manifest.load_file(p)
     assert e.value.field == str(p) and "UTF-8" in e.value.message
+
+
+def test_a_peft_rank_above_the_model_hidden_size_is_refused_at_validation(tmp_path):
+    def peft(rank, hidden=64):
+        return doc(workload__type="peft", workload__model__hidden=hidden,
+                   workload__peft={"tasks": [{"name": "a", "rank": 4}, {"name": "b", "rank": rank}]})
+
+    assert manifest.validate(peft(64))["workload"]["peft"]["tasks"][1]["rank"] == 64
+    with pytest.raises(SpecError) as e:
+        manifest.validate(peft(65))
+    assert e.value.field == "workload.peft.tasks[1].rank" and "64" in e.value.message
+    # The bound is the workload's own model, not a default.
+    manifest.validate(peft(128, hidden=128))
+    # The CLI refuses it before sending anything: exit 2, the field named.
+    from tessera import cli
+
+    p = tmp_path / "m.yaml"
+    p.write_text("apiVersion: tessera/v1\nname: a\nworkload:\n  type: peft\n  steps: 2\n"
+                 "  model: {hidden: 16, heads: 2}\n  peft: {tasks: [{name: a, rank: 17}]}\n")
+
+    def no_client(address):
+        raise AssertionError("nothing may be sent for an invalid manifest")
+
+    err = cli.Console(record=True, width=200)
+    assert cli.main(["submit", str(p)], client_factory=no_client, err=err) == 2
+    assert "workload.peft.tasks[0].rank" in err.export_text()

@@ -267,3 +267,15 @@ def test_a_job_fuses_into_a_long_running_group_instead_of_preempting_it():
     # Another backbone with little work left does preempt the long group (SRPT, as before).
     reply = TesseraPolicy().schedule(adapter.build_request([node2()], [h, peft_job(G, seed=4, created=1.0)], 1000.0))
     assert [x.job_id for x in reply.preemptions] == [H]
+
+
+def test_a_stored_guest_whose_rank_exceeds_the_hidden_size_does_not_fuse():
+    # A record stored before submission checked the rank against the model: the executor would
+    # refuse the add, so fusion refuses it first (the job then gets its own executor, which
+    # fails it with the same field).
+    host, guest = running_on(peft_job(H)), peft_job(G)
+    guest.spec.workload.peft["tasks"][0]["rank"] = MODEL["hidden"] + 1
+    why = fusion.fusion_problem(host, guest)
+    assert why.startswith("peft section:") and "workload.peft.tasks[0].rank" in why
+    guest.spec.workload.peft["tasks"][0]["rank"] = MODEL["hidden"]
+    assert fusion.fusion_problem(host, guest) == ""
