@@ -235,3 +235,25 @@ def test_bad_spec_is_an_error_event(tmp_path, wl, field):
     err = [e for e in events(buf) if e["event"] == "error"]
     assert len(err) == 1
     assert rc == 2 and err[0]["field"] == field
+
+
+@pytest.mark.parametrize("mode", ["spatial", "temporal"])
+def test_job_progress_continues_across_a_relaunch(tmp_path, mode):
+    """The job-level step/total of ``progress`` events comes from the tasks' own counts: a
+    relaunched executor (its engine's counter back at 0) continues where the job was."""
+    tasks = [{"name": "a", "steps": 6}, {"name": "b", "steps": 3}]
+    first, buf = runner(tmp_path, tasks, mode)
+    for _ in range(2):
+        first.step()
+    first.checkpoint_running()
+    before = [e for e in events(buf) if e["event"] == "progress"][-1]
+    again, buf2 = runner(tmp_path, tasks, mode)
+    assert again.engine.steps_done == 0
+    again.step()
+    after = [e for e in events(buf2) if e["event"] == "progress"][0]
+    assert after["total"] == before["total"] == (6 if mode == "spatial" else 9)
+    assert after["step"] == before["step"] + 1
+    while again.step():
+        pass
+    last = [e for e in events(buf2) if e["event"] == "progress"][-1]
+    assert last["step"] == last["total"]

@@ -380,6 +380,18 @@ class PeftRunner:
         return out
 
     # -- running ----------------------------------------------------------------------
+    def progress(self) -> tuple[int, int]:
+        """The job's (step, total) from its tasks' own counts, so that it continues across a
+        relaunch (the engine's step counter restarts at 0 with each executor). Spatial: the
+        furthest task's step of the longest task's steps (every running task steps with
+        every fused step). Temporal: the tasks' steps summed (one task per step). A
+        task that ended early (cancelled) counts the steps it made, not those it asked for."""
+        ts = list(self.engine.tasks.values())
+        ends = [t.steps if t.status in ("running", "succeeded") else t.step for t in ts]
+        if self.section["mode"] == "spatial":
+            return max((t.step for t in ts), default=0), max(ends, default=0)
+        return sum(t.step for t in ts), sum(ends)
+
     def step(self) -> bool:
         """One engine step with its events and checkpoints; False when nothing is running."""
         self.poll_control()
@@ -389,10 +401,8 @@ class PeftRunner:
         now = time.perf_counter()
         mean = sum(rep.losses.values()) / len(rep.losses)
         self.losses.append(mean)
-        run = self.engine.running()
-        left = [t.steps - t.step for t in run]
-        more = (max(left, default=0) if self.section["mode"] == "spatial" else sum(left))
-        self.rep.event("progress", step=self.engine.steps_done, total=self.engine.steps_done + more, loss=mean,
+        step, total = self.progress()
+        self.rep.event("progress", step=step, total=total, loss=mean,
                        step_time_s=rep.wall_s, tokens=sum(rep.tokens.values()), tasks=rep.tasks,
                        pad_removed=rep.pack.pad_removed, module="peft")
         every = self.params["checkpoint_every"]
@@ -483,7 +493,7 @@ def _run(spec: dict, reporter: Reporter) -> int:
             runner.engine.set_workers(threads)
             runner.log.info("threads follow the grant", threads=threads, cores=follower.cores)
             reporter.event("threads", job_id=spec.get("job_id"), threads=threads, cores=follower.cores,
-                           step=runner.engine.steps_done)
+                           step=runner.progress()[0])
         if STOP.is_set():
             runner.checkpoint_running()
             runner.log.info("stopped", running=[t.name for t in runner.engine.running()])
