@@ -14,7 +14,7 @@ most recent ``row_window`` comm rows per (link, op, bytes, world) and colocation
 
 Compaction: once the log exceeds ``compact_bytes`` it is rewritten to exactly the records
 the windows hold (in log order) followed by one checkpoint record (``META_KIND``, empty
-source) carrying ``count`` and ``model_revision``; written to ``TMP_NAME``, fsynced,
+source) carrying ``count``, ``model_revision`` and every source's watermark; written to ``TMP_NAME``, fsynced,
 ``os.replace``d over the log, directory fsynced. A crash leaves the old or the new log;
 a stray temp file is removed on open. Replaying any subsequence of the log that contains
 every retained record in order yields the same windows, because every window keeps the
@@ -25,7 +25,9 @@ Key expiry (``key_ttl_s``, 0 disables): the windows bound memory per key, expiry
 the number of keys. A *key* is one window's key; the job-scoped ones and the sources
 expire, the ones the controller plans with do not (``expired_keys`` is the rule):
 - "job", "job_model" and "source" keys expire once their latest retained record was
-  received more than ``key_ttl_s`` ago (a source's watermark goes with it);
+  received more than ``key_ttl_s`` ago; a source's watermark (one integer) stays, so a
+  profilerd silent that long that resends a persisted batch still has it taken for a
+  duplicate (the checkpoint of a compaction carries every watermark);
 - a "run" key (one job's single-device run: a profile point) expires on that age only
   when it is no profile point or when a more recent run of the same configuration (the
   run key less its job) is one: the latest profile point of every configuration stays,
@@ -323,6 +325,13 @@ def tombstone(keys: Iterable[tuple[str, Hashable]], at: float) -> profiler_pb2.M
                                     labels={"keys": json.dumps([_key_to_json(n, k) for n, k in keys])})
 
 
+def checkpoint(count: int, model_revision: int, watermarks: Mapping[str, int]) -> profiler_pb2.Measurement:
+    """A compaction's last record: the counters and every source's watermark (``labels.watermarks``,
+    JSON {source: seq}), which outlive the records and the expiry of their source."""
+    return profiler_pb2.Measurement(kind=META_KIND, values={"count": count, "model_revision": model_revision},
+                                    labels={"watermarks": json.dumps(dict(sorted(watermarks.items())))})
+
+
 def tombstone_keys(m: profiler_pb2.Measurement) -> list[tuple[str, Hashable]]:
     """The (window, key) pairs of a tombstone record."""
     return [_key_from_json(e) for e in json.loads(m.labels["keys"])]
@@ -486,6 +495,8 @@ class MeasurementStore:
         if m.kind == META_KIND and not m.source:  # a compaction's checkpoint: restore the counters
             self.count = int(m.values["count"])
             self.model_revision = int(m.values["model_revision"])
+            for src, seq in json.loads(m.labels.get("watermarks", "{}")).items():  # absent before watermarks outlived expiry
+                self.watermarks[src] = max(self.watermarks.get(src, 0), int(seq))
             return
         self.watermarks[m.source] = max(self.watermarks.get(m.source, 0), m.seq)
         self.count += 1
@@ -509,10 +520,8 @@ class MeasurementStore:
         tombstone stays known to compaction. Returns the keys dropped per window."""
         done: Counter[str] = Counter()
         for name, key in keys:
-            present, dropped = self._w.remove(name, key)
+            present, dropped = self._w.remove(name, key)  # a source's watermark stays (see "Key expiry")
             self._drop(dropped)
-            if name == "source" and self.watermarks.pop(key, None) is not None:
-                present = True
             if present:
                 done[name] += 1
         if done["run"]:
@@ -580,8 +589,7 @@ class MeasurementStore:
                     named.difference_update(needed)
                     parts.append(encode(tombstone(needed, at)))
                     tombs[i] = (at, needed)
-        meta = profiler_pb2.Measurement(kind=META_KIND, values={"count": self.count,
-                                                                "model_revision": self.model_revision})
+        meta = checkpoint(self.count, self.model_revision, self.watermarks)
         parts.append(encode(meta))
         return b"".join(parts), tombs
 

@@ -1,5 +1,5 @@
 """Key expiry seen through the estimator's RPCs over real loopback gRPC: a long-gone
-job's profile and its source's watermark are forgotten, the latest profile of each
+job's profile and its source's key are forgotten (its watermark stays), the latest profile of each
 configuration and the model key's profile stay, across a restart; and the daemon as a
 real process with ``TESSERA_ESTIMATOR_KEY_TTL_S`` (env) expires, logs and restarts."""
 
@@ -67,7 +67,8 @@ async def check_expired(stub) -> None:
     msg = await not_found(stub.GetProfile(estimator_pb2.GetProfileRequest(job_id="job-old")))
     assert "job-old" in msg
     assert (await stub.GetProfile(estimator_pb2.GetProfileRequest(model_key="gpt:x"))).samples == 18
-    assert (await stub.GetWatermark(estimator_pb2.GetWatermarkRequest(source="profilerd/old"))).seq == 0
+    # its source's key expired too, but not its watermark: a resent batch is still a duplicate
+    assert (await stub.GetWatermark(estimator_pb2.GetWatermarkRequest(source="profilerd/old"))).seq == 12
     assert (await stub.GetWatermark(estimator_pb2.GetWatermarkRequest(source="profilerd/new"))).seq == 6
     profs = (await stub.ListProfiles(estimator_pb2.ListProfilesRequest(module=MODULE))).profiles
     # config A: job-new's run superseded job-old's; config B: job-b's run is its only one, kept however old
@@ -151,7 +152,8 @@ async def test_daemon_process_expires_by_env_ttl_and_restarts(tmp_path, free_por
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = await started(ch)
             await not_found(stub.GetProfile(estimator_pb2.GetProfileRequest(job_id="job-gone")))
-            assert (await stub.GetWatermark(estimator_pb2.GetWatermarkRequest(source="profilerd/gone"))).seq == 0
+            # its source's key expired, its watermark did not
+            assert (await stub.GetWatermark(estimator_pb2.GetWatermarkRequest(source="profilerd/gone"))).seq == 2
             assert (await stub.GetProfile(estimator_pb2.GetProfileRequest(job_id="job-live"))).samples >= 1
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -104,7 +104,7 @@ async def test_expiry_forgets_jobs_and_sources_but_not_profiles_nor_model_keys(t
         assert s.steps(job_id=j) == [] and s.steps(j, "gpt:x") == []
     assert len(s.steps(job_id="j5")) == 3
     assert len(s.steps(model_key="gpt:x")) == 30 + 6 + 2 + 3 and len(s.steps(model_key="gpt:y")) == 6
-    assert s.watermark("p1") == 0 and s.watermark("p2") == 3 and s.count == 48
+    assert s.watermark("p1") == 45 and s.watermark("p2") == 3 and s.count == 48  # watermarks outlive expiry
     assert len(s.comm_rows) == 1
     # j2 is config A's latest profile point, j3 config B's: they stay however old; j5 is fresh
     assert sorted(p.job_id for p in profiles(s.runs)) == ["j2", "j3"]
@@ -169,12 +169,34 @@ async def test_expiry_survives_a_restart_whatever_the_clock_or_ttl(tmp_path):
         r.close()
     # a job (and source) that reports again after its expiry keeps only its new records
     r = MeasurementStore(tmp_path, key_ttl_s=TTL, clock=clock, compact_bytes=0)
-    assert await r.append([step("p1", 1, job="j1", model="gpt:x")]) == (1, 0)  # p1's watermark was forgotten
+    assert await r.append([step("p1", 46, job="j1", model="gpt:x")]) == (1, 0)  # above p1's kept watermark
     assert len(r.steps(job_id="j1")) == 1
     after = state(r)
     r.close()
     r = MeasurementStore(tmp_path, key_ttl_s=TTL, clock=clock, compact_bytes=0)
     assert state(r) == after
+    r.close()
+
+
+async def test_a_source_resending_after_its_expiry_is_still_deduplicated(tmp_path):
+    """p1's key expires while it is disconnected (its ack was lost); its resent batch is a
+    duplicate, live, after a compaction dropped all its records, and after a restart."""
+    clock = Clock()
+    s = MeasurementStore(tmp_path, Retention(step_window=2), key_ttl_s=TTL, clock=clock, compact_bytes=0)
+    batch = [step("p1", k, job="j1", model="gpt:x", i=k) for k in (1, 2, 3)]
+    assert await s.append(batch) == (3, 0)
+    clock.t += TTL + 1
+    await s.append([step("p2", k, job="j2", model="gpt:x", i=k) for k in (1, 2)])  # sweeps; evicts p1's records
+    assert s.expired["source"] == 1 and s.keys["source"] == 1 and s.watermark("p1") == 3
+    assert await s.append(batch) == (0, 3) and len(s.steps(model_key="gpt:x")) == 2
+    s.compact_bytes = 1
+    await s.sweep()
+    assert s.compactions == 1 and all(r.source != "p1" for r in read_log(tmp_path / LOG_NAME)[0])
+    assert s.watermark("p1") == 3
+    s.close()
+    r = MeasurementStore(tmp_path, Retention(step_window=2), key_ttl_s=TTL, clock=clock, compact_bytes=0)
+    assert r.watermark("p1") == 3 and r.watermark("p2") == 2
+    assert await r.append(batch) == (0, 3) and await r.append([step("p1", 4, job="j1", i=4)]) == (1, 0)
     r.close()
 
 
