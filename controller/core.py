@@ -133,36 +133,67 @@ def finished_at(job: types_pb2.Job) -> float:
     return t or max((h.time for h in st.history), default=0.0) or job.created
 
 
+def _needs(j: types_pb2.Job) -> tuple[str, ...]:
+    """The ids of the jobs ``j``'s record names and needs kept while it is: its host
+    (``status.fused_into``) and its profiling job (``status.estimate.profile_job_id``)."""
+    return tuple(x for x in (j.status.fused_into, j.status.estimate.profile_job_id) if x and x != j.id)
+
+
 def expired_jobs(jobs: list[types_pb2.Job], now: float, ttl_s: float,
                  limit: int = MAX_REMOVALS_PER_ROUND) -> list[types_pb2.Job]:
-    """The finished jobs to remove at ``now`` (pure): terminal jobs that ended more than
-    ``ttl_s`` before ``now`` (:func:`finished_at`), the longest-finished first, at most
-    ``limit``; none when ``ttl_s`` is 0 (kept forever). Of those, a job is kept while
-    another job that stays needs it: a guest fused into it (``status.fused_into``: a
-    host outlives its guests' records), a job whose estimate names it as its profiling
-    job (``status.estimate.profile_job_id``: removing that profiling job would make the
+    """The finished jobs to remove at ``now`` (pure), at most ``limit``; none when ``ttl_s``
+    is 0 (kept forever). Candidates: terminal jobs that ended more than ``ttl_s`` before
+    ``now`` (:func:`finished_at`). Of those, a job is kept while another job that stays
+    needs it: a guest fused into it (``status.fused_into``: a host outlives its guests'
+    records), a job whose estimate names it as its profiling job
+    (``status.estimate.profile_job_id``: removing that profiling job would make the
     profiling loop submit it again); and a guest is kept while its host is not finished.
-    A job kept for these reasons protects the jobs it needs in turn."""
+    A job kept for these reasons protects the jobs it needs in turn. The keep set is
+    computed over every candidate, and ``limit`` cuts only the removable ones (kept jobs
+    never use up a round). Order: longest-finished first, except that a job comes after
+    every removable job naming it (removed one by one, a job is never gone while a stored
+    job still names it), so a cut at ``limit`` never takes a job without those naming it."""
     if not ttl_s > 0 or limit <= 0:
         return []
     old = [(finished_at(j), j.id, j) for j in jobs if j.status.phase in TERMINAL]
-    old = sorted(x for x in old if now - x[0] > ttl_s)[:limit]
+    old = sorted(x for x in old if now - x[0] > ttl_s)
     chosen = {j.id: j for _, _, j in old}
     if not chosen:
         return []
     by_id = {j.id: j for j in jobs}
-
-    def needs(j: types_pb2.Job) -> tuple[str, ...]:
-        return tuple(x for x in (j.status.fused_into, j.status.estimate.profile_job_id) if x)
-
-    needed = {ref for j in jobs if j.id not in chosen for ref in needs(j)}
+    needed = {ref for j in jobs if j.id not in chosen for ref in _needs(j)}
     keep = [jid for jid, j in chosen.items() if jid in needed or (
         (h := by_id.get(j.status.fused_into)) is not None and h.status.phase not in TERMINAL)]
     while keep:
         j = chosen.pop(keep.pop(), None)
         if j is not None:
-            keep.extend(ref for ref in needs(j) if ref in chosen)
-    return [j for _, _, j in old if j.id in chosen]
+            keep.extend(ref for ref in _needs(j) if ref in chosen)
+    # Removable jobs naming each removable job, longest-finished first.
+    named_by: dict[str, list[str]] = {}
+    for _, jid, j in old:
+        if jid in chosen:
+            for ref in _needs(j):
+                if ref in chosen:
+                    named_by.setdefault(ref, []).append(jid)
+    out: list[types_pb2.Job] = []
+    seen: set[str] = set()
+    for _, jid, _j in old:
+        if jid not in chosen or jid in seen:
+            continue
+        stack = [(jid, False)]  # depth-first, a job emitted after the jobs naming it
+        while stack and len(out) < limit:
+            x, ready = stack.pop()
+            if ready:
+                out.append(chosen[x])
+                continue
+            if x in seen:
+                continue
+            seen.add(x)
+            stack.append((x, True))
+            stack.extend((r, False) for r in reversed(named_by.get(x, ())) if r not in seen)
+        if len(out) >= limit:
+            break
+    return out
 
 
 @dataclass
@@ -733,20 +764,26 @@ class Controller:
 
     async def remove_finished(self, jobs: list[types_pb2.Job], now: float) -> int:
         """Retention: remove the finished jobs of ``jobs`` (every job as read this round)
-        that :func:`expired_jobs` selects, each in one fenced transaction compared on the
-        job's mod revision (a job changed since it was read is left for a later round) that
+        that :func:`expired_jobs` selects, in its order (a job after those naming it), each
+        in one fenced transaction compared on the job's mod revision (a job changed since it
+        was read is left for a later round, and so are the jobs it names) that
         also deletes its idempotency key, its allocation's rank exits and any partition
         units the allocation still holds (a guest's allocation is its host's: untouched).
         ``Fenced`` propagates (a deposed leader removes nothing). Returns how many were
         removed."""
-        doomed = expired_jobs(jobs, now, self.cfg.finished_job_ttl_s)
+        doomed = expired_jobs(jobs, now, self.cfg.finished_job_ttl_s, MAX_REMOVALS_PER_ROUND)
         if not doomed:
             return 0
         t0 = time.perf_counter()
         live = {j.status.allocation_id for j in jobs if j.status.phase not in TERMINAL and j.status.allocation_id}
         holders = await self.store.list_holders()
         removed, deferred = 0, 0
+        blocked: set[str] = set()  # named by a job this round left stored: they stay too
         for j in doomed:
+            if j.id in blocked:
+                deferred += 1
+                blocked.update(_needs(j))
+                continue
             alloc = j.status.allocation_id
             cmp, ops = [], []
             if alloc and not j.status.fused_into and alloc not in live:
@@ -756,13 +793,14 @@ class Controller:
                 await self.store.delete_job(j, j.revision, cmp, ops)
             except Conflict:
                 deferred += 1  # changed (or a partition record moved) since read: next round
+                blocked.update(_needs(j))
                 continue
             removed += 1
             self.launched_at.pop(alloc, None)
             self.log.debug("finished job removed", job_id=j.id, phase=P.Name(j.status.phase),
                            finished_s_ago=round(now - finished_at(j), 1))
         self.log.info("finished jobs removed", removed=removed, deferred=deferred, ttl_s=self.cfg.finished_job_ttl_s,
-                      oldest_finished_s_ago=round(now - finished_at(doomed[0]), 1),
+                      oldest_finished_s_ago=round(now - min(finished_at(d) for d in doomed), 1),
                       ms=round((time.perf_counter() - t0) * 1000, 2))
         return removed
 

@@ -6,7 +6,8 @@ Each cycle (while leading) for every job of a ``gpt`` workload:
    (ListProfiles) -> submit a *profiling job* once: the job's own workload on one
    device (its per-rank batch, ``dp = tp = pp = 1``, ``profile_steps`` steps), a real
    short run through the agents whose step timings reach the estimator via
-   profilerd; the job's ``status.estimate`` says ``profiling`` and names it;
+   profilerd; the job's ``status.estimate`` says ``profiling`` and names it (never for
+   a finished job: it keeps the estimate it has, see ``Profiling._ended``);
 2. otherwise -> evaluate the cached model snapshot (GetModelSnapshot, polled with
    ``if_newer_than``) *locally* with ``tessera.perfmodel`` for the job's plan and write
    ``status.estimate`` (ok with seconds and confidence, or insufficient_data with the
@@ -202,8 +203,8 @@ class Profiling:
             pj_id = cur.profile_job_id if cur.profile_job_id in by_id else ""
             estimated += await self._write(job.id, to_status(est, model.version, self.clock(), pj_id))
             return requested, estimated
-        if job.status.phase in TERMINAL and not cur.profile_job_id:
-            return 0, 0  # a job that ended before profiling existed is not worth a run now
+        if job.status.phase in TERMINAL:
+            return 0, await self._ended(job, by_id)
         # Neither the model nor a profile of this module at this per-rank shape: profile it.
         pj = next((j for j in jobs if is_profile_job(j) and j.idempotency_key == idem), None)
         if pj is None:
@@ -219,6 +220,31 @@ class Profiling:
                                         reason=f"no profile of {module} at batch {rows} yet; profiling job {pj.id}")
         estimated += await self._write(job.id, new)
         return requested, estimated
+
+    async def _ended(self, job: types_pb2.Job, by_id: dict) -> int:
+        """A finished job without a usable estimate: never a profiling run on its behalf (it
+        will not run again; its record may be about to be removed by retention, and a new
+        profiling job would outlive it). Its estimate follows the profiling job it names
+        while that is stored; once that is gone (removed), an estimate still saying
+        ``profiling`` is marked insufficient_data, else kept. Returns estimates written."""
+        cur = job.status.estimate
+        if not cur.profile_job_id:
+            return 0  # ended before profiling existed: not worth a run now
+        pj = by_id.get(cur.profile_job_id)
+        if pj is None:
+            if cur.status != "profiling":
+                return 0
+            new = types_pb2.JobEstimate(status="insufficient_data", profile_job_id=cur.profile_job_id,
+                                        time=self.clock(),
+                                        reason=f"profiling job {cur.profile_job_id} was removed before a profile "
+                                               f"arrived; none is requested for a finished job")
+        elif pj.status.phase in (P.FAILED, P.CANCELLED):
+            new = types_pb2.JobEstimate(status="insufficient_data", profile_job_id=pj.id, time=self.clock(),
+                                        reason=f"profiling job {pj.id} ended {P.Name(pj.status.phase)}")
+        else:
+            new = types_pb2.JobEstimate(status="profiling", profile_job_id=pj.id, time=self.clock(),
+                                        reason=cur.reason or f"profiling job {pj.id}")
+        return await self._write(job.id, new)
 
     @staticmethod
     def _quota(job: types_pb2.Job, nodes: dict, profs: list) -> tuple[float, int]:

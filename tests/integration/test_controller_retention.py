@@ -202,6 +202,135 @@ async def test_a_deposed_leader_removes_nothing(ctl):
     assert await store.get_idem("t", "k3") is None
 
 
+async def test_kept_jobs_do_not_starve_the_removal_of_others(ctl, monkeypatch):
+    """The longest-finished jobs all kept (finished guests of a running host, more than a
+    round's limit): the other expired jobs are still removed, a limit's worth per round.
+    The candidates used to be cut to the limit before the kept ones were dropped: every
+    round then removed nothing."""
+    from controller import core
+
+    ctl, store, c, now = ctl
+    monkeypatch.setattr(core, "MAX_REMOVALS_PER_ROUND", 4)
+    await store.create_job(job("j-000000000501", P.RUNNING, T0, alloc="a-h"), "")
+    for i in range(6):
+        await store.create_job(job(f"j-0000000005{i + 10:02d}", P.SUCCEEDED, T0, alloc="a-h",
+                                   fused_into="j-000000000501"), "")
+    others = [f"j-0000000006{i:02d}" for i in range(6)]
+    for i, jid in enumerate(others):
+        await store.create_job(job(jid, P.SUCCEEDED, T0 + 1 + i), "")
+    assert (await _round(ctl, now, T0 + 10 * TTL))["removed"] == 4
+    assert [jid for jid in others if await store.get_job(jid) is not None] == others[4:]
+    assert (await _round(ctl, now, T0 + 10 * TTL + 1))["removed"] == 2
+    left = sorted(j.id for j in (await store.list_jobs())[0])
+    assert left == ["j-000000000501"] + [f"j-0000000005{i + 10:02d}" for i in range(6)]
+
+
+class _NoProfiles:
+    """The estimator link of a profiling loop that knows no profile (its job failed)."""
+
+    def __init__(self) -> None:
+        from tessera.perfmodel import PerfModel
+
+        self.model = PerfModel(version=0)
+
+    async def snapshot(self):
+        return self.model
+
+    async def profiles(self, module):
+        return []
+
+    async def close(self) -> None:
+        pass
+
+
+async def _profiled_pair(store: Store, prof_at: float, user_at: float, user_phase: int = P.CANCELLED):
+    """A FAILED profiling job (stored under its idempotency key) and a gpt job of ``DOC``
+    whose estimate names it."""
+    from controller.profiling import profile_doc
+
+    doc = manifest.validate({**DOC, "resources": {"devices": 1, "device_kind": "cpu"}})
+    pdoc, idem = profile_doc(doc, 8)
+    pj = tpb.Job(id="j-000000000701", spec=manifest.to_proto(manifest.validate(pdoc)), created=T0 - 20,
+                 idempotency_key=idem)
+    pj.status.history.add(phase=P.FAILED, time=prof_at)
+    pj.status.phase = P.FAILED
+    await store.create_job(pj, idem)
+    u = tpb.Job(id="j-000000000702", spec=manifest.to_proto(doc), created=T0 - 20)
+    u.status.history.add(phase=user_phase, time=user_at)
+    u.status.phase = user_phase
+    u.status.estimate.CopyFrom(tpb.JobEstimate(status="insufficient_data", profile_job_id=pj.id, time=prof_at,
+                                               reason=f"profiling job {pj.id} ended FAILED"))
+    await store.create_job(u, "")
+    return pj, u
+
+
+async def test_a_profiling_job_is_removed_after_the_job_naming_it_and_a_cycle_between_requests_nothing(ctl):
+    """Retention removes the job whose estimate names a profiling job before that profiling
+    job (even though the profiling job finished earlier), and a profiling cycle run between
+    any two removals submits no new profiling job. It used to remove the profiling job
+    first, and the cycle in between then profiled the long-finished job again."""
+    from controller.profiling import Profiling, is_profile_job
+
+    ctl, store, c, now = ctl
+    pj, u = await _profiled_pair(store, T0, T0 + 1)
+    prof = Profiling(ctl, "127.0.0.1:1", clock=lambda: now[0])
+    await prof.link.close()
+    prof.link = _NoProfiles()
+    assert await prof.once() == {"requested": 0, "estimated": 0}
+    order, cycles = [], []
+    real = store.delete_job
+
+    async def delete_job(j, *a, **kw):
+        rev = await real(j, *a, **kw)
+        order.append(j.id)
+        cycles.append(await prof.once())  # the profiling loop runs between two removals
+        return rev
+
+    store.delete_job = delete_job
+    assert (await _round(ctl, now, T0 + 10 * TTL))["removed"] == 2
+    assert order == [u.id, pj.id]
+    assert all(x["requested"] == 0 for x in cycles), cycles
+    assert not [j for j in (await store.list_jobs())[0] if is_profile_job(j)]
+
+
+async def test_a_finished_job_whose_profiling_job_is_gone_is_never_profiled_again(ctl):
+    """The profiling loop never submits a profiling job on behalf of a finished job: one
+    whose named profiling job was removed keeps (or marks) its estimate."""
+    from controller.profiling import Profiling
+
+    ctl, store, c, now = ctl
+    pj, u = await _profiled_pair(store, T0, T0 + 1)
+    v = await store.get_job(u.id)
+    v.value.status.estimate.status = "profiling"
+    v.value.status.estimate.reason = "no profile yet"
+    await store.update_job(v.value, v.mod_revision)
+    await store.delete_job(pj, (await store.get_job(pj.id)).mod_revision)  # removed (by hand, or an older version)
+    prof = Profiling(ctl, "127.0.0.1:1", clock=lambda: now[0])
+    await prof.link.close()
+    prof.link = _NoProfiles()
+    assert await prof.once() == {"requested": 0, "estimated": 1}
+    jobs = (await store.list_jobs())[0]
+    assert [j.id for j in jobs] == [u.id]
+    est = jobs[0].status.estimate
+    assert est.status == "insufficient_data" and est.profile_job_id == pj.id and "removed" in est.reason
+    assert await prof.once() == {"requested": 0, "estimated": 0}  # said once
+
+
+async def test_a_job_left_stored_keeps_the_jobs_it_names_that_round(ctl):
+    """The job naming a profiling job changed since the round read it (its removal
+    deferred): the profiling job it names stays too, until a later round removes both."""
+    ctl, store, c, now = ctl
+    pj, u = await _profiled_pair(store, T0, T0 + 1)
+    jobs, _ = await store.list_jobs()
+    v = await store.get_job(u.id)
+    v.value.status.reason = "annotated meanwhile"
+    await store.update_job(v.value, v.mod_revision)
+    assert await ctl.remove_finished(jobs, T0 + 10 * TTL) == 0
+    assert await store.get_job(pj.id) is not None and await store.get_job(u.id) is not None
+    assert (await _round(ctl, now, T0 + 10 * TTL))["removed"] == 2
+    assert (await store.list_jobs())[0] == []
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

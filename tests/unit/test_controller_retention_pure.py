@@ -91,11 +91,12 @@ def test_a_profiling_job_named_by_a_kept_job_estimate_is_kept():
     prof = job("profile", P.FAILED, 1.0)
     user = job("user", P.RUNNING, 2.0, profile_job="profile")
     assert expired_jobs([prof, user], NOW, TTL) == []
-    # Both expired: both go (nothing left to re-profile for).
+    # Both expired: both go (nothing left to re-profile for), the job naming the profiling
+    # job first although it finished later: never a stored job naming a removed one.
     user_done = job("user", P.SUCCEEDED, 3.0, profile_job="profile")
-    assert ids(expired_jobs([prof, user_done], NOW, TTL)) == ["profile", "user"]
-    # The user job beyond this round's limit still protects its profiling job.
-    assert expired_jobs([prof, user_done], NOW, TTL, limit=1) == []
+    assert ids(expired_jobs([prof, user_done], NOW, TTL)) == ["user", "profile"]
+    # A round cut at the limit takes the job naming it, and leaves the profiling job.
+    assert ids(expired_jobs([prof, user_done], NOW, TTL, limit=1)) == ["user"]
 
 
 def test_protection_is_transitive():
@@ -105,6 +106,44 @@ def test_protection_is_transitive():
     host = job("host", P.SUCCEEDED, 3.0)
     guest = job("guest", P.SUCCEEDED, 2.0, fused_into="host", profile_job="profile")
     assert expired_jobs([prof, young, host, guest], NOW, TTL) == []
+
+
+def test_kept_jobs_do_not_use_up_the_limit():
+    # The longest-finished candidates are all kept (guests of a running host): the limit
+    # is applied to the removable ones only, so the others still go (it used to cut the
+    # candidates to the limit first, and then remove nothing, every round).
+    host = job("host", P.RUNNING, 1.0)
+    guests = [job(f"g{i:03d}", P.SUCCEEDED, 10.0 + i, fused_into="host") for i in range(20)]
+    others = [job(f"x{i:03d}", P.SUCCEEDED, 100.0 + i) for i in range(8)]
+    jobs = [host, *guests, *others]
+    assert ids(expired_jobs(jobs, NOW, TTL, limit=5)) == [f"x{i:03d}" for i in range(5)]
+    assert ids(expired_jobs(jobs, NOW, TTL, limit=20)) == [f"x{i:03d}" for i in range(8)]
+
+
+def test_every_job_comes_after_the_removable_jobs_naming_it_also_when_cut():
+    # prof <- a (estimate), prof <- b (estimate); host <- guest (fused_into) with the guest
+    # naming prof too; an unrelated one in between. Longest-finished first otherwise.
+    prof = job("prof", P.FAILED, 1.0)
+    host = job("host", P.SUCCEEDED, 2.0)
+    lone = job("lone", P.SUCCEEDED, 3.0)
+    a = job("a", P.SUCCEEDED, 4.0, profile_job="prof")
+    guest = job("guest", P.SUCCEEDED, 5.0, fused_into="host", profile_job="prof")
+    b = job("b", P.CANCELLED, 6.0, profile_job="prof")
+    jobs = [b, guest, a, lone, host, prof]
+    order = ids(expired_jobs(jobs, NOW, TTL))
+    assert sorted(order) == sorted(ids(jobs))
+    for j in jobs:
+        for ref in (j.status.fused_into, j.status.estimate.profile_job_id):
+            if ref:
+                assert order.index(j.id) < order.index(ref), order
+    assert order == ["a", "guest", "b", "prof", "host", "lone"]
+    for limit in range(1, len(jobs) + 1):
+        cut = ids(expired_jobs(jobs, NOW, TTL, limit=limit))
+        assert cut == order[:limit]
+        # Nothing named by a job left stored is in the cut.
+        left = {j.id: j for j in jobs if j.id not in cut}
+        named = {r for j in left.values() for r in (j.status.fused_into, j.status.estimate.profile_job_id) if r}
+        assert not named & set(cut), (limit, cut)
 
 
 def test_config_field_flag_env_file_and_negative_is_an_error(tmp_path, monkeypatch):
