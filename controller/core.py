@@ -728,11 +728,13 @@ class Controller:
             out["repartitioned"] += await actions.repartition(self, rp, by_id, node_map, decision_id)
         out["fused"] = 0
         placed: dict[str, tuple[str, str]] = {}  # this round: job id -> (node, partition) of a 1-device placement
+        # This round: host id -> tasks fused into its executor (``jobs`` predates them).
+        fused_tasks: dict[str, int] = {}
         for p in reply.placements:
             if p.job_id not in by_id:
                 continue
             if fusion.is_fused_placement(p.reason) and by_id[p.job_id].spec.workload.type == "peft":
-                got = await self._fuse(by_id[p.job_id], p, jobs, decision_id, placed)
+                got = await self._fuse(by_id[p.job_id], p, jobs, decision_id, placed, fused_tasks)
                 if got is True:
                     out["fused"] += 1
                     continue
@@ -902,14 +904,17 @@ class Controller:
         return await self._launch_or_requeue(job, nodes, "launch")
 
     async def _fuse(self, job: types_pb2.Job, p: Placement, jobs: list[types_pb2.Job], decision_id: str,
-                    placed: dict[str, tuple[str, str]] | None = None) -> bool | str | None:
+                    placed: dict[str, tuple[str, str]] | None = None,
+                    fused_tasks: dict[str, int] | None = None) -> bool | str | None:
         """Carry out a "fused with LoRA tasks on backbone ..." placement (controller/fusion.py):
         pick the host (a running peft job's executor on the placement's partition, same
         backbone), then one fenced write moves ``job`` to SCHEDULED fused into it
         (``fused_into``, the host's allocation id and placement; no units of its own) with
         the decision, then its tasks are added to the host's executor (agent ControlTask
         "add", names ``<job id>_<task>``, each checkpointing under the job's own checkpoint
-        directory). The job turns RUNNING on its first routed task report.
+        directory). The job turns RUNNING on its first routed task report. ``fused_tasks``
+        (host id -> tasks fused into it this round, updated here) counts toward the host's
+        ``MAX_TASKS`` load, which ``jobs`` (read at the round's start) does not show.
 
         A job of the same backbone whose executor is about to start there (placed this
         round, or SCHEDULED: ``fusion.starting_host``) is waited for: ``job`` stays PENDING
@@ -920,7 +925,8 @@ class Controller:
         host, the job moved on, or the agent refused the add: the job is requeued as a
         preemption)."""
         sh = p.shards[0]
-        host, why = fusion.pick_host(job, sh.node, sh.device_ids[0], jobs)
+        fused_tasks = {} if fused_tasks is None else fused_tasks
+        host, why = fusion.pick_host(job, sh.node, sh.device_ids[0], jobs, fused_tasks)
         if host is None:
             starting = fusion.starting_host(job, sh.node, sh.device_ids[0], jobs, placed or {})
             if starting:
@@ -965,6 +971,9 @@ class Controller:
             return None
         if job.status.fused_into != host.id or job.status.phase != P.SCHEDULED:
             return None
+        # Counted from the fenced write on (also when an add then fails and the job is
+        # requeued: an overcount only sends a later guest of this round elsewhere).
+        fused_tasks[host.id] = fused_tasks.get(host.id, 0) + len(adds)
         self.log.info("job fused", job_id=job.id, host=host.id, allocation=alloc, tasks=[a[0] for a in adds],
                       decision_id=decision_id)
         for name, spec, tdir in adds:

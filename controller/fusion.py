@@ -23,8 +23,9 @@ rides on H's grant):
   not itself a guest, on the partition the placement names, every fused name fits
   the 63-character task-name limit, and the executor would carry at most
   ``MAX_TASKS`` (256) unfinished tasks with P's added (:func:`executor_load`: H's own
-  and every active guest's; the cap a single job's spec has, now per executor, whose
-  memory and step time grow with its tasks). Otherwise the placement is carried out as before
+  and every active guest's, plus the tasks fused into it earlier in the same reconcile
+  round, which the round's snapshot of the jobs does not show; the cap a single job's spec
+  has, now per executor, whose memory and step time grow with its tasks). Otherwise the placement is carried out as before
   (P's own executor, packed on the shared partition).
 * routing (:func:`split_fused`): a TASK report of H's executor whose task name is
   ``<P id>_<task>`` goes to P's ``status.tasks`` as ``<task>`` when P is fused into that
@@ -149,15 +150,18 @@ def is_fused_placement(reason: str) -> bool:
     return reason.startswith(FUSED_REASON)
 
 
-def pick_host(guest: types_pb2.Job, node: str, partition: str, jobs: list[types_pb2.Job]) -> tuple[types_pb2.Job | None, str]:
+def pick_host(guest: types_pb2.Job, node: str, partition: str, jobs: list[types_pb2.Job],
+              added: dict[str, int] | None = None) -> tuple[types_pb2.Job | None, str]:
     """The oldest running peft job whose executor runs on ``partition`` of ``node`` and can
-    take ``guest``'s tasks (:func:`fusion_problem`), or (None, why none)."""
+    take ``guest``'s tasks (:func:`fusion_problem`), or (None, why none). ``added``: host id
+    -> tasks fused into its executor since ``jobs`` was read (earlier in the same round),
+    counted in its load on top of :func:`executor_load`."""
     why = f"no running peft job on {node}/{partition}"
     for h in sorted(jobs, key=lambda j: (j.created, j.id)):
         on = any(s.node == node and partition in (list(s.partition_ids) or list(s.device_ids)) for s in h.status.placement)
         if not on or h.id == guest.id or h.status.phase not in ACTIVE:
             continue
-        p = fusion_problem(h, guest, executor_load(h, jobs))
+        p = fusion_problem(h, guest, executor_load(h, jobs) + (added or {}).get(h.id, 0))
         if not p:
             return h, ""
         why = p

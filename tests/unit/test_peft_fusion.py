@@ -279,3 +279,16 @@ def test_a_stored_guest_whose_rank_exceeds_the_hidden_size_does_not_fuse():
     assert why.startswith("peft section:") and "workload.peft.tasks[0].rank" in why
     guest.spec.workload.peft["tasks"][0]["rank"] = MODEL["hidden"]
     assert fusion.fusion_problem(host, guest) == ""
+
+
+def test_tasks_fused_earlier_in_the_round_count_toward_the_cap():
+    from tessera.spec.peft import MAX_TASKS
+
+    host = running_on(peft_job(H, tasks=tuple(f"h{i}" for i in range(100))))
+    guest = peft_job(G, tasks=tuple(f"g{i}" for i in range(100)))
+    assert fusion.pick_host(guest, "n1", "cpu0", [host, guest])[0] is host
+    # 100 tasks of another guest fused into it this round (not in the round's snapshot).
+    h, why = fusion.pick_host(guest, "n1", "cpu0", [host, guest], {H: 100})
+    assert h is None and "200 unfinished tasks" in why and f"exceed {MAX_TASKS}" in why
+    assert fusion.pick_host(guest, "n1", "cpu0", [host, guest], {H: MAX_TASKS - 200})[0] is host
+    assert fusion.pick_host(guest, "n1", "cpu0", [host, guest], {"j-0000000000ff": 200})[0] is host
