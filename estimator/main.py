@@ -18,24 +18,27 @@ from tessera.errors import SpecError
 from .api import EstimatorService
 from .config import EstimatorConfig
 from .models import ModelKeeper
-from .store import MeasurementStore, Retention
+from .store import MeasurementStore, Retention, elapsed_clock
 
 SERVICE = grpcserver.full_name(estimator_pb2, "EstimatorService")
 
 
-def open_store(cfg: EstimatorConfig, clock: Callable[[], float] = time.time) -> MeasurementStore:
+def open_store(cfg: EstimatorConfig, clock: Callable[[], float] = time.time,
+               monotonic: Callable[[], float] = elapsed_clock) -> MeasurementStore:
     """The measurement store of ``cfg`` (its directory, retention windows, compaction threshold,
-    key expiry); ``clock`` (wall clock) stamps receipt times and ages keys."""
+    key expiry); receipt times and key ages are ``clock`` (wall clock) at open plus
+    ``monotonic`` elapsed since (see ``MeasurementStore``)."""
     return MeasurementStore(cfg.state_dir, Retention(step_window=cfg.step_window, run_steps=cfg.run_steps,
                                                      row_window=cfg.row_window), compact_bytes=cfg.compact_bytes,
-                            key_ttl_s=cfg.key_ttl_s, clock=clock)
+                            key_ttl_s=cfg.key_ttl_s, clock=clock, monotonic=monotonic)
 
 
 async def start(cfg: EstimatorConfig,
-                clock: Callable[[], float] = time.time) -> tuple[grpcserver.Running, MeasurementStore]:
-    """Open the store (``clock`` as in ``open_store``) and start serving; the caller stops
-    the server, then closes the store."""
-    store = open_store(cfg, clock)
+                clock: Callable[[], float] = time.time,
+                monotonic: Callable[[], float] = elapsed_clock) -> tuple[grpcserver.Running, MeasurementStore]:
+    """Open the store (``clock``, ``monotonic`` as in ``open_store``) and start serving; the
+    caller stops the server, then closes the store."""
+    store = open_store(cfg, clock, monotonic)
     try:
         svc = EstimatorService(store, ModelKeeper(store, cfg.state_dir, min_refit_interval_s=cfg.min_refit_interval_s))
         running = await grpcserver.start([(estimator_pb2_grpc.add_EstimatorServiceServicer_to_server, svc)],

@@ -35,9 +35,19 @@ expire, the ones the controller plans with do not (``expired_keys`` is the rule)
 - "model" (model key), "comm" and "colocation" keys never expire: they are configurations,
   not jobs, and their last-N windows already bound them.
 Ages use the estimator's receipt time, not the profilerd's ``Measurement.time``: each
-appended batch is preceded by a receipt marker (``RX_KIND``, empty source, ``values.at``,
-the injected wall clock made monotone), and compaction writes a marker before each
-retained record whose receipt time differs from the previous one's. An expiry is made
+appended batch is preceded by a receipt marker (``RX_KIND``, empty source, ``values.at``),
+and compaction writes a marker before each retained record whose receipt time differs from
+the previous one's. The receipt clock is the wall clock read once at open plus the time
+elapsed since on a clock that never steps (``monotonic``): a wall-clock step after the open
+(NTP, a VM resume, one bad reading) neither dates records nor ages keys. Each sweep compares
+the wall clock with it; while they disagree by more than ``max_clock_skew_s`` the sweep is
+refused (a warning), so a bad reading at the open cannot expire fresh keys either. A
+disagreement that holds, within that bound, for ``clock_settle_s`` is a real step: the
+receipt clock follows it, recorded by a rebase record (``REBASE_KIND``, ``values.by`` the
+step, ``values.at`` the new time) that moves every receipt time so far by ``max(by, 0)`` and
+clamps it to at most ``at`` (live and on replay), so no key gets older by the step. On open,
+receipt times later than the open (a previous run's clock was ahead) are clamped to it: a
+record dated in the future never blocks expiry beyond one ``key_ttl_s`` after the open. An expiry is made
 durable before it takes effect in memory: a tombstone record (``EXPIRED_KIND``, empty
 source, ``labels.keys`` the JSON list of [window, key]) is appended and fsynced, and
 replay applies it at its place in the log, so an expired key never comes back on a
@@ -87,7 +97,20 @@ TMP_NAME = LOG_NAME + ".compact.tmp"
 META_KIND = "estimator.checkpoint"
 RX_KIND = "estimator.received"    # receipt time of the records after it (``values.at``)
 EXPIRED_KIND = "estimator.expired"  # keys expired here (``labels.keys``, ``values.at``)
-META_KINDS = frozenset({META_KIND, RX_KIND, EXPIRED_KIND})
+REBASE_KIND = "estimator.rebased"   # the receipt clock followed a wall-clock step (``values.by``, ``values.at``)
+META_KINDS = frozenset({META_KIND, RX_KIND, EXPIRED_KIND, REBASE_KIND})
+MAX_CLOCK_SKEW_S = 60.0   # wall clock vs receipt clock disagreement that counts as a step
+CLOCK_SETTLE_S = 600.0    # how long a step must hold before the receipt clock follows it
+
+
+def elapsed_clock() -> float:
+    """Seconds on a clock that never steps and counts time suspended (CLOCK_BOOTTIME
+    where there is one, else ``time.monotonic``): what receipt times advance by."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+if not hasattr(time, "CLOCK_BOOTTIME"):  # not Linux
+    elapsed_clock = time.monotonic  # noqa: F811
 DEFAULT_COMPACT_BYTES = 64 << 20
 DEFAULT_KEY_TTL_S = 7 * 86400.0
 # Windows whose change moves ``model_revision`` (the performance model's inputs).
@@ -370,17 +393,29 @@ class MeasurementStore:
     ``duplicates``: dropped since open; ``retained``: records held in memory;
     ``compactions``: log rewrites since open; ``expired``: keys expired since open, per
     window (``key_ttl_s``, see the module docstring); ``keys``: keys held, per window.
-    ``clock``: wall clock (seconds since the epoch) of receipt times and expiry; receipt
-    times never go backwards even when it does. Records of a log written before receipt
-    markers existed count as received when the store is opened."""
+    ``clock``: wall clock (seconds since the epoch), read at open and by each sweep;
+    ``monotonic``: a clock that never steps (seconds, any origin). Receipt times are
+    ``clock()`` at open plus ``monotonic()`` elapsed since (``receipt_time``), so they
+    never go backwards and a wall-clock step does not move them; a sweep is refused while
+    the wall clock and the receipt clock disagree by more than ``max_clock_skew_s``, and the
+    receipt clock follows a disagreement that held (within that bound) for
+    ``clock_settle_s`` without making any key older (see the module docstring). Receipt
+    times replayed from the log are clamped to at most the open time. Records of a log
+    written before receipt markers existed count as received at the open. Inject both
+    clocks to move time by hand (a test clock that moves both is steady time; moving only
+    ``clock`` is a step)."""
 
     def __init__(self, state_dir: str | os.PathLike, retention: Retention | None = None, *,
                  compact_bytes: int = DEFAULT_COMPACT_BYTES, key_ttl_s: float = DEFAULT_KEY_TTL_S,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = elapsed_clock,
+                 max_clock_skew_s: float = MAX_CLOCK_SKEW_S, clock_settle_s: float = CLOCK_SETTLE_S) -> None:
         if compact_bytes < 0:
             raise ValueError(f"compact_bytes: must be >= 0, got {compact_bytes}")
         if not (math.isfinite(key_ttl_s) and key_ttl_s >= 0):
             raise ValueError(f"key_ttl_s: must be a finite number >= 0 (0 disables expiry), got {key_ttl_s}")
+        if not max_clock_skew_s > 0 or not clock_settle_s >= 0:
+            raise ValueError(f"max_clock_skew_s must be > 0 and clock_settle_s >= 0, got {max_clock_skew_s}, "
+                             f"{clock_settle_s}")
         self.dir = Path(state_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / LOG_NAME
@@ -390,8 +425,16 @@ class MeasurementStore:
         self.key_ttl_s = key_ttl_s
         self.sweep_interval_s = min(key_ttl_s / 10, 60.0)
         self.clock = clock
+        self.monotonic = monotonic
+        self.max_clock_skew_s = max_clock_skew_s
+        self.clock_settle_s = clock_settle_s
+        # The receipt clock: the wall clock at open plus the monotonic time elapsed since.
+        self.opened_at = self._anchor_wall = clock()
+        self._anchor_mono = monotonic()
+        self._step: tuple[float, float] | None = None  # a wall-clock step not yet settled: (skew, monotonic at first)
+        self.rebases = 0  # times the receipt clock followed a settled wall-clock step since open
         self.expired: Counter[str] = Counter()
-        self._next_sweep = -math.inf
+        self._next_sweep = -math.inf  # on the monotonic clock
         self.watermarks: dict[str, int] = {}
         self.count = 0
         self.duplicates = 0
@@ -407,7 +450,6 @@ class MeasurementStore:
         self._rx: dict[int, float] = {}  # receipt time of each retained record
         # Tombstones a compaction may still need (see the module docstring): index -> (at, keys).
         self._tombs: dict[int, tuple[float, list[tuple[str, Hashable]]]] = {}
-        self._last_rx = -math.inf
         self._next = 0
         self._retained_bytes = 0
         self._lock = asyncio.Lock()
@@ -425,31 +467,96 @@ class MeasurementStore:
                 f.truncate(good)
                 f.flush()
                 os.fsync(f.fileno())
-        rx = self.clock()  # the receipt time of records logged before receipt markers existed
+        rx = self.opened_at  # the receipt time of records logged before receipt markers existed
         for m in records:
             if is_meta(m):
                 if m.kind == RX_KIND:
                     rx = m.values["at"]
                 elif m.kind == EXPIRED_KIND:
                     self._expire(tombstone_keys(m), m.values["at"])
+                elif m.kind == REBASE_KIND:
+                    self._rebase(m.values["by"], m.values["at"])
+                    rx = min(rx + max(m.values["by"], 0.0), m.values["at"])
                 else:
                     self._index(m, b"", [], rx)
                 continue
             if m.seq <= self.watermarks.get(m.source, 0):
                 self.replay_duplicates += 1  # e.g. a batch resent after its ack was lost
                 continue
-            self._last_rx = max(self._last_rx, rx)
             self._index(m, encode(m), self._replay_slots(m), rx)
+        future = self._rebase(0.0, self.opened_at)  # dated after the open: a previous run's clock was ahead
+        if future:
+            self.log.warning("measurements dated after the open (the clock was ahead when they were received); "
+                             "their receipt time is the open", records=future, opened_at=self.opened_at)
         self._file = self._open_append()
         self._size = good
         self.log.info("measurement store opened", path=str(self.path), measurements=self.count,
                       retained=self.retained, sources=len(self.watermarks), bytes=good,
                       replay_duplicates=self.replay_duplicates, keys=self.keys, key_ttl_s=key_ttl_s)
 
-    def _receipt_time(self) -> float:
-        """The clock, never below an earlier receipt time (ages stay monotone)."""
-        self._last_rx = max(self._last_rx, self.clock())
-        return self._last_rx
+    def receipt_time(self) -> float:
+        """Now on the receipt clock: the wall clock at open (or at the last rebase) plus the
+        monotonic time elapsed since; never goes backwards but at a rebase."""
+        return self._anchor_wall + (self.monotonic() - self._anchor_mono)
+
+    def _rebase(self, by: float, at: float) -> int:
+        """Move every retained receipt time by ``max(by, 0)`` and clamp it to at most ``at``
+        (a rebase record's effect, live and on replay; ``by`` 0 at open). A key never gets
+        older by it. Returns how many receipt times moved."""
+        moved = 0
+        up = max(by, 0.0)
+        for i, r in self._rx.items():
+            new = min(r + up, at)
+            if new != r:
+                self._rx[i] = new
+                moved += 1
+        return moved
+
+    async def _clock_settled(self) -> bool:
+        """Whether the wall clock agrees with the receipt clock (within ``max_clock_skew_s``),
+        so that a sweep may run (caller holds the lock). A disagreement is a wall-clock step:
+        refused (a warning when it starts); once it held within the bound for
+        ``clock_settle_s``, the receipt clock follows it (a rebase record, appended and
+        fsynced first) and the sweep runs."""
+        wall, mono = self.clock(), self.monotonic()
+        now = self._anchor_wall + (mono - self._anchor_mono)
+        skew = wall - now
+        if abs(skew) <= self.max_clock_skew_s:
+            if self._step is not None:
+                self.log.info("wall clock agrees with the receipt clock again; key expiry resumes", skew_s=skew)
+            self._step = None
+            return True
+        if self._step is None or abs(skew - self._step[0]) > self.max_clock_skew_s:
+            self._step = (skew, mono)
+            self.log.warning("wall clock disagrees with the receipt clock (a clock step?); key expiry paused until "
+                             "they agree or the step holds", skew_s=skew, wall=wall, receipt_time=now,
+                             max_clock_skew_s=self.max_clock_skew_s, clock_settle_s=self.clock_settle_s)
+            return False
+        if mono - self._step[1] < self.clock_settle_s:
+            return False
+        blob = encode(profiler_pb2.Measurement(kind=REBASE_KIND, values={"by": skew, "at": wall}))
+        fut = asyncio.ensure_future(asyncio.to_thread(self._write, blob))
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await _settle(fut)
+            if not fut.cancelled() and fut.exception() is None:
+                self._follow(skew, wall, mono)
+            raise
+        except OSError as e:
+            self.log.error("receipt clock rebase not persisted; key expiry stays paused", path=str(self.path),
+                           error=str(e))
+            return False
+        self._follow(skew, wall, mono)
+        return True
+
+    def _follow(self, skew: float, wall: float, mono: float) -> None:
+        moved = self._rebase(skew, wall)
+        self._anchor_wall, self._anchor_mono = wall, mono
+        self._step = None
+        self.rebases += 1
+        self.log.warning("receipt clock follows a wall-clock step that held; no key got older by it", skew_s=skew,
+                         receipt_times_moved=moved, held_s=self.clock_settle_s)
 
     @property
     def keys(self) -> dict[str, int]:
@@ -620,12 +727,16 @@ class MeasurementStore:
     async def _sweep_locked(self, force: bool = False) -> Counter[str]:
         """Expire the keys ``expired_keys`` names now (caller holds the lock): append and
         fsync their tombstone first, then drop them from memory. Not before
-        ``sweep_interval_s`` since the last sweep unless ``force``. A failed write is
-        logged and changes nothing (the next sweep tries again)."""
-        now = self._receipt_time()
-        if self.key_ttl_s <= 0 or (not force and now < self._next_sweep):
+        ``sweep_interval_s`` (monotonic) since the last sweep unless ``force``; not while
+        the wall clock disagrees with the receipt clock (``_clock_settled``). A failed write
+        is logged and changes nothing (the next sweep tries again)."""
+        mono = self.monotonic()
+        if self.key_ttl_s <= 0 or (not force and mono < self._next_sweep):
             return Counter()
-        self._next_sweep = now + self.sweep_interval_s
+        self._next_sweep = mono + self.sweep_interval_s
+        if not await self._clock_settled():
+            return Counter()
+        now = self.receipt_time()
         keys = expired_keys(self._w, self._rx, now, self.key_ttl_s)
         if not keys:
             return Counter()
@@ -701,7 +812,7 @@ class MeasurementStore:
                         raise ValueError(f"measurement {m.source!r} seq {m.seq} ({m.kind}) cannot be indexed: {e!r}; "
                                          "nothing of this batch was persisted") from e
                 blobs = [encode(m) for m in new]
-                rx = self._receipt_time()
+                rx = self.receipt_time()
                 # The lock must not be released while a thread still works on the file:
                 # when the caller is cancelled, wait for the thread, index what it wrote
                 # (it is durable), then let the cancellation through.

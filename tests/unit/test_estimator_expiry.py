@@ -25,13 +25,23 @@ T0 = 1.7e9
 
 
 class Clock:
-    """A wall clock the test moves by hand."""
+    """Time the test moves by hand: ``t`` moves the wall clock and the monotonic clock
+    together (time passing); ``step`` moves the wall clock alone (a clock step)."""
 
     def __init__(self, t: float = T0) -> None:
         self.t = t
+        self.step = 0.0
 
     def __call__(self) -> float:
+        return self.t + self.step
+
+    def mono(self) -> float:
         return self.t
+
+
+def clocks(c: Clock) -> dict:
+    """The store's clock arguments for ``c``."""
+    return {"clock": c, "monotonic": c.mono}
 
 
 def run(source: str, seq0: int, job: str, n: int = 6, model: str = "gpt:x", **labels) -> list:
@@ -96,7 +106,7 @@ async def populate(s: MeasurementStore, clock: Clock) -> None:
 
 async def test_expiry_forgets_jobs_and_sources_but_not_profiles_nor_model_keys(tmp_path):
     clock = Clock()
-    s = MeasurementStore(tmp_path, key_ttl_s=TTL, clock=clock, compact_bytes=0)
+    s = MeasurementStore(tmp_path, key_ttl_s=TTL, **clocks(clock), compact_bytes=0)
     assert s.sweep_interval_s == 60.0  # min(TTL / 10, 60)
     with structlog.testing.capture_logs() as logs:
         await populate(s, clock)
@@ -119,7 +129,7 @@ async def test_expiry_forgets_jobs_and_sources_but_not_profiles_nor_model_keys(t
 
 async def test_revision_moves_when_a_run_expires(tmp_path):
     clock = Clock()
-    s = MeasurementStore(tmp_path, key_ttl_s=TTL, clock=clock, compact_bytes=0)
+    s = MeasurementStore(tmp_path, key_ttl_s=TTL, **clocks(clock), compact_bytes=0)
     await s.append(run("p1", 1, "j1") + run("p1", 7, "j2"))
     rev = s.model_revision
     clock.t += TTL + 1
@@ -131,7 +141,7 @@ async def test_revision_moves_when_a_run_expires(tmp_path):
 
 async def test_a_key_reporting_within_the_ttl_is_kept(tmp_path):
     clock = Clock()
-    s = MeasurementStore(tmp_path, key_ttl_s=TTL, clock=clock, compact_bytes=0)
+    s = MeasurementStore(tmp_path, key_ttl_s=TTL, **clocks(clock), compact_bytes=0)
     await s.append([step("p1", 1, job="j1", model="")])
     clock.t += TTL  # exactly the TTL old: not *longer* than it
     await s.append([step("p2", 1, job="j2", model="")])
@@ -147,7 +157,7 @@ async def test_a_key_reporting_within_the_ttl_is_kept(tmp_path):
 async def test_ages_are_receipt_times_not_measurement_times(tmp_path):
     """A measurement stamped 1970 (``time`` 0) by its sender is as young as its receipt."""
     clock = Clock()
-    s = MeasurementStore(tmp_path, key_ttl_s=TTL, clock=clock, compact_bytes=0)
+    s = MeasurementStore(tmp_path, key_ttl_s=TTL, **clocks(clock), compact_bytes=0)
     m = step("p1", 1, job="j1")
     m.time = 0.0
     await s.append([m])
@@ -157,23 +167,23 @@ async def test_ages_are_receipt_times_not_measurement_times(tmp_path):
 
 async def test_expiry_survives_a_restart_whatever_the_clock_or_ttl(tmp_path):
     clock = Clock()
-    s = MeasurementStore(tmp_path, key_ttl_s=TTL, clock=clock, compact_bytes=0)
+    s = MeasurementStore(tmp_path, key_ttl_s=TTL, **clocks(clock), compact_bytes=0)
     await populate(s, clock)
     before = state(s)
     s.close()
     # the log still holds every record (no compaction), yet the expired keys stay expired:
     # with the clock back at the start and expiry off, and with the clock where it was
     for ttl, t in ((0.0, T0), (TTL, clock.t)):
-        r = MeasurementStore(tmp_path, key_ttl_s=ttl, clock=Clock(t), compact_bytes=0)
+        r = MeasurementStore(tmp_path, key_ttl_s=ttl, **clocks(Clock(t)), compact_bytes=0)
         assert state(r) == before and r.expired == {}  # replaying a tombstone is not a new expiry
         r.close()
     # a job (and source) that reports again after its expiry keeps only its new records
-    r = MeasurementStore(tmp_path, key_ttl_s=TTL, clock=clock, compact_bytes=0)
+    r = MeasurementStore(tmp_path, key_ttl_s=TTL, **clocks(clock), compact_bytes=0)
     assert await r.append([step("p1", 46, job="j1", model="gpt:x")]) == (1, 0)  # above p1's kept watermark
     assert len(r.steps(job_id="j1")) == 1
     after = state(r)
     r.close()
-    r = MeasurementStore(tmp_path, key_ttl_s=TTL, clock=clock, compact_bytes=0)
+    r = MeasurementStore(tmp_path, key_ttl_s=TTL, **clocks(clock), compact_bytes=0)
     assert state(r) == after
     r.close()
 
@@ -182,7 +192,7 @@ async def test_a_source_resending_after_its_expiry_is_still_deduplicated(tmp_pat
     """p1's key expires while it is disconnected (its ack was lost); its resent batch is a
     duplicate, live, after a compaction dropped all its records, and after a restart."""
     clock = Clock()
-    s = MeasurementStore(tmp_path, Retention(step_window=2), key_ttl_s=TTL, clock=clock, compact_bytes=0)
+    s = MeasurementStore(tmp_path, Retention(step_window=2), key_ttl_s=TTL, **clocks(clock), compact_bytes=0)
     batch = [step("p1", k, job="j1", model="gpt:x", i=k) for k in (1, 2, 3)]
     assert await s.append(batch) == (3, 0)
     clock.t += TTL + 1
@@ -194,16 +204,119 @@ async def test_a_source_resending_after_its_expiry_is_still_deduplicated(tmp_pat
     assert s.compactions == 1 and all(r.source != "p1" for r in read_log(tmp_path / LOG_NAME)[0])
     assert s.watermark("p1") == 3
     s.close()
-    r = MeasurementStore(tmp_path, Retention(step_window=2), key_ttl_s=TTL, clock=clock, compact_bytes=0)
+    r = MeasurementStore(tmp_path, Retention(step_window=2), key_ttl_s=TTL, **clocks(clock), compact_bytes=0)
     assert r.watermark("p1") == 3 and r.watermark("p2") == 2
     assert await r.append(batch) == (0, 3) and await r.append([step("p1", 4, job="j1", i=4)]) == (1, 0)
+    r.close()
+
+
+DAY = 86400.0
+
+
+async def test_one_wall_clock_spike_neither_expires_nor_misdates(tmp_path):
+    """The wall clock reads 30 days ahead during one append (NTP step, VM resume), then is
+    right again: nothing expires, the records keep their real receipt times, and keys still
+    expire one TTL after their last measurement."""
+    clock = Clock()
+    s = MeasurementStore(tmp_path, key_ttl_s=7 * DAY, **clocks(clock), compact_bytes=0)
+    seq = 0
+    for j in range(5):
+        for k in range(3):
+            seq += 1
+            await s.append([step("p1", seq, job=f"j{j}", i=k + 1)])
+        clock.t += 600
+    keys = s.keys
+    with structlog.testing.capture_logs() as logs:
+        clock.step = 30 * DAY
+        await s.append([step("p2", 1, job="jx", i=1)])  # appends sweep: refused
+        assert await s.sweep() == {}
+    assert s.expired == {} and s.keys["job"] == keys["job"] + 1 and s.watermark("p1") == 15
+    assert any(e["event"].startswith("wall clock disagrees") and e["skew_s"] == 30 * DAY for e in logs)
+    assert max(s._rx.values()) == T0 + 3000  # noqa: SLF001 - dated on the receipt clock, not the spike
+    clock.step = 0.0
+    clock.t += 3600
+    await s.append([step("p3", 1, job="jnew", i=1)])
+    assert max(s._rx.values()) == T0 + 6600  # noqa: SLF001
+    clock.t += 7 * DAY  # one TTL after jnew: the older jobs (and jx, received at the spike) go, jnew stays
+    assert await s.sweep() == {"job": 6, "job_model": 6, "source": 2} and len(s.steps(job_id="jnew")) == 1
+    clock.t += 1
+    assert await s.sweep() == {"job": 1, "job_model": 1, "source": 1}
+    s.close()
+
+
+async def test_a_bad_wall_clock_reading_at_open_expires_nothing(tmp_path):
+    clock = Clock()
+    s = MeasurementStore(tmp_path, key_ttl_s=TTL, **clocks(clock), compact_bytes=0)
+    await s.append([step("p1", 1, job="j1")])
+    s.close()
+    clock.step = 30 * TTL  # the store opens on a spike: its receipt clock starts 30 TTLs ahead
+    r = MeasurementStore(tmp_path, key_ttl_s=TTL, **clocks(clock), compact_bytes=0)
+    clock.step = 0.0
+    assert await r.sweep() == {} and len(r.steps(job_id="j1")) == 1  # the wall clock disagrees: refused
+    clock.t += r.clock_settle_s  # the correct reading holds: the receipt clock follows it back
+    assert await r.sweep() == {} and r.rebases == 1 and r.receipt_time() == clock()
+    clock.t += TTL - r.clock_settle_s + 1  # j1 expires one TTL after its receipt, not 30 TTLs early
+    assert (await r.sweep())["job"] == 1
+    r.close()
+
+
+async def test_a_wall_clock_step_that_holds_is_followed_and_ages_no_key(tmp_path):
+    """A step that holds for ``clock_settle_s`` moves the receipt clock (a rebase record);
+    ages stay what the monotonic clock measured, live and after a restart."""
+    clock = Clock()
+    kw = dict(key_ttl_s=TTL, compact_bytes=0, clock_settle_s=300.0)
+    s = MeasurementStore(tmp_path, **clocks(clock), **kw)
+    await s.append([step("p1", 1, job="j1")])
+    clock.t += 100
+    clock.step = 30 * TTL  # forward, for good
+    assert await s.sweep() == {} and s.rebases == 0
+    clock.t += 299
+    assert await s.sweep() == {} and s.rebases == 0
+    clock.t += 1
+    assert await s.sweep() == {} and s.rebases == 1 and s.receipt_time() == clock()
+    assert s._rx == {0: T0 + 30 * TTL}  # noqa: SLF001 - moved with the step: still 400 s old
+    await s.append([step("p2", 1, job="j2")])
+    clock.t += TTL - 400
+    assert await s.sweep() == {}
+    clock.t += 1
+    assert await s.sweep() == {"job": 1, "job_model": 1, "source": 1} and len(s.steps(job_id="j2")) == 1
+    live = full_state(s)
+    s.close()
+    r = MeasurementStore(tmp_path, **clocks(clock), **kw)  # replays the rebase record
+    assert full_state(r) == live
+    # back by 40 TTLs, for good: receipt times after the new time are clamped to it
+    clock.step = -10 * TTL
+    assert await r.sweep() == {}
+    clock.t += 300
+    assert await r.sweep() == {} and r.rebases == 1 and set(r._rx.values()) == {clock()}  # noqa: SLF001
+    live = full_state(r)
+    r.close()
+    r = MeasurementStore(tmp_path, **clocks(clock), **kw)
+    assert full_state(r) == live
+    r.close()
+
+
+async def test_receipt_times_after_the_open_are_clamped_to_it(tmp_path):
+    """Records received while the clock was 30 TTLs ahead (a run that opened on a spike)
+    do not block expiry after a restart with a correct clock: they age from the open."""
+    clock = Clock()
+    clock.step = 30 * TTL
+    s = MeasurementStore(tmp_path, key_ttl_s=TTL, **clocks(clock), compact_bytes=0)
+    await s.append([step("p1", 1, job="j1")])
+    s.close()
+    clock.step = 0.0
+    clock.t += 10
+    r = MeasurementStore(tmp_path, key_ttl_s=TTL, **clocks(clock), compact_bytes=0)
+    assert set(r._rx.values()) == {T0 + 10}  # noqa: SLF001
+    clock.t += TTL + 1
+    assert (await r.sweep())["job"] == 1
     r.close()
 
 
 async def test_compaction_drops_expired_records_and_keeps_only_needed_tombstones(tmp_path):
     clock = Clock()
     ret = Retention(step_window=4)
-    s = MeasurementStore(tmp_path, ret, key_ttl_s=TTL, clock=clock, compact_bytes=0)
+    s = MeasurementStore(tmp_path, ret, key_ttl_s=TTL, **clocks(clock), compact_bytes=0)
     await populate(s, clock)
     before = state(s)
     s.compact_bytes = 1
@@ -222,13 +335,14 @@ async def test_compaction_drops_expired_records_and_keeps_only_needed_tombstones
     assert state(s) == before
     s.close()
     for ttl in (0.0, TTL):
-        r = MeasurementStore(tmp_path, ret, key_ttl_s=ttl, clock=Clock(T0), compact_bytes=0)
+        r = MeasurementStore(tmp_path, ret, key_ttl_s=ttl, **clocks(Clock(T0)), compact_bytes=0)
         assert state(r) == before
         r.close()
     # receipt times survive compaction: j5 (received at the end) expires one TTL after it, not before
-    r = MeasurementStore(tmp_path, ret, key_ttl_s=TTL, clock=Clock(clock.t + TTL), compact_bytes=0)
+    later = Clock(clock.t + TTL)
+    r = MeasurementStore(tmp_path, ret, key_ttl_s=TTL, **clocks(later), compact_bytes=0)
     assert await r.sweep() == {}
-    r.clock = Clock(clock.t + TTL + 1)
+    later.t += 1
     assert await r.sweep() == {"job": 1, "job_model": 1, "run": 1, "source": 1}
     r.close()
 
@@ -237,7 +351,7 @@ async def test_legacy_records_count_as_received_at_open(tmp_path):
     """A log written before receipt markers: its records age from the first open."""
     (tmp_path / LOG_NAME).write_bytes(b"".join(store_mod.encode(m) for m in run("p1", 1, "j1", n=2)))
     clock = Clock()
-    s = MeasurementStore(tmp_path, key_ttl_s=TTL, clock=clock, compact_bytes=0)
+    s = MeasurementStore(tmp_path, key_ttl_s=TTL, **clocks(clock), compact_bytes=0)
     clock.t += TTL
     assert await s.sweep() == {}
     clock.t += 1
@@ -247,7 +361,7 @@ async def test_legacy_records_count_as_received_at_open(tmp_path):
 
 async def test_a_failed_tombstone_write_expires_nothing(tmp_path, monkeypatch):
     clock = Clock()
-    s = MeasurementStore(tmp_path, key_ttl_s=TTL, clock=clock, compact_bytes=0)
+    s = MeasurementStore(tmp_path, key_ttl_s=TTL, **clocks(clock), compact_bytes=0)
     await s.append([step("p1", 1, job="j1")])
     size = (tmp_path / LOG_NAME).stat().st_size
     clock.t += TTL + 1
@@ -292,8 +406,8 @@ def test_key_ttl_precedence_default_and_wiring(tmp_path, monkeypatch):
         config.load(EstimatorConfig, ["--config", str(f)], "TESSERA_ESTIMATOR_")
     assert e.value.field == "key_ttl_s"
     clock = Clock()
-    s = open_store(EstimatorConfig(state_dir=str(tmp_path / "st"), key_ttl_s=30), clock)
-    assert s.key_ttl_s == 30 and s.clock is clock
+    s = open_store(EstimatorConfig(state_dir=str(tmp_path / "st"), key_ttl_s=30), clock, clock.mono)
+    assert s.key_ttl_s == 30 and s.clock is clock and s.monotonic == clock.mono
     s.close()
 
 
@@ -310,16 +424,17 @@ def full_state(s: MeasurementStore) -> dict:
 
 @pytest.mark.parametrize("seed", range(12))
 async def test_random_histories_replay_to_the_live_state(tmp_path, seed):
-    """Appends from sources that come and go, with jobs that reuse configurations, clock
-    jumps past the TTL and sweeps: a compacting store equals a plain one at every step, and
-    reopening either log (any clock, expiry off) rebuilds the same state."""
+    """Appends from sources that come and go, with jobs that reuse configurations, time
+    passing the TTL, wall-clock steps and sweeps: a compacting store equals a plain one at
+    every step, and reopening either log (expiry on or off, at the receipt clock's time)
+    rebuilds the same state."""
     import random
 
     rnd = random.Random(seed)
     ret = Retention(step_window=3, run_steps=3, row_window=2)
     clock = Clock()
-    plain = MeasurementStore(tmp_path / "p", ret, key_ttl_s=TTL, clock=clock, compact_bytes=0)
-    comp = MeasurementStore(tmp_path / "c", ret, key_ttl_s=TTL, clock=clock, compact_bytes=1)
+    plain = MeasurementStore(tmp_path / "p", ret, key_ttl_s=TTL, **clocks(clock), compact_bytes=0)
+    comp = MeasurementStore(tmp_path / "c", ret, key_ttl_s=TTL, **clocks(clock), compact_bytes=1)
     seqs: dict[str, int] = {}
     steps: dict[str, int] = {}
     for _ in range(60):
@@ -340,6 +455,8 @@ async def test_random_histories_replay_to_the_live_state(tmp_path, seed):
                 batch.append(device(src, seqs[src]))
         assert await plain.append(batch) == await comp.append(batch)
         r = rnd.random()
+        if r < 0.06:  # the wall clock steps (or steps back), for good or for a while
+            clock.step = rnd.choice((0.0, 30 * TTL, -30 * TTL, 2 * TTL))
         if r < 0.15:
             clock.t += TTL * rnd.choice((0.5, 1.2, 3))
         elif r < 0.25:
@@ -348,11 +465,11 @@ async def test_random_histories_replay_to_the_live_state(tmp_path, seed):
             clock.t += rnd.random() * 100
         assert full_state(comp) == full_state(plain)
     assert plain.expired and comp.compactions
-    live = full_state(plain)
+    live, now = full_state(plain), plain.receipt_time()
     plain.close()
     comp.close()
     for d in ("p", "c"):
-        for ttl, t in ((0.0, T0), (TTL, clock.t)):
-            r = MeasurementStore(tmp_path / d, ret, key_ttl_s=ttl, clock=Clock(t), compact_bytes=0)
+        for ttl in (0.0, TTL):
+            r = MeasurementStore(tmp_path / d, ret, key_ttl_s=ttl, **clocks(Clock(now)), compact_bytes=0)
             assert full_state(r) == live, (d, ttl)
             r.close()
