@@ -9,8 +9,10 @@ Reports of start and exit are never dropped; progress is throttled.
 
 An executor's processes are its leader (the runtime) and whatever it spawns: they share
 the leader's session and carry its ``TESSERA_EXECUTOR_TOKEN``. When the leader exits, for
-whatever reason, the rest of them are ended (SIGTERM, SIGKILL after ``reap_grace_s``)
-before its grant is released and its exit reported.
+whatever reason, the rest of them are ended (SIGTERM, SIGKILL after ``reap_grace_s`` or a
+``stop``'s own grace, whichever ends later; at once after a SIGKILL of the executor)
+before its grant is released and its exit reported. The /proc scans that find them run
+in worker threads, never in the event loop.
 
 Environment variables (read here):
 
@@ -25,6 +27,7 @@ Environment variables (read here):
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import secrets
@@ -46,6 +49,10 @@ from .partitions import BadGrant, CapacityRefused, Grant, MpsBackend, NotLive, P
 
 KILL_WAIT_S = 5.0  # after SIGKILL of a group, how long stop waits for the executor's output to close
 REAP_GRACE_S = 2.0  # default SIGTERM->SIGKILL delay for what an exited leader left (ExecutorManager.reap_grace_s)
+# While reaping, /proc is scanned (off the event loop) for newcomers and stragglers at these
+# intervals, doubling from the first to the last; the exit of every process already found
+# ends a wait at once (pidfds).
+REAP_POLL_S = (0.05, 0.5)
 TOKEN_ENV = "TESSERA_EXECUTOR_TOKEN"
 FAILPOINT_ENV = "TESSERA_FAILPOINT"
 FAILPOINT_EXIT = 86  # the exit code of an agent process stopped by a failpoint
@@ -102,6 +109,12 @@ class Executor:
     start_ticks: int | None = None
     transport: asyncio.SubprocessTransport | None = None
     leader_exited: asyncio.Event = field(default_factory=asyncio.Event)  # set when the leader process exits
+    # Set by ``stop``: the monotonic time until which it promised no SIGKILL (its grace);
+    # the reap of what the leader left honours it.
+    stop_deadline: float | None = None
+    # Set by a SIGKILL (a stop past its grace, a device fault): the reap of what the leader
+    # left (now or once it is gone) sends SIGKILL at once, without a grace.
+    kill_requested: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def grant_id(self) -> str:
@@ -132,13 +145,26 @@ def process_cpu_s(pid: int) -> float | None:
         return None
 
 
-def _proc_stat(pid: int) -> list[str] | None:
-    """Fields 3.. of ``/proc/<pid>/stat`` (index 0 is field 3, the state), or None when
-    the process does not exist or the file cannot be parsed."""
+def _read_proc(path: str) -> bytes:
+    """The whole of a /proc file, read with plain os calls (a /proc scan reads one or two
+    per process: pathlib's overhead would be most of its cost). OSError as open/read."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
+        chunks = [os.read(fd, 4096)]
+        while chunks[-1]:
+            chunks.append(os.read(fd, 65536))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _proc_stat(pid: int) -> list[bytes] | None:
+    """Fields 3.. of ``/proc/<pid>/stat`` (index 0 is field 3, the state), as bytes, or
+    None when the process does not exist or the file cannot be parsed."""
+    try:
+        raw = _read_proc(f"/proc/{pid}/stat")
         # The command name (field 2) may hold spaces and parentheses: split after its ")".
-        rest = raw[raw.rindex(")") + 2:].split()
+        rest = raw[raw.rindex(b")") + 2:].split()
         return rest if len(rest) >= 20 else None
     except (OSError, ValueError):
         return None
@@ -149,7 +175,7 @@ def process_start_ticks(pid: int) -> int | None:
     since boot): with the pid, it names one process, never a later one that reuses the
     pid. None when there is no such process or it is a zombie (already dead)."""
     rest = _proc_stat(pid)
-    if rest is None or rest[0] in ("Z", "X"):
+    if rest is None or rest[0] in (b"Z", b"X"):
         return None
     return int(rest[19])
 
@@ -435,7 +461,9 @@ class ExecutorManager:
 
     async def _copy_output(self, ex: Executor, f, prefix: bytes) -> str:
         """Copy ``ex``'s output to ``f`` line by line until EOF, handling its events; returns
-        its last error (the last ``error`` event's message, or the last non-event line)."""
+        its last error (the last fatal ``error`` event's message, or the last non-event
+        line). An ``error`` event with ``"fatal": false`` (a rejected peft control line: the
+        run goes on) is logged like any line but never becomes the last error."""
         last_error = ""
         assert ex.proc is not None and ex.proc.stdout is not None
         async for raw in ex.proc.stdout:
@@ -447,36 +475,50 @@ class ExecutorManager:
                     last_error = line.strip()
                 continue
             await self._event(ex, ev)
-            if ev["event"] == "error":
+            if ev["event"] == "error" and ev.get("fatal") is not False:
                 last_error = str(ev.get("message", ""))
         return last_error
 
     async def _reap(self, ex: Executor) -> None:
         """After ``ex``'s leader exited: SIGTERM what is left of its processes (its session's
         members, its token's carriers: ``executor_processes``), SIGKILL them after
-        ``reap_grace_s``, and wait up to ``KILL_WAIT_S`` for them to be gone. Processes
-        spawned meanwhile are found by a new scan. Never signals a pid that was reused."""
+        ``reap_grace_s`` — or, while a ``stop`` is in progress, not before its own grace
+        ends, if that is later; at once on ``kill_requested`` — and wait up to
+        ``KILL_WAIT_S`` for them to be gone. /proc is scanned off the event loop; processes
+        spawned meanwhile are found by a new scan (``REAP_POLL_S``, backing off), the exit
+        of those already found ends a wait at once. Never signals a pid that was reused."""
         assert ex.proc is not None
-        left = executor_processes(ex.token, ex.proc.pid, ex.start_ticks)
+        scan = functools.partial(executor_processes, ex.token, ex.proc.pid, ex.start_ticks)
+        left = await asyncio.to_thread(scan)
         if not left:
             return
+        began = time.monotonic()
+
+        def term_deadline() -> float:  # read again at every round: a stop may begin meanwhile
+            return max(began + self.reap_grace_s, ex.stop_deadline if ex.stop_deadline is not None else 0.0)
+
         self.log.warning("executor leader exited; ending the processes it left", job_id=ex.job_id,
                          allocation=ex.allocation_id, rank=ex.rank, pid=ex.proc.pid, code=ex.proc.returncode,
-                         pids=[p for p, _ in left], grace_s=self.reap_grace_s)
+                         pids=[p for p, _ in left], grace_s=round(term_deadline() - began, 3))
         termed: set[tuple[int, int]] = set()
-        for sig, wait_s in ((signal.SIGTERM, self.reap_grace_s), (signal.SIGKILL, KILL_WAIT_S)):
-            deadline = time.monotonic() + wait_s
-            while True:
-                for p in left:
-                    if sig == signal.SIGKILL or p not in termed:  # SIGKILL again: newcomers, racers
-                        _send_verified(*p, sig)
-                        termed.add(p)
-                if time.monotonic() >= deadline:
-                    break
-                await asyncio.sleep(0.05)
-                left = executor_processes(ex.token, ex.proc.pid, ex.start_ticks)
-                if not left:
-                    return
+        sig, kill_deadline, interval = signal.SIGTERM, 0.0, REAP_POLL_S[0]
+        while True:
+            now = time.monotonic()
+            if sig == signal.SIGTERM and (ex.kill_requested.is_set() or now >= term_deadline()):
+                sig, kill_deadline, interval = signal.SIGKILL, now + KILL_WAIT_S, REAP_POLL_S[0]
+            for p in left:
+                if sig == signal.SIGKILL or p not in termed:  # SIGKILL again: newcomers, racers
+                    _send_verified(*p, sig)
+                    termed.add(p)
+            if sig == signal.SIGKILL and now >= kill_deadline:
+                break
+            until = term_deadline() if sig == signal.SIGTERM else kill_deadline
+            await _wait_exits(left, min(interval, until - now),
+                              ex.kill_requested if sig == signal.SIGTERM else None)
+            interval = min(interval * 2, REAP_POLL_S[1])
+            left = await asyncio.to_thread(scan)
+            if not left:
+                return
         self.log.error("processes of an exited executor survive SIGKILL", job_id=ex.job_id,
                        allocation=ex.allocation_id, rank=ex.rank, pids=[p for p, _ in left])
 
@@ -574,9 +616,12 @@ class ExecutorManager:
         agent's own decision (shutdown, self-fencing), not the controller's: their EXITED
         reports carry ``stopped_by_agent`` (the job is requeued, not failed)."""
         targets = [e for e in self.executors.values() if e.allocation_id == allocation_id and e.running]
+        deadline = time.monotonic() + grace_s
         for e in targets:
             if by_agent:
                 e.stopped_by_agent = True
+            # What its leader leaves once it dies of this SIGTERM gets the same grace (_reap).
+            e.stop_deadline = deadline if e.stop_deadline is None else min(e.stop_deadline, deadline)
             _signal(e, signal.SIGTERM)
         for e in targets:
             try:
@@ -691,17 +736,33 @@ class ExecutorManager:
         included (a whole record there names a real executor as well). Waits up to
         ``wait_s`` for them to die; removes every record. Returns the records of the
         executors killed (one per token)."""
+        killed, pids = await asyncio.to_thread(self._kill_orphans)  # /proc scans: off the event loop
+        await _wait_exits(pids, wait_s)
+        return killed
+
+    def _kill_orphans(self) -> tuple[list[dict], list[tuple[int, int | None]]]:
+        """``kill_orphans`` but the wait (blocking): the records of the executors killed and
+        the (pid, start ticks or None) of the processes signalled. One /proc scan finds the
+        carriers of every record's token."""
         killed: list[dict] = []
         pids: list[tuple[int, int | None]] = []
-        tokens: set[str] = set()
         # Records first, then temp files (".tmp-*"): a record and its temp file name one executor.
         paths = sorted((self.state_dir / "executors").glob("*.json*"), key=lambda p: (p.name.startswith("."), p.name))
+        recs: list[tuple[Path, dict | None]] = []
         for path in paths:
             try:
                 rec = json.loads(path.read_text()) if path.suffix == ".json" else None
             except (OSError, ValueError):
                 rec = None
-            if isinstance(rec, dict):
+            recs.append((path, rec if isinstance(rec, dict) else None))
+        tokens = {t for _, rec in recs if rec is not None and isinstance(t := rec.get("token"), str) and t}
+        carriers: dict[str, list[tuple[int, int]]] = {}
+        # Before the groups are killed: a carrier that is also a group member is found while alive.
+        for p, ticks, token in _scan_processes(tokens) if tokens else []:
+            carriers.setdefault(token, []).append((p, ticks))
+        seen: set[str] = set()
+        for path, rec in recs:
+            if rec is not None:
                 token = rec.get("token") if isinstance(rec.get("token"), str) and rec.get("token") else None
                 hit: list[tuple[int, int | None]] = []
                 members = _orphan_members(rec)
@@ -711,10 +772,10 @@ class ExecutorManager:
                         hit += [(p, None) for p in members]
                     except ProcessLookupError:
                         pass
-                for p, ticks in executor_processes(token) if token else []:
+                for p, ticks in carriers.pop(token, []) if token else []:  # the first record of a token takes them
                     if _send_verified(p, ticks, signal.SIGKILL):
                         hit.append((p, ticks))
-                if hit and (token is None or token not in tokens):
+                if hit and (token is None or token not in seen):
                     killed.append(rec)
                     self.log.warning("killed the executor of a previous agent process", pid=rec.get("pid"),
                                      pgid=rec.get("pgid"), allocation=rec.get("allocation_id"),
@@ -724,15 +785,10 @@ class ExecutorManager:
                     self.log.info("executor of a previous agent process already gone", pid=rec.get("pid"),
                                   allocation=rec.get("allocation_id"), rank=rec.get("rank"))
                 if token:
-                    tokens.add(token)
+                    seen.add(token)
                 pids += hit
             path.unlink(missing_ok=True)
-        deadline = time.monotonic() + wait_s
-        while pids and time.monotonic() < deadline:
-            pids = [(p, t) for p, t in pids if (now := process_start_ticks(p)) is not None and t in (None, now)]
-            if pids:
-                await asyncio.sleep(0.05)
-        return killed
+        return killed, pids
 
 
 class _ExecutorProtocol(asyncio.subprocess.SubprocessStreamProtocol):
@@ -765,16 +821,31 @@ def _failpoint(name: str) -> None:
         os._exit(FAILPOINT_EXIT)
 
 
+PF_KTHREAD = 0x00200000  # a kernel thread (field 9 of /proc/<pid>/stat, flags): never an executor's
+
+
 def executor_processes(token: str | None, sid: int | None = None,
                        since_ticks: int | None = None) -> list[tuple[int, int]]:
     """(pid, start ticks) of the live (not zombie) processes of this uid, this process
     excepted, that belong to an executor: their environment carries
-    ``TESSERA_EXECUTOR_TOKEN=token``, or (``sid`` given) they are in session ``sid`` and
-    started no earlier than ``since_ticks`` (the leader's start; what a child that replaced
-    its environment is found by — a session id is not reused while a member lives)."""
-    needle = f"{TOKEN_ENV}={token}".encode() if token else None
+    ``TESSERA_EXECUTOR_TOKEN=token``, or (``sid`` given) they are in session ``sid``.
+    ``since_ticks``: the leader's start; every process of an executor (a descendant of
+    its leader) started no earlier, so an older process is passed over after reading
+    its ``stat`` alone (and a session id reused after the executor is not mistaken for
+    its own). Reads every process's ``stat``, and the environment only of those that
+    could carry the token (same uid, not a kernel thread, not older than
+    ``since_ticks``, not already found by their session): blocking, run it off the
+    event loop."""
+    return [(p, t) for p, t, _ in _scan_processes({token} if token else set(), sid, since_ticks)]
+
+
+def _scan_processes(tokens: set[str], sid: int | None = None,
+                    since_ticks: int | None = None) -> list[tuple[int, int, str | None]]:
+    """``executor_processes`` for any of ``tokens``: (pid, start ticks, the token its
+    environment carries, or None for a member of session ``sid``)."""
+    needles = [(t, f"\0{TOKEN_ENV}={t}\0".encode()) for t in tokens]  # whole entries only
     me, uid = os.getpid(), os.getuid()
-    found = []
+    found: list[tuple[int, int, str | None]] = []
     try:
         entries = os.listdir("/proc")
     except OSError:
@@ -784,26 +855,82 @@ def executor_processes(token: str | None, sid: int | None = None,
             continue
         pid = int(d)
         rest = _proc_stat(pid)
-        if rest is None or rest[0] in ("Z", "X"):
+        if rest is None or rest[0] in (b"Z", b"X"):
+            continue
+        ticks = int(rest[19])
+        if since_ticks is not None and ticks < since_ticks:
+            continue
+        if int(rest[6]) & PF_KTHREAD:
             continue
         try:
             if os.stat(f"/proc/{d}").st_uid != uid:
                 continue
         except OSError:
             continue
-        ticks = int(rest[19])
-        if sid is not None and int(rest[3]) == sid and (since_ticks is None or ticks >= since_ticks):
-            found.append((pid, ticks))
+        if sid is not None and int(rest[3]) == sid:
+            found.append((pid, ticks, None))
             continue
-        if needle is None:
+        if not tokens:
             continue
         try:
-            env = Path(f"/proc/{d}/environ").read_bytes().split(b"\0")
+            env = _read_proc(f"/proc/{d}/environ")
         except OSError:
             continue
-        if needle in env:
-            found.append((pid, ticks))
+        padded = b"\0" + env + b"\0"
+        token = next((t for t, n in needles if n in padded), None)
+        if token is not None:
+            found.append((pid, ticks, token))
     return found
+
+
+async def _wait_exits(procs: list[tuple[int, int | None]], timeout: float,
+                      wake: asyncio.Event | None = None) -> None:
+    """Wait up to ``timeout`` seconds until every process of ``procs`` ((pid, start ticks;
+    None: not checked)) has exited, or ``wake`` is set. Through pidfds, readable once their
+    process exits; without them (old kernel), the timeout or ``wake`` ends the wait."""
+    if timeout <= 0:
+        return
+    loop = asyncio.get_running_loop()
+    fds: list[int] = []
+    pending: set[int] = set()
+    all_gone = asyncio.Event()
+
+    def exited(fd: int) -> None:
+        loop.remove_reader(fd)
+        pending.discard(fd)
+        if not pending:
+            all_gone.set()
+
+    try:
+        for pid, ticks in procs:
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue
+            except (AttributeError, OSError):
+                pending.add(-1)  # no pidfds: never "all gone"
+                break
+            fds.append(fd)
+            now = process_start_ticks(pid)
+            if now is None or (ticks is not None and now != ticks):
+                continue  # already gone (a zombie), or its pid reused: not ours to wait for
+            pending.add(fd)
+            loop.add_reader(fd, exited, fd)
+        if not pending:
+            return
+        waits = [asyncio.ensure_future(all_gone.wait())]
+        if wake is not None:
+            waits.append(asyncio.ensure_future(wake.wait()))
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+    finally:
+        for fd in fds:
+            if fd in pending:
+                loop.remove_reader(fd)
+            os.close(fd)
 
 
 def _send_verified(pid: int, ticks: int, sig: int) -> bool:
@@ -848,7 +975,7 @@ def _orphan_members(rec: dict) -> list[int]:
         if not d.isdigit():
             continue
         rest = _proc_stat(int(d))
-        if rest is None or rest[0] in ("Z", "X") or int(rest[2]) != pgid:
+        if rest is None or rest[0] in (b"Z", b"X") or int(rest[2]) != pgid:
             continue
         try:
             env = set(Path(f"/proc/{d}/environ").read_bytes().split(b"\0"))
@@ -880,13 +1007,15 @@ def _signal(e: Executor, sig: int) -> None:
     # The executor leads its own session: signal the whole group, so that anything it
     # spawned (data-loader workers, local ranks) goes too. While the leader is not reaped
     # (returncode None) its pid, and so the group id, cannot be reused. Once it is, the
-    # pump is ending the rest (``_reap``); they are signalled process by process, each
-    # verified, so that a stop's SIGKILL still cuts the reap's grace short.
+    # pump is ending the rest (``_reap``), which SIGTERMs every one it finds. A SIGKILL
+    # sets ``kill_requested``: the reap, now or once the leader is gone, SIGKILLs at once
+    # what is left (a process that left the group included). No /proc scan here: this
+    # runs in the event loop.
     if e.proc is None or e.done.is_set():
         return
+    if sig == signal.SIGKILL:
+        e.kill_requested.set()
     if e.proc.returncode is not None:
-        for p, ticks in executor_processes(e.token, e.proc.pid, e.start_ticks):
-            _send_verified(p, ticks, sig)
         return
     try:
         os.killpg(e.proc.pid, sig)

@@ -5,7 +5,9 @@ and report the exit), and executors left running by a crashed agent process (a n
 agent on the same state dir kills them before it registers; never a process that merely
 reuses a recorded pid; nor one spawned but not yet recorded when the agent crashed); the
 processes an executor's leader leaves behind when it exits on its own (ended before the
-exit is reported and the grant released). Also: a shutting-down agent refuses new launches."""
+exit is reported and the grant released; a stop's grace applies to them; the /proc scans that
+find them run off the event loop, backing off, and pass over processes older than the
+leader). Also: a shutting-down agent refuses new launches."""
 
 from __future__ import annotations
 
@@ -398,3 +400,140 @@ async def test_a_record_is_one_durable_atomic_write(tmp_path, monkeypatch):
     assert sorted(p.name for p in (mgr.state_dir / "executors").iterdir()) == ["a-6-r0.json"]
     await mgr.stop("a-6", 1.0)
     assert list((mgr.state_dir / "executors").iterdir()) == []
+
+
+# A fake runtime whose leader dies of SIGTERM at once (default action) while its child, in
+# its session, answers SIGTERM with a flush that takes {flush_s} s (a checkpoint shard),
+# then says so in a file and exits 0.
+FLUSHING_RUNTIME = """#!{python}
+import os, subprocess, sys, time
+spec = sys.argv[sys.argv.index("--spec") + 1]
+child = subprocess.Popen([sys.executable, "-c", '''
+import signal, sys, time
+def term(*a):
+    time.sleep({flush_s})
+    open(sys.argv[1], "w").write("flushed")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+open(sys.argv[1] + ".ready", "w").close()
+time.sleep(300)
+''', spec + ".flushed"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+with open(spec + ".pids.tmp", "w") as f:
+    f.write(f"{{os.getpid()}} {{child.pid}}")
+os.replace(spec + ".pids.tmp", spec + ".pids")
+time.sleep(300)
+"""
+
+
+async def test_a_stop_grants_what_the_leader_left_its_own_grace(tmp_path):
+    """stop(grace_s) promises SIGKILL only after grace_s: once the leader dies of the
+    stop's SIGTERM, the reap of its child waits the stop's grace, not just reap_grace_s."""
+    reports: list = []
+    rt = fake_runtime(tmp_path, FLUSHING_RUNTIME, flush_s=1.5)
+    mgr = make_mgr(tmp_path, tmp_path / "state", reports, runtime=rt, reap_grace_s=0.2)
+    ex, _ = await mgr.launch(allocation_id="a-7", device_ids=[next(iter(mgr.devices))], **LAUNCH)
+    spec = mgr.state_dir / "specs" / "a-7-r0.json"
+    leader, child = await wait_pids(spec)
+    async with asyncio.timeout(30):
+        while not Path(str(spec) + ".flushed.ready").exists():  # its SIGTERM handler is set
+            await asyncio.sleep(0.05)
+    async with asyncio.timeout(20):
+        assert await mgr.stop("a-7", grace_s=15.0) == 1
+    # Before the fix: SIGKILLed 0.2 s after the leader died, mid-flush.
+    assert Path(str(spec) + ".flushed").read_text() == "flushed", "the child finished its flush"
+    assert not alive(child) and ex.done.is_set() and mgr.parts.grants() == []
+    assert [r["kind"] for a, _, r in reports if a == "a-7"][-1] == "EXITED"
+
+
+async def test_reaping_scans_proc_off_the_event_loop_with_backoff(tmp_path, monkeypatch):
+    """The /proc scans of a reap (every process's stat, some environments: tens of ms on a
+    busy node) run in worker threads, at intervals that back off; a stop's SIGKILL reaches
+    the reaped executor's processes without a scan in the event loop."""
+    import threading
+
+    import agent.executors as aex
+
+    loop_thread = threading.get_ident()
+    scans: list[tuple[float, bool]] = []  # (when, in the event loop's thread)
+    real = aex.executor_processes
+
+    def spy(*a, **kw):
+        scans.append((time.monotonic(), threading.get_ident() == loop_thread))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(aex, "executor_processes", spy)
+    rt = fake_runtime(tmp_path, EXITING_RUNTIME, mode="devnull", code=3)  # the child ignores SIGTERM
+    mgr = make_mgr(tmp_path, tmp_path / "state", runtime=rt, reap_grace_s=60)
+    ex, _ = await mgr.launch(allocation_id="a-8", device_ids=[next(iter(mgr.devices))], **LAUNCH)
+    leader, child = await wait_pids(mgr.state_dir / "specs" / "a-8-r0.json")
+    await asyncio.wait_for(ex.leader_exited.wait(), 15)
+    t0 = time.monotonic()
+    await asyncio.sleep(2.0)  # an observation window of the reap's polling, not a synchronisation
+    polled = len([t for t, _ in scans if t >= t0])
+    assert 1 <= polled <= 10, f"{polled} scans in 2 s (before the fix: one every 50 ms, about 40)"
+    assert alive(child) and ex.running, "SIGTERM ignored; the reap's grace is 60 s"
+    async with asyncio.timeout(10):  # the stop's SIGKILL cuts the reap's grace short
+        assert await mgr.stop("a-8", grace_s=0.2) == 1
+    await wait_dead([child], timeout=5)
+    assert ex.done.is_set() and ex.exit_code == 3
+    assert scans and not any(in_loop for _, in_loop in scans), "no /proc scan in the event loop"
+
+
+def test_a_process_older_than_the_leader_is_never_taken_for_the_executors(tmp_path):
+    """Every process of an executor started after its leader: older ones are passed over on
+    their stat alone, their environment unread (the bulk of a busy node's processes)."""
+    from agent.executors import executor_processes
+
+    token = "f" * 32
+    procs: list[subprocess.Popen] = []
+
+    def carrier() -> subprocess.Popen:  # a process carrying the token, once it has exec'd
+        p = subprocess.Popen(["sh", "-c", "echo up; exec sleep 60"], stdout=subprocess.PIPE,
+                             env=dict(os.environ, TESSERA_EXECUTOR_TOKEN=token))
+        procs.append(p)
+        assert p.stdout.readline() == b"up\n"
+        return p
+
+    try:
+        older = carrier()
+        ticks = process_start_ticks(older.pid)
+        newer = carrier()
+        while process_start_ticks(newer.pid) <= ticks:  # started in the same clock tick: again
+            newer = carrier()
+        assert {older.pid, newer.pid} <= {p for p, _ in executor_processes(token)}
+        # A leader started after `older` (ticks + 1): `older` cannot be its descendant.
+        found = {p for p, _ in executor_processes(token, None, ticks + 1)}
+        assert older.pid not in found and newer.pid in found
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+# A fake runtime whose leader ignores SIGTERM and whose child ignores it too and has left
+# the session (only its TESSERA_EXECUTOR_TOKEN says whose it is).
+STUBBORN_RUNTIME = """#!{python}
+import os, signal, subprocess, sys, time
+spec = sys.argv[sys.argv.index("--spec") + 1]
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited by the child
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+with open(spec + ".pids.tmp", "w") as f:
+    f.write(f"{{os.getpid()}} {{child.pid}}")
+os.replace(spec + ".pids.tmp", spec + ".pids")
+time.sleep(300)
+"""
+
+
+async def test_a_stop_past_its_grace_kills_what_left_the_group_at_once(tmp_path):
+    """A stop's SIGKILL of the group does not reach a process that left it; the reap that
+    follows the leader's death SIGKILLs it at once, without a new grace."""
+    rt = fake_runtime(tmp_path, STUBBORN_RUNTIME)
+    mgr = make_mgr(tmp_path, tmp_path / "state", runtime=rt, reap_grace_s=60)
+    ex, _ = await mgr.launch(allocation_id="a-9", device_ids=[next(iter(mgr.devices))], **LAUNCH)
+    leader, child = await wait_pids(mgr.state_dir / "specs" / "a-9-r0.json")
+    assert os.getsid(child) == child
+    async with asyncio.timeout(15):  # before the fix: the child got SIGTERM and 60 s more
+        assert await mgr.stop("a-9", grace_s=0.2) == 1
+    assert not alive(leader) and not alive(child)
+    assert ex.done.is_set() and mgr.parts.grants() == []
