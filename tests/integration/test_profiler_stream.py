@@ -349,7 +349,12 @@ async def test_comm_benchmark_reaches_the_estimator_model(tmp_path):
 
             await until(refitted, timeout=60, what="a snapshot fitted from every comm row")
         assert {"all_reduce", "send_recv"} <= set(link.ops)
-        assert link.time("all_reduce", 2, 1 << 20) > link.time("all_reduce", 2, 1 << 10) > 0
+        # Fitted from every size of the table. (Not "1 MiB slower than 1 KiB": on a loaded
+        # 2-core host the per-call noise can exceed the transfer time, and the fit's slope is
+        # then clamped at 0 — a valid fit, seen once in a full-suite run.)
+        ar = link.ops["all_reduce"]
+        assert ar["n"] >= 3 and ar["max_bytes"] >= 1 << 20 and ar["beta"] >= 0 and ar["alpha"] > 0
+        assert link.time("all_reduce", 2, 1 << 20) >= link.time("all_reduce", 2, 1 << 10) > 0
         assert {r["link"] for r in est.store.comm_rows} == {"loopback-gloo"}
         # The synchronisation rows (--sync) carry compute_s, so the straggler wait is fitted.
         assert any(r.get("compute_s", 0) > 0 for r in est.store.comm_rows)
