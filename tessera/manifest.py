@@ -22,7 +22,12 @@ A manifest is YAML::
 
 ``validate(doc)`` returns the normalised dict (defaults filled) or raises ``SpecError``
 naming the dotted path of the first field at fault. The CLI and the controller run the
-same function, so a manifest the CLI accepts is one the server accepts.
+same function, so a manifest the CLI accepts is one the server accepts. A peft section is
+also checked as its executor resolves it: each task with the workload values it inherits
+(``batch_size`` <= 65536, ``steps`` and ``seed`` + task index <= 2**31 - 1; an inherited
+value at fault is named by its workload field, e.g. ``workload.batch_size``) and
+``chunk_size`` (null = ``model.seq_len``) <= ``model.seq_len`` and >= every task's
+``dataset.min_len``/``max_len``; the section itself keeps its nulls.
 """
 
 from __future__ import annotations
@@ -217,15 +222,16 @@ def _workload(w: dict) -> dict:
         if section in w:
             if typ != section:
                 raise SpecError(f"workload.{section}", f"only allowed when workload.type is {section!r}")
-            out[section] = _section(section, w[section], mod, fn, out["model"])
+            out[section] = _section(section, w[section], mod, fn, out)
         elif typ == section:
-            out[section] = _section(section, {}, mod, fn, out["model"])
+            out[section] = _section(section, {}, mod, fn, out)
     return out
 
 
-def _section(section: str, value: Any, mod: str, fn: str, model: dict) -> dict:
-    """The validated section; the peft one is checked against the workload's model (a LoRA
-    rank above ``model.hidden`` is refused here, at submission, not by the executor)."""
+def _section(section: str, value: Any, mod: str, fn: str, workload: dict) -> dict:
+    """The validated section; the peft one is also checked as its executor will resolve it
+    (:func:`_check_peft_effective`), so that a spec the executor would refuse is refused
+    here, at submission."""
     path = f"workload.{section}"
     value = _mapping(value, path)
     try:
@@ -234,9 +240,49 @@ def _section(section: str, value: Any, mod: str, fn: str, model: dict) -> dict:
         # The workload's own validator is not installed: keep the section as given and
         # let the executor refuse it. Structure was still checked above.
         return value
-    out = validator(value, path, hidden=model["hidden"]) if section == "peft" else validator(value, path)
+    if section == "peft":
+        out = validator(value, path, hidden=workload["model"]["hidden"])
+        _check_peft_effective(validator, out, path, workload)
+    else:
+        out = validator(value, path)
     _struct_safe(out, path)
     return out
+
+
+# A task field left null inherits this workload field (tessera/spec/peft.py); the dataset
+# seed inherits workload.seed + the task's index.
+_INHERITED = re.compile(r"\.tasks\[(\d+)\]\.(batch_size|steps|learning_rate|dataset\.seed)$")
+
+
+def _check_peft_effective(validator: Any, sec: dict, path: str, workload: dict) -> None:
+    """Check the peft section ``sec`` (validated, nulls kept) with what its executor fills
+    in (agent/runtime/peft/workload.py ``parse``): each null task field takes the workload's
+    value (a task's batch size must then be <= the peft cap, 65536; its steps and dataset
+    seed fit the task's int32 fields), and a null ``chunk_size`` is ``model.seq_len``, which
+    bounds ``chunk_size`` and each task's ``dataset.min_len``/``max_len``. A failure of an
+    inherited value names the workload field (``workload.batch_size``), not the task's."""
+    defaults = {k: workload[k] for k in ("learning_rate", "batch_size", "steps", "seed")}
+    try:
+        validator(sec, path, defaults=defaults, hidden=workload["model"]["hidden"])
+    except SpecError as e:
+        # ``sec`` itself is valid, so the failure is a value the task inherits.
+        m = _INHERITED.search(e.field)
+        if m is None:
+            raise
+        key = "seed" if m.group(2) == "dataset.seed" else m.group(2)
+        what = f"{e.field} (workload.seed + task index {m.group(1)})" if key == "seed" else e.field
+        raise SpecError(f"workload.{key}", f"{e.message} (inherited by {what})") from None
+    seq_len = workload["model"]["seq_len"]
+    cs = sec["chunk_size"]
+    if cs is not None and cs > seq_len:
+        raise SpecError(f"{path}.chunk_size", f"must be <= model.seq_len ({seq_len}), got {cs}")
+    if cs is None:  # the chunk size is model.seq_len: each sequence must fit one chunk
+        for i, t in enumerate(sec["tasks"]):
+            ds = t["dataset"]
+            for f in ("min_len", "max_len"):
+                if ds[f] is not None and ds[f] > seq_len:
+                    raise SpecError(f"{path}.tasks[{i}].dataset.{f}",
+                                    f"must be <= chunk_size (null = model.seq_len = {seq_len}), got {ds[f]}")
 
 
 # A section travels as a protobuf Struct, whose numbers are doubles: an integer beyond

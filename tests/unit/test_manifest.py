@@ -164,3 +164,76 @@ def test_a_peft_rank_above_the_model_hidden_size_is_refused_at_validation(tmp_pa
     err = cli.Console(record=True, width=200)
     assert cli.main(["submit", str(p)], client_factory=no_client, err=err) == 2
     assert "workload.peft.tasks[0].rank" in err.export_text()
+
+
+def _peft(tasks, **workload):
+    d = doc(workload__type="peft", workload__peft={"tasks": tasks})
+    d["workload"].update(workload)
+    return d
+
+
+@pytest.mark.parametrize("tasks,workload,field,says", [
+    # A task inheriting the workload's batch size is bound by the peft cap (65536): the
+    # workload field is at fault, and the task that inherits it is named too.
+    ([{"name": "a"}], {"batch_size": 65537}, "workload.batch_size", "workload.peft.tasks[0].batch_size"),
+    ([{"name": "a"}], {"steps": 2**31}, "workload.steps", "workload.peft.tasks[0].steps"),
+    ([{"name": "a"}, {"name": "b"}], {"seed": 2**31 - 1}, "workload.seed", "workload.peft.tasks[1].dataset.seed"),
+    # A task's own value is named as before.
+    ([{"name": "a", "batch_size": 65537}], {}, "workload.peft.tasks[0].batch_size", "65536"),
+    # chunk_size (null = model.seq_len) bounds every sequence.
+    ([{"name": "a", "dataset": {"min_len": 65}}], {"model": {"seq_len": 64}},
+     "workload.peft.tasks[0].dataset.min_len", "64"),
+    ([{"name": "a", "dataset": {"max_len": 65}}], {"model": {"seq_len": 64}},
+     "workload.peft.tasks[0].dataset.max_len", "64"),
+])
+def test_peft_tasks_are_checked_with_what_they_inherit(tasks, workload, field, says):
+    with pytest.raises(SpecError) as e:
+        manifest.validate(_peft(tasks, **workload))
+    assert e.value.field == field and says in e.value.message
+
+
+def test_peft_chunk_size_above_seq_len_is_refused():
+    d = _peft([{"name": "a"}], model={"seq_len": 32})
+    d["workload"]["peft"]["chunk_size"] = 33
+    with pytest.raises(SpecError) as e:
+        manifest.validate(d)
+    assert e.value.field == "workload.peft.chunk_size"
+
+
+def test_peft_inherited_values_within_bounds_are_accepted_and_stay_null():
+    # A task's own batch size overrides a workload value above the cap; nulls are kept
+    # (the executor resolves them), so the section still validates to itself.
+    d = manifest.validate(_peft([{"name": "a", "batch_size": 4}, {"name": "b"}], batch_size=65536))
+    tasks = d["workload"]["peft"]["tasks"]
+    assert tasks[0]["batch_size"] == 4 and tasks[1]["batch_size"] is None
+    assert manifest.validate(d) == d
+    d = manifest.validate(_peft([{"name": "a", "batch_size": 4}], batch_size=65537))
+    assert d["workload"]["batch_size"] == 65537
+
+
+@pytest.mark.parametrize("tasks,workload", [
+    ([{"name": "a"}], {"batch_size": 65537}),
+    ([{"name": "a"}], {"steps": 2**31}),
+    ([{"name": "a"}, {"name": "b"}], {"seed": 2**31 - 1}),
+    ([{"name": "a", "dataset": {"min_len": 65}}], {"model": {"seq_len": 64}}),
+    ([{"name": "a", "batch_size": 4}], {"batch_size": 65537}),
+    ([{"name": "a"}], {"batch_size": 65536, "steps": 2**31 - 1, "seed": 2**31 - 1}),
+])
+def test_submit_and_executor_agree_on_peft_specs(tasks, workload):
+    """What validation accepts, the peft executor's own parse accepts (it would otherwise
+    fail the job with exit 2 after placement), and what it refuses, the executor refuses."""
+    pytest.importorskip("torch")
+    from agent.runtime.peft.workload import parse
+
+    d = _peft(tasks, **workload)
+    # What the executor would be handed: the workload as given, the model's defaults filled.
+    w = {**manifest.validate(_peft([{"name": "a"}]))["workload"], **workload}
+    w["model"] = {**manifest.MODEL_DEFAULTS, **workload.get("model", {})}
+    w["peft"] = {"tasks": tasks}
+    try:
+        spec = manifest.validate(d)
+    except SpecError:
+        with pytest.raises(SpecError):
+            parse(w)
+        return
+    parse(spec["workload"])
