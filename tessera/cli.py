@@ -244,9 +244,25 @@ def nodes_table(nodes: list[types_pb2.Node]) -> Table:
     return t
 
 
+def _json_safe(v: Any) -> Any:
+    """``v`` with every non-finite float written as protobuf's JSON mapping writes it
+    ("NaN", "Infinity", "-Infinity"): a diverged job's NaN loss must not make the output
+    invalid JSON."""
+    if isinstance(v, float) and v != v:
+        return "NaN"
+    if isinstance(v, float) and v in (float("inf"), float("-inf")):
+        return "Infinity" if v > 0 else "-Infinity"
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    return v
+
+
 def emit_json(out: Console, data: Any) -> None:
-    """Write ``data`` as JSON to the result stream, unwrapped and uncoloured."""
-    out.file.write(json.dumps(data, indent=2) + "\n")
+    """Write ``data`` as JSON to the result stream, unwrapped and uncoloured; always valid
+    JSON (non-finite numbers as strings, see ``_json_safe``)."""
+    out.file.write(json.dumps(_json_safe(data), indent=2, allow_nan=False) + "\n")
     out.file.flush()
 
 
@@ -509,6 +525,18 @@ def cmd_demo(a, client_for, out: Console, err: Console) -> int:
 
 # --- parser --------------------------------------------------------------------------------
 
+def seconds(text: str) -> float:
+    """argparse type of a duration: a finite number of seconds > 0 (else a usage error,
+    exit 2, before anything is sent or started)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--controller", metavar="HOST:PORT",
@@ -523,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("submit", parents=[common], help="validate a manifest and submit it")
     p.add_argument("file", metavar="FILE.yaml")
     p.add_argument("--wait", action="store_true", help="follow the job; exit 0 only if it SUCCEEDED")
-    p.add_argument("--timeout", type=float, default=None, metavar="S", help="with --wait: give up after S seconds")
+    p.add_argument("--timeout", type=seconds, default=None, metavar="S", help="with --wait: give up after S seconds")
     p.add_argument("--idempotency-key", default=None, help="retry-safe key (default: a new UUID)")
     p.set_defaults(fn=cmd_submit)
 
@@ -559,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace-s", type=float, default=10.0, help="node grace period of the controller")
     p.add_argument("--detach", action="store_true", help="return once everything is ready; stop with `tessera down`")
     p.add_argument("--keep-state", action="store_true", help="reuse etcd data and state of a previous testbed")
-    p.add_argument("--start-timeout", type=float, default=60.0, metavar="S", help="per-process readiness deadline")
+    p.add_argument("--start-timeout", type=seconds, default=60.0, metavar="S", help="per-process readiness deadline")
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("down", parents=[output_only, tb], help="stop the local testbed")
@@ -569,7 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=".tessera/demo", help="testbed state directory (default .tessera/demo)")
     p.add_argument("manifests", nargs="*", metavar="FILE.yaml", help="manifests to run (default: every *.yaml in --examples)")
     p.add_argument("--examples", default="examples", metavar="DIR")
-    p.add_argument("--timeout", type=float, default=900.0, metavar="S", help="for all jobs together")
+    p.add_argument("--timeout", type=seconds, default=900.0, metavar="S", help="for all jobs together")
     p.add_argument("--keep", action="store_true", help="leave the testbed running")
     p.add_argument("--agents", type=int, default=2, metavar="N")
     p.add_argument("--cpu-devices", type=int, default=2, metavar="K")

@@ -335,3 +335,28 @@ def test_up_with_dir_an_existing_file_exits_1(tmp_path, monkeypatch):
     code, out, err, *_ = run(["up", "--dir", str(f)])
     assert code == 1 and "afile" in err, err
 
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "soon"])
+def test_timeout_must_be_finite_seconds_above_zero_nothing_sent(good, value, capsys):
+    for argv, flag in ((["submit", str(good), "--wait", "--timeout", value], "--timeout"),
+                       (["demo", str(good), "--timeout", value], "--timeout"),
+                       (["up", "--start-timeout", value], "--start-timeout")):
+        c = FakeClient()
+        with pytest.raises(SystemExit) as e:  # argparse: a usage error, before anything is sent or started
+            run(argv, c)
+        assert e.value.code == 2 and c.calls == []
+        assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_json_output_stays_valid_with_a_nan_loss():
+    from tessera.cli import _json_safe, emit_json
+
+    class Out:
+        def __init__(self):
+            self.file = io.StringIO()
+
+    o = Out()
+    emit_json(o, {"final_loss": float("nan"), "losses": [float("inf"), -float("inf"), 1.5], "ok": True})
+    assert json.loads(o.file.getvalue()) == {"final_loss": "NaN", "losses": ["Infinity", "-Infinity", 1.5], "ok": True}
+    assert _json_safe((1, float("nan"))) == [1, "NaN"]
