@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tessera.errors import SpecError
@@ -31,6 +32,9 @@ class ControllerConfig:
                 "ended (default 7 days; 0 keeps finished jobs forever)"})
 
     def __post_init__(self) -> None:
-        if self.finished_job_ttl_s < 0:
+        # Checked here too, not only by the loader (which refuses a non-finite float): a
+        # config built in code must not slip NaN (compares false: kept forever) or inf in.
+        ttl = self.finished_job_ttl_s
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not (math.isfinite(ttl) and ttl >= 0):
             raise SpecError("finished_job_ttl_s",
-                            f"must be >= 0 seconds (0 keeps finished jobs forever), got {self.finished_job_ttl_s:g}")
+                            f"must be a finite number >= 0 seconds (0 keeps finished jobs forever), got {ttl!r}")

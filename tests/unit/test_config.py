@@ -81,3 +81,28 @@ def test_float_fields_must_be_finite(tmp_path, monkeypatch, src, value):
     with pytest.raises(SpecError) as e:
         config.load(Cfg, argv, "T_")
     assert "finite" in e.value.message
+
+
+@pytest.mark.parametrize("ttl", [float("nan"), float("inf"), float("-inf"), -1.0, "60", True])
+def test_controller_finished_job_ttl_must_be_a_finite_number_at_least_zero(ttl):
+    """Also for a config built in code (the loader's own finite check is not the only
+    way in): NaN compared false against every age, i.e. kept finished jobs forever."""
+    from controller.config import ControllerConfig
+
+    with pytest.raises(SpecError) as e:
+        ControllerConfig(finished_job_ttl_s=ttl)
+    assert e.value.field == "finished_job_ttl_s" and "finite" in e.value.message
+    assert ControllerConfig(finished_job_ttl_s=0).finished_job_ttl_s == 0
+    assert ControllerConfig(finished_job_ttl_s=60).finished_job_ttl_s == 60
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_controller_finished_job_ttl_non_finite_is_refused_from_every_source(tmp_path, monkeypatch, value):
+    from controller.config import ControllerConfig
+
+    f = tmp_path / "c.yaml"
+    f.write_text(f"finished_job_ttl_s: .{value}\n")
+    for argv in (["--config", str(f)], [f"--finished-job-ttl-s={value}"]):
+        with pytest.raises(SpecError) as e:
+            config.load(ControllerConfig, argv, "TESSERA_CONTROLLER_")
+        assert "finished" in e.value.field and "finite" in e.value.message
