@@ -2,7 +2,9 @@
 
 Contract: ``run(spec, reporter) -> int`` trains every task of ``workload.peft`` on ONE
 frozen GPT backbone (``workload.model``, initialised from ``workload.seed``) and returns
-0 when no task is left running, 2 on a bad spec (``error`` event naming the field), 143
+0 when no task is left running, 2 on a bad spec (``error`` event naming the field; the
+limits are :mod:`tessera.spec.peft`'s: at most 256 tasks, rank 1..model.hidden, batch size
+1..65536 — a manifest breaking them, inherited values included, is refused at submission), 143
 when :data:`agent.runtime.train.STOP` is set (every running task checkpointed first), 1
 otherwise. ``spec`` is ``{"job_id", "workload", "dist", "checkpoint_dir", "threads"}``
 and optionally ``"control_file"``. ``threads`` (the executor's thread budget) is both
@@ -14,9 +16,12 @@ a ``threads`` event says so).
 
 Events: ``start``; ``task`` per task (``task``, ``phase``: running | succeeded |
 cancelled, ``step``, ``steps``, ``loss``, ``tokens_per_s``) when it starts, every
-``report_every`` steps of it and when it ends; ``progress`` per engine step (``step``,
-``total`` = engine steps still needed if nothing changes + done, ``loss`` = mean over
-the step's tasks, ``step_time_s``, ``tokens``, ``tasks``, ``pad_removed``);
+``report_every`` steps of it and when it ends; ``progress`` per engine step (``step`` and
+``total`` from the tasks' own counts, so they continue across a relaunch: spatial, the
+furthest task's step of the longest task's steps; temporal, the tasks' steps summed; a
+cancelled task counts the steps it made; ``loss`` = mean over the step's tasks,
+``step_time_s``, ``tokens``, ``tasks``, ``pad_removed``, ``module`` = "peft"); ``threads``
+(``threads``, ``cores``, ``step``) after a live change of the executor's cores;
 ``checkpoint`` (``task``, ``path``, ``step``); ``error`` for a bad control command (the
 others keep training); ``done`` (``final_loss``, per-task summary, packing totals).
 
