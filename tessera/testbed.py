@@ -8,7 +8,10 @@ controller only does once it leads). State lives under ``dir`` (default ``.tesse
 
     .tessera/testbed.json     addresses ("controller", ...) and pids; read by the CLI/client
     .tessera/logs/<proc>.log  stdout+stderr of each process (etcd, controller, node-1-agent, ...)
-    .tessera/etcd/ controller/ estimator/ nodes/<node>/{agent,profilerd}/ checkpoints/
+    .tessera/etcd/ estimator/ nodes/<node>/{agent,profilerd}/ checkpoints/
+
+(the controller keeps all its state in etcd; a ``controller/`` left by an older version is
+removed with the others by an ``up`` without ``keep_state``).
 
 Every process leads its own session (process group), so a Ctrl-C in the terminal reaches
 only the CLI, which then stops the cluster in order; and every process carries the
