@@ -18,7 +18,7 @@ A manifest is YAML::
       checkpoint_every: 50
       peft: {...}              # type peft only (tessera/spec/peft.py)
       multimodal: {...}        # type multimodal only (tessera/spec/multimodal.py)
-    resources: {devices: 1, device_kind: cpu}
+    resources: {devices: 1, device_kind: cpu}   # + share: (0, 1], optional; < 1 needs devices 1
 
 ``validate(doc)`` returns the normalised dict (defaults filled) or raises ``SpecError``
 naming the dotted path of the first field at fault. The CLI and the controller run the
