@@ -419,6 +419,7 @@ def cmd_up(a, client_for, out: Console, err: Console) -> int:
     if a.output == "json":
         emit_json(out, info)
     if a.detach:
+        tb.detach()
         err.print(escape(f"detached; the CLI finds the controller through {tb.file}. Stop with: tessera down"
                          + (f" --dir {a.dir}" if a.dir != ".tessera" else "")), highlight=False)
         return 0

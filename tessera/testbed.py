@@ -114,6 +114,16 @@ def _alive(pid: int) -> bool:
             return True
 
 
+def _start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` (field 22 of /proc/<pid>/stat, clock ticks since boot): with the
+    pid it names one process for good (a reused pid has another start time); None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _environ(pid: int) -> dict[str, str]:
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
@@ -184,6 +194,14 @@ class Testbed:
         return any(_alive(p["pid"]) and _environ(p["pid"]).get(MARKER_ENV) == info.get("marker")
                    for p in info.get("processes", []))
 
+    def detach(self) -> None:
+        """The ``tessera up`` process is leaving the cluster running (``--detach``): it no
+        longer owns it, so ``down`` must not signal its pid (which the OS may give to another
+        process once it exits)."""
+        self.info["up_pid"] = None
+        self.info["up_start"] = None
+        self._write()
+
     def _write(self) -> None:
         tmp = self.file.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.info, indent=2))
@@ -227,7 +245,7 @@ class Testbed:
         with_estimator = _module_present(DAEMONS["estimator"][1]) if with_estimator is None else with_estimator
         with_profilerd = _module_present(DAEMONS["profilerd"][1]) if with_profilerd is None else with_profilerd
         self.info = {"version": 1, "dir": str(self.dir), "marker": self.marker, "started": time.time(),
-                     "up_pid": os.getpid(), "controller": "", "addresses": {"nodes": {}}, "processes": []}
+                     "up_pid": os.getpid(), "up_start": _start_ticks(os.getpid()), "controller": "", "addresses": {"nodes": {}}, "processes": []}
         t0 = time.monotonic()
         try:
             self._start_etcd(timeout)
@@ -395,7 +413,10 @@ class Testbed:
         procs = self.procs or [Proc(**{k: v for k, v in p.items() if k in ("name", "pid", "log", "cmd", "address", "role")})
                                for p in info.get("processes", [])]
         up_pid = info.get("up_pid")
-        if not self.procs and up_pid and up_pid != os.getpid() and _alive(up_pid):
+        # Only the very process that recorded itself (same start time): a detached `up` has
+        # exited, and its pid may now be anyone's.
+        owner = bool(up_pid) and info.get("up_start") is not None and _start_ticks(up_pid) == info.get("up_start")
+        if not self.procs and owner and up_pid != os.getpid() and _alive(up_pid):
             # A foreground `tessera up` owns the cluster: ask it to stop everything in order.
             try:
                 os.kill(up_pid, signal.SIGTERM)

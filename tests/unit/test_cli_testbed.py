@@ -77,6 +77,36 @@ def test_down_does_not_signal_a_reused_pid(tmp_path):
         other.wait()
 
 
+def test_down_signals_the_recorded_up_process_only_if_it_is_still_that_process(tmp_path):
+    """A detached `tessera up` has exited; its recorded pid may belong to anyone by the time
+    of `tessera down`: only the process with the recorded start time is asked to stop."""
+    other = _sleeper("someone-else")
+    try:
+        (tmp_path / "testbed.json").write_text(json.dumps({
+            "marker": "mine", "up_pid": other.pid, "up_start": testbed._start_ticks(other.pid) + 1, "processes": []}))
+        testbed.Testbed(tmp_path).down(timeout=1)
+        assert other.poll() is None  # a reused pid: left alone
+        (tmp_path / "testbed.json").write_text(json.dumps({"marker": "mine", "up_pid": other.pid, "processes": []}))
+        testbed.Testbed(tmp_path).down(timeout=1)
+        assert other.poll() is None  # no start time recorded (a detached up clears it): left alone
+        (tmp_path / "testbed.json").write_text(json.dumps({
+            "marker": "mine", "up_pid": other.pid, "up_start": testbed._start_ticks(other.pid), "processes": []}))
+        testbed.Testbed(tmp_path).down(timeout=5)
+        assert other.wait(5) == -15  # the foreground `up` itself: asked to stop everything
+    finally:
+        if other.poll() is None:
+            other.kill()
+        other.wait()
+
+
+def test_detach_clears_the_up_process(tmp_path):
+    tb = testbed.Testbed(tmp_path)
+    tb.info = {"up_pid": os.getpid(), "up_start": testbed._start_ticks(os.getpid()), "processes": []}
+    tb.detach()
+    rec = json.loads((tmp_path / "testbed.json").read_text())
+    assert rec["up_pid"] is None and rec["up_start"] is None
+
+
 @pytest.mark.parametrize("kw", [{"agents": 0}, {"cpu_devices": 0}])
 def test_up_refuses_bad_sizes(tmp_path, kw):
     with pytest.raises(testbed.TestbedError):
