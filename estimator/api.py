@@ -11,6 +11,7 @@ import grpc
 
 from tessera import log
 from tessera.api.v1 import estimator_pb2, estimator_pb2_grpc, profiler_pb2
+from tessera.measurement import malformed
 from tessera.modelkey import model_key
 from tessera.perfmodel import FORMAT, Candidate, Estimate
 
@@ -26,15 +27,16 @@ def validate(m: profiler_pb2.Measurement, i: int) -> str | None:
     """The field at fault in the ``i``-th measurement of a batch, or None. Only what
     deduplication needs is checked: a kind this version does not know is stored (and
     not aggregated) rather than refused, so a newer profilerd cannot wedge its stream;
-    and a known kind whose model inputs are not numbers (``models.malformed``: a label
-    that does not parse, a NaN/inf time or value) is refused, naming the field."""
+    and a known kind whose model inputs are not numbers (``tessera.measurement.malformed``, which
+    profilerd's ReportStep applies too: a label that does not parse, a NaN/inf time or
+    value) is refused, naming the field."""
     if not m.source:
         return f"measurements[{i}].source: required"
     if m.seq == 0:
         return f"measurements[{i}].seq: must be >= 1"
-    bad = models.malformed(m)
-    if bad:
-        return f"measurements[{i}].{bad}"
+    bad = malformed(m)
+    if bad:  # the seq lets the sender drop exactly this one (profilerd.stream) and go on
+        return f"measurements[{i}].{bad} (seq {m.seq})"
     return None
 
 

@@ -33,25 +33,20 @@ import numpy as np
 
 from tessera import log
 from tessera.fsutil import atomic_write
+from tessera.measurement import NUMERIC_LABELS, ROW_VALUES, RUN_INTS, malformed, number  # noqa: F401 (re-exported)
 from tessera.perfmodel import ComputeFit, ComputeSample, PerfModel, ProfilePoint, fit_comm, fit_compute, fit_interference
 
 WARMUP_STEPS = 2
 MIN_MEASURED = 3
 MODEL_NAME = "model.json"
-# Fields of a run key after (job_id, device_kind, module): ints in this order.
-RUN_INTS = ("layers", "hidden", "heads", "vocab", "seq_len", "batch", "micro_batches")
-
+# RUN_INTS (the ints of a run key after job_id, device_kind, module), NUMERIC_LABELS,
+# ROW_VALUES and ``malformed`` live in tessera.measurement: profilerd refuses at
+# ReportStep exactly what ReportMeasurements refuses here.
 
 MAX_INT = 2**31 - 1  # the largest configuration integer a run key takes (as the spec's)
 
 
-def _num(x) -> float | None:
-    """``x`` (a label string or a value) as a finite float, or None (unparseable, NaN, inf)."""
-    try:
-        v = float(x)
-    except (ValueError, OverflowError, TypeError):
-        return None
-    return v if math.isfinite(v) else None
+_num = number  # a label or value as a finite float, or None
 
 
 def _int(labels, k: str, default: str = "0") -> int | None:
@@ -66,30 +61,6 @@ def _int(labels, k: str, default: str = "0") -> int | None:
 def _pos(x) -> bool:
     v = _num(x)
     return v is not None and v > 0
-
-
-# Labels a step measurement's run key parses as numbers (``malformed`` checks them).
-NUMERIC_LABELS = ("world_size",) + RUN_INTS + ("threads",)
-# Values of the row kinds that must be finite numbers when present.
-ROW_VALUES = {"comm": ("bytes", "world", "seconds", "compute_s"),
-              "colocation": ("colocated", "oversubscription", "alone_s", "together_s")}
-
-
-def malformed(m) -> str | None:
-    """"<field>: why" for a measurement whose model inputs are not numbers (a label that
-    does not parse, a NaN/inf time or value), else None. What is merely not a model
-    input (a multi-rank run, another workload, a kind this version does not know) is
-    not malformed."""
-    if m.kind == "step":
-        if not math.isfinite(m.step_time_s) or m.step_time_s < 0:
-            return f"step_time_s: must be a finite number >= 0, got {m.step_time_s}"
-        for k in NUMERIC_LABELS:
-            if k in m.labels and m.labels[k] != "" and _num(m.labels[k]) is None:
-                return f"labels.{k}: must be a finite number, got {m.labels[k]!r}"
-    for k in ROW_VALUES.get(m.kind, ()):
-        if k in m.values and not math.isfinite(m.values[k]):
-            return f"values.{k}: must be a finite number, got {m.values[k]}"
-    return None
 
 
 def run_key(m) -> tuple | None:

@@ -1,10 +1,18 @@
-"""ProfilerService: thin gRPC servicer over the daemon's ``Profilerd`` core."""
+"""ProfilerService: thin gRPC servicer over the daemon's ``Profilerd`` core.
+
+ReportStep refuses (INVALID_ARGUMENT, naming the field, nothing buffered) what the
+estimator would refuse (``tessera.measurement.malformed``: a NaN/inf or negative step
+time, a numeric label that does not parse) and a measurement over
+``MAX_MEASUREMENT_BYTES``: buffered, either would block the stream to the estimator."""
 
 from __future__ import annotations
 
 import grpc
 
 from tessera.api.v1 import profiler_pb2, profiler_pb2_grpc
+from tessera.measurement import malformed
+
+MAX_MEASUREMENT_BYTES = 256 << 10  # serialized; a batch to the estimator is cut at 1 MiB (stream.MAX_BATCH_BYTES)
 
 
 class ProfilerService(profiler_pb2_grpc.ProfilerServiceServicer):
@@ -14,11 +22,16 @@ class ProfilerService(profiler_pb2_grpc.ProfilerServiceServicer):
     async def ReportStep(self, request, context):
         if request.kind not in ("", "step"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kind: must be 'step' (or empty), got {request.kind!r}")
-        if request.step_time_s < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step_time_s: must be >= 0, got {request.step_time_s}")
         m = profiler_pb2.Measurement()
         m.CopyFrom(request)
         m.kind = "step"
+        bad = malformed(m)
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad)
+        size = m.ByteSize()
+        if size > MAX_MEASUREMENT_BYTES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"measurement: at most {MAX_MEASUREMENT_BYTES} bytes serialized, got {size}")
         return profiler_pb2.ReportStepResponse(seq=self.core.add(m))
 
     async def GetStats(self, request, context):

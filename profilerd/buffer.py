@@ -31,7 +31,8 @@ class SeqBuffer:
         self.capacity = capacity
         self.next_seq = next_seq
         self.sent = 0      # acknowledged by the estimator (trimmed by a watermark)
-        self.dropped = 0   # lost to a full buffer
+        self.dropped = 0   # lost: to a full buffer, or refused by the estimator (``discard``)
+        self.refused = 0   # of ``dropped``: discarded because the estimator refused them
         self._items: deque[profiler_pb2.Measurement] = deque()
 
     def __len__(self) -> int:
@@ -70,6 +71,20 @@ class SeqBuffer:
             n += 1
         self.sent += n
         return n
+
+    def discard(self, seq: int) -> profiler_pb2.Measurement | None:
+        """Remove the measurement numbered ``seq`` (one the estimator refuses: resending it
+        would fail every call) and count it as dropped and refused; returns it, or None
+        when it is no longer buffered. Its number stays unused: a gap the estimator accepts."""
+        for j, m in enumerate(self._items):
+            if m.seq == seq:
+                del self._items[j]
+                self.dropped += 1
+                self.refused += 1
+                return m
+            if m.seq > seq:
+                break
+        return None
 
     def rebase(self, watermark: int) -> int:
         """The estimator has persisted seqs we never issued (our seq state was lost):

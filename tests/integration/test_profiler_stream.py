@@ -151,6 +151,53 @@ async def test_overflow_drops_oldest_and_counts(tmp_path, free_port):
             await est.stop()
 
 
+async def test_a_measurement_the_estimator_refuses_is_dropped_and_the_stream_goes_on(tmp_path):
+    """A malformed measurement that got into the buffer (ReportStep refuses them; a
+    sampler need not) is refused by the estimator with the whole batch: profilerd drops
+    that one, counts it in GetStats.dropped, and everything after it still arrives."""
+    est = await Estimator(tmp_path / "est").start()
+    d, prun, pch, prof = await start_profilerd(tmp_path, est.address, sample_interval_s=0)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            seqs = [d.add(step("job-5", 0, 0.1)), d.add(step("job-5", 1, float("nan")))]  # one burst: one batch
+            seqs += [(await prof.ReportStep(step("job-5", i, 0.1))).seq for i in range(2, 12)]
+            await until(lambda: est.store.watermark(d.source) >= seqs[-1], what="the steps after the refused one")
+        s = await prof.GetStats(profiler_pb2.GetStatsRequest())
+        assert (s.buffered, s.sent, s.dropped, s.connected) == (0, 11, 1, True)
+        [ev] = [e for e in logs if e["event"] == "measurement refused; dropped it"]
+        assert ev["seq"] == seqs[1] and "step_time_s" in ev["error"]
+    finally:
+        await stop_profilerd(d, prun, pch)
+        await est.stop()
+    records = [r for r in read_log(tmp_path / "est" / LOG_NAME)[0] if not is_meta(r)]
+    assert [r.seq for r in records] == [q for q in seqs if q != seqs[1]]
+
+
+async def test_large_measurements_after_an_outage_arrive_in_batches_under_the_receive_limit(tmp_path, free_port):
+    """25 steps of 200 KiB each (under ReportStep's cap) buffered during an outage make
+    5 MB: cut by count alone the first flush is one message over the estimator's 4 MiB
+    receive limit, refused (RESOURCE_EXHAUSTED) on every retry."""
+    port = free_port()
+    d, prun, pch, prof = await start_profilerd(tmp_path, f"127.0.0.1:{port}", sample_interval_s=0)
+    est = None
+    try:
+        for i in range(25):
+            m = step("job-6", i, 0.1)
+            m.labels["plan"] = "x" * (200 << 10)
+            await prof.ReportStep(m)
+        est = await Estimator(tmp_path / "est", port=port).start()
+
+        async def all_sent():
+            return (await prof.GetStats(profiler_pb2.GetStatsRequest())).sent == 25
+
+        await until(all_sent, what="the 25 large steps to be acknowledged")
+        assert (await prof.GetStats(profiler_pb2.GetStatsRequest())).dropped == 0
+    finally:
+        await stop_profilerd(d, prun, pch)
+        if est is not None:
+            await est.stop()
+
+
 async def test_profilerd_restart_keeps_numbering(tmp_path):
     """A restarted profilerd (same state dir) continues past its last seqs, so the
     estimator takes none of its new measurements for duplicates."""
@@ -183,6 +230,11 @@ async def test_errors_health_and_reflection(tmp_path):
                 await e.ReportMeasurements(iter([bad]))
             assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "seq" in ei.value.details()
             assert est.store.count == 0
+            nan = profiler_pb2.Measurement(source="x", seq=7, kind="step", step_time_s=float("nan"))
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await e.ReportMeasurements(iter([estimator_pb2.MeasurementBatch(measurements=[nan])]))
+            # the refusal names the seq, so profilerd drops exactly that one (profilerd.stream)
+            assert ei.value.details().startswith("measurements[0].step_time_s:") and ei.value.details().endswith("(seq 7)")
 
             h = health_pb2_grpc.HealthStub(ch)
             for name in (emain.SERVICE, ""):
@@ -198,6 +250,15 @@ async def test_errors_health_and_reflection(tmp_path):
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await prof.ReportStep(profiler_pb2.Measurement(step_time_s=-1))
         assert "step_time_s" in ei.value.details()
+        # what the estimator would refuse, and would block the stream, is never buffered
+        big = step("j", 0, 0.1)
+        big.labels["plan"] = "x" * (256 << 10)
+        for m, field in [(step("j", 0, float("nan")), "step_time_s"), (step("j", 0, float("inf")), "step_time_s"),
+                         (profiler_pb2.Measurement(kind="step", step_time_s=0.1, labels={"world_size": "two"}),
+                          "labels.world_size"), (big, "measurement")]:
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await prof.ReportStep(m)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and ei.value.details().startswith(field + ":")
         assert (await prof.ReportStep(step("j", 0, 0.1))).seq == 1
         s = await prof.GetStats(profiler_pb2.GetStatsRequest())
         assert (s.buffered, s.connected) == (1, False)

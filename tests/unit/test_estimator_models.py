@@ -147,7 +147,7 @@ def test_api_validate_refuses_malformed_measurement():
     from estimator.api import validate
     m = step(threads="x")
     m.source, m.seq = "p", 1
-    assert validate(m, 3) == "measurements[3].labels.threads: must be a finite number, got 'x'"
+    assert validate(m, 3) == "measurements[3].labels.threads: must be a finite number, got 'x' (seq 1)"
     ok = step()
     ok.source, ok.seq = "p", 1
     assert validate(ok, 0) is None
@@ -236,3 +236,13 @@ async def test_a_model_version_is_durable_before_it_is_served(tmp_path, monkeypa
     again = ModelKeeper(store, tmp_path, min_refit_interval_s=0)
     assert again.model.version == 1 and again.model.to_dict() == m.to_dict()
     store.close()
+
+
+def test_malformed_is_the_shared_check_profilerd_applies_too():
+    import estimator.api
+    import estimator.models
+    import tessera.measurement
+    assert estimator.models.malformed is tessera.measurement.malformed is estimator.api.malformed
+    assert estimator.models.RUN_INTS == tessera.measurement.RUN_INTS
+    m = profiler_pb2.Measurement(source="s", seq=4, kind="step", step_time_s=math.inf)
+    assert estimator.api.validate(m, 2) == "measurements[2].step_time_s: must be a finite number >= 0, got inf (seq 4)"

@@ -99,3 +99,15 @@ def test_seq_reservation_survives_restart(tmp_path):
     assert r.reserved == 20
     r2 = SeqReservation(tmp_path, block=10)
     assert r2.first_seq() == 21  # never reuses a number that may have been sent
+
+
+def test_discard_removes_one_by_seq_and_counts_it_dropped_and_refused():
+    b = SeqBuffer(10)
+    for i in range(5):
+        b.add(m(i))
+    assert b.discard(3).step == 2
+    assert [x.seq for x in b.pending()] == [1, 2, 4, 5]
+    assert (b.dropped, b.refused) == (1, 1)
+    assert b.discard(3) is None and b.discard(99) is None  # gone / never buffered: nothing counted
+    assert (b.dropped, b.refused, len(b)) == (1, 1, 4)
+    assert b.trim(4) == 3 and b.sent == 3  # the gap is no measurement

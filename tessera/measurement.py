@@ -1,0 +1,47 @@
+"""What makes a measurement malformed (pure; shared by profilerd and the estimator).
+
+The estimator refuses a whole MeasurementBatch (INVALID_ARGUMENT, naming
+``measurements[i].<field>``) when one of its measurements is malformed; profilerd
+refuses the same measurement at ReportStep, so it is never buffered and cannot block
+its stream. Both call ``malformed`` here, so they cannot disagree.
+
+What is merely not a model input (a multi-rank run, another workload, a kind this
+version does not know) is not malformed: it is stored, not refused.
+"""
+
+from __future__ import annotations
+
+import math
+
+# Fields of an estimator run key after (job_id, device_kind, module): integers in this order.
+RUN_INTS = ("layers", "hidden", "heads", "vocab", "seq_len", "batch", "micro_batches")
+# Labels a step measurement's run key parses as numbers (``malformed`` checks them).
+NUMERIC_LABELS = ("world_size",) + RUN_INTS + ("threads",)
+# Values of the row kinds that must be finite numbers when present.
+ROW_VALUES = {"comm": ("bytes", "world", "seconds", "compute_s"),
+              "colocation": ("colocated", "oversubscription", "alone_s", "together_s")}
+
+
+def number(x) -> float | None:
+    """``x`` (a label string or a value) as a finite float, or None (unparseable, NaN, inf)."""
+    try:
+        v = float(x)
+    except (ValueError, OverflowError, TypeError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def malformed(m) -> str | None:
+    """"<field>: why" for a measurement whose model inputs are not numbers (a label that
+    does not parse, a NaN/inf or negative step time, a NaN/inf value of a comm or
+    colocation row), else None."""
+    if m.kind == "step":
+        if not math.isfinite(m.step_time_s) or m.step_time_s < 0:
+            return f"step_time_s: must be a finite number >= 0, got {m.step_time_s}"
+        for k in NUMERIC_LABELS:
+            if k in m.labels and m.labels[k] != "" and number(m.labels[k]) is None:
+                return f"labels.{k}: must be a finite number, got {m.labels[k]!r}"
+    for k in ROW_VALUES.get(m.kind, ()):
+        if k in m.values and not math.isfinite(m.values[k]):
+            return f"values.{k}: must be a finite number, got {m.values[k]}"
+    return None
