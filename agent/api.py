@@ -6,18 +6,29 @@ partition, the amounts and the holders), at launch and at a live UpdateGrant;
 FAILED_PRECONDITION also for an UpdateGrant on a partition that cannot change live
 (MPS, MIG: checkpoint and relaunch instead); INVALID_ARGUMENT for a bad request;
 NOT_FOUND for logs of a job this node never ran; UNAVAILABLE for a launch once the agent
-has begun shutting down.
+has begun shutting down; INTERNAL for a launch the node itself cannot carry out (its log or
+spec file cannot be written; nothing is spawned, the grant is released).
+
+Ids: ``allocation_id`` and ``job_id`` name files under the state dir (specs, records,
+logs), so every request that carries one is refused with INVALID_ARGUMENT naming the field
+unless it is a safe id (``executors.id_problem``: ``[A-Za-z0-9._-]``, at most 128
+characters, not "." or ".."), before anything is granted, spawned or written.
+
+Fencing: a request's token is checked against the highest one seen first (a stale one is
+refused), but it is recorded as the highest only once the request is accepted (passed
+validation): a malformed request carrying a high token never locks out the real leader.
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 import grpc
 
 from tessera.api.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 
-from .executors import BadRequest, CapacityError, ExecutorManager, NotRunning, ShuttingDown
+from .executors import BadRequest, CapacityError, ExecutorManager, NotRunning, ShuttingDown, id_problem
 from .partitions import NotLive
 
 
@@ -32,10 +43,16 @@ class NodeState:
         self.max_token = 0
 
     def check_token(self, token: int) -> str | None:
+        """Why ``token`` is refused (older than the highest accepted), or None. Records
+        nothing: ``accept_token`` does, once the request passed validation."""
         if token < self.max_token:
             return f"fencing_token {token} is older than {self.max_token}: the sender is no longer the leader"
-        self.max_token = token
         return None
+
+    def accept_token(self, token: int) -> None:
+        """Record ``token`` of an accepted request (called with no await since
+        ``check_token``: nothing older can have been accepted in between)."""
+        self.max_token = max(self.max_token, token)
 
 
 def tail(path, n: int) -> tuple[str, bool]:
@@ -62,9 +79,12 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         if request.incarnation != self.node.incarnation:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"incarnation: {request.incarnation!r} is not this node's current {self.node.incarnation!r}")
-        for f in ("allocation_id", "job_id", "runtime_spec_json"):
-            if not getattr(request, f):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{f}: is required")
+        for f in ("allocation_id", "job_id"):
+            why = id_problem(f, getattr(request, f))
+            if why:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        if not request.runtime_spec_json:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "runtime_spec_json: is required")
         if request.world_size < 1 or not 0 <= request.rank < request.world_size:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"rank: must be in [0, world_size={request.world_size}), got {request.rank}")
@@ -74,6 +94,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 raise ValueError("no workload")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"runtime_spec_json: not a runtime spec ({e})")
+        self.node.accept_token(request.fencing_token)
         try:
             ex, already = await self.mgr.launch(
                 allocation_id=request.allocation_id, job_id=request.job_id, rank=request.rank,
@@ -87,12 +108,24 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except ShuttingDown as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except OSError as e:
+            # The node's own failure (its log or spec file cannot be written): nothing was
+            # spawned, the grant was released.
+            await context.abort(grpc.StatusCode.INTERNAL, f"cannot launch on node {self.node.name}: {e}")
         return agent_pb2.LaunchExecutorResponse(pid=ex.proc.pid if ex.proc else 0, already_running=already)
 
     async def StopExecutor(self, request, context):
         why = self.node.check_token(request.fencing_token)
         if why:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+        why = id_problem("allocation_id", request.allocation_id)
+        if why:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        if not math.isfinite(request.grace_s) or request.grace_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"grace_s: must be a finite number of seconds >= 0 (0: the agent's default), "
+                                f"got {request.grace_s}")
+        self.node.accept_token(request.fencing_token)
         n = await self.mgr.stop(request.allocation_id, request.grace_s or self.stop_grace_s)
         return agent_pb2.StopExecutorResponse(stopped=n)
 
@@ -114,8 +147,12 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         )
 
     async def ReadLogs(self, request, context):
-        if not request.job_id or "/" in request.job_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id: is required and must not contain '/'")
+        why = id_problem("job_id", request.job_id)
+        if why:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        if request.tail_bytes < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"tail_bytes: must be >= 0 (0: the last 64 KiB), got {request.tail_bytes}")
         p = self.mgr.log_path(request.job_id)
         if not p.exists():
             await context.abort(grpc.StatusCode.NOT_FOUND, f"job {request.job_id} has no logs on node {self.node.name}")
@@ -126,6 +163,9 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         why = self.node.check_token(request.fencing_token)
         if why:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+        why = id_problem("allocation_id", request.allocation_id)
+        if why:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         if request.op not in ("cancel", "add"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"op: must be 'cancel' or 'add', got {request.op!r}")
         if not request.task:
@@ -135,6 +175,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             why, cmd = add_command(request)
             if why:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        self.node.accept_token(request.fencing_token)
         try:
             path = self.mgr.append_control(request.allocation_id, cmd)
         except KeyError as e:
@@ -145,10 +186,12 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         why = self.node.check_token(request.fencing_token)
         if why:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
-        if not request.allocation_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "allocation_id: is required")
+        why = id_problem("allocation_id", request.allocation_id)
+        if why:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         if request.units < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"units: must be >= 1, got {request.units}")
+        self.node.accept_token(request.fencing_token)
         try:
             ex, g, old = self.mgr.update_grant(request.allocation_id, request.rank, request.units)
         except NotRunning as e:

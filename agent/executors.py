@@ -30,6 +30,7 @@ import asyncio
 import functools
 import json
 import os
+import re
 import secrets
 import signal
 import sys
@@ -189,6 +190,26 @@ def busy_fraction(cpu_s: float, wall_s: float, cores: int) -> float | None:
     return min(max(cpu_s / (wall_s * cores), 0.0), 1.0)
 
 
+ID_MAX_LEN = 128
+_SAFE_ID = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def id_problem(field_name: str, value: str) -> str | None:
+    """Why ``value`` is no valid ``field_name`` (an allocation or job id), naming the field;
+    None when it is one. Ids name files under the state dir (``logs/<job>.log``,
+    ``specs/<allocation>-r<rank>.json``, the executor records) and grants
+    (``<allocation>/r<rank>``): only ``[A-Za-z0-9._-]``, 1 to ``ID_MAX_LEN`` characters,
+    not "." or "..". The controller's own (``j-<hex>``, ``a-<hex>``) pass."""
+    if not value:
+        return f"{field_name}: is required"
+    if len(value) > ID_MAX_LEN:
+        return f"{field_name}: at most {ID_MAX_LEN} characters, got {len(value)}"
+    if not _SAFE_ID.fullmatch(value) or value in (".", ".."):
+        return (f"{field_name}: only letters, digits, '.', '_' and '-' (not '.' or '..' alone), "
+                f"got {value[:ID_MAX_LEN]!r}")
+    return None
+
+
 def grant_id(allocation_id: str, rank: int) -> str:
     """The partition grant id of one rank of an allocation."""
     return f"{allocation_id}/r{rank}"
@@ -270,6 +291,10 @@ class ExecutorManager:
         once ``stopping`` is set (an executor whose start raced with it is stopped)."""
         if self.stopping:
             raise ShuttingDown("agent is shutting down; not launching new executors")
+        for name, value in (("allocation_id", allocation_id), ("job_id", job_id)):
+            why = id_problem(name, value)
+            if why:
+                raise BadRequest(why)
         key = (allocation_id, rank)
         # One launch per (allocation, rank) at a time, across the grant and the start: a
         # concurrent repeat would get the same (idempotent) grant and start a second
@@ -331,7 +356,10 @@ class ExecutorManager:
         except CapacityRefused as e:
             holders = sorted({g.grant_id.rsplit("/", 1)[0] for g in self.parts.grants() if g.partition_id == pid})
             raise CapacityError(f"{e} (held by allocation {', '.join(holders)})" if holders else str(e)) from None
-        except (BadGrant, UnknownPartition) as e:
+        except BadGrant as e:
+            # A refusal about another field (MPS: memory_bytes under 1 MiB) already names it.
+            raise BadRequest(str(e) if getattr(e, "field", "") else f"partition_id: {e}") from None
+        except UnknownPartition as e:
             raise BadRequest(f"partition_id: {e}") from None
 
     async def _launch(self, key, allocation_id: str, job_id: str, rank: int, world_size: int, device_ids: list[str],
@@ -372,6 +400,9 @@ class ExecutorManager:
                       model_key=model_key(spec.get("workload", {})), labels=profile_labels(spec, devs[0].kind),
                       grant=grant, token=secrets.token_hex(16))
         env[TOKEN_ENV] = ex.token
+        # Opened before the spawn: an executor whose output cannot be kept is never started
+        # (the OSError goes to the caller, which releases the grant).
+        log_file = open(ex.log_path, "ab", buffering=0)
         # Recorded before it exists (an intent: its token, no pid yet), so that a crash of
         # this agent at any point after the spawn leaves a record to find it by.
         self._write_record(ex)
@@ -388,6 +419,7 @@ class ExecutorManager:
             ex.proc = ex_proc = asyncio.subprocess.Process(transport, protocol, loop)
             ex.transport, ex.leader_exited = transport, protocol.leader_exited
         except BaseException:
+            log_file.close()
             self._remove_record(ex)
             raise
         _failpoint("executor-spawned")
@@ -408,73 +440,190 @@ class ExecutorManager:
         self.log.info("executor started", job_id=job_id, allocation=allocation_id, rank=rank, pid=ex.proc.pid,
                       devices=device_ids, cores=cores, partition=grant.partition_id if grant else "",
                       units=grant.units if grant else 0)
-        ex.pump = asyncio.create_task(self._pump(ex))
+        ex.pump = asyncio.create_task(self._pump(ex, log_file))
         await self.on_report(ex, {"kind": "STARTED"})
         return ex, False
 
-    async def _pump(self, ex: Executor) -> None:
-        """Copy output to the log file, turn events into reports; once the leader exits,
-        end the rest of its processes (``_reap``), then release the grant and report the
-        exit. The executor counts as running (``running``, its grant held) until then."""
-        with open(ex.log_path, "ab", buffering=0) as f:
-            assert ex.proc is not None and ex.proc.stdout is not None
-            prefix = f"[rank {ex.rank}] ".encode()
-            reader = asyncio.create_task(self._copy_output(ex, f, prefix))
-            await ex.leader_exited.wait()
-            # Not EOF first: a member of the group that holds the output open (a worker that
-            # ignores SIGTERM) would keep the exit unreported, and one that closed it would leak.
-            await self._reap(ex)
-            try:
-                async with asyncio.timeout(KILL_WAIT_S):
-                    last_error = await asyncio.shield(reader)
-            except TimeoutError:
-                # Its processes are gone, yet the output is open: a process outside its
-                # session and without its token (or not ours to kill) holds it.
-                self.log.warning("executor output still open after its processes ended; closing it",
-                                 job_id=ex.job_id, allocation=ex.allocation_id, rank=ex.rank)
-                _close_output(ex)
-                last_error = await reader
-            code = await ex.proc.wait()  # at once: the leader has exited and its output is closed
-            # A signal kill shows as a negative return code: report it the shell's way.
-            ex.exit_code = code if code >= 0 else 128 - code
-            f.write(prefix + f"exited with code {ex.exit_code}\n".encode())
-        self.log.info("executor exited", job_id=ex.job_id, allocation=ex.allocation_id, rank=ex.rank, code=ex.exit_code)
-        if ex.grant is not None:
-            # Before releasing: a fatal MPS fault in this client took down every client of the GPU.
-            backend = self.parts.backends.get(ex.grant.device_id)
-            if isinstance(backend, MpsBackend) and not ex.fault:
-                hit = backend.faulted_by_exit(ex.grant_id, ex.exit_code, last_error)
-                if hit:
-                    ex.fault = (f"MPS fatal fault on {backend.device_id} (rank {ex.rank} of {ex.allocation_id}: "
-                                f"{last_error[-200:]}); every client of the GPU is failed")
-                    self.fail_grants(hit, ex.fault)
-            self.parts.release(ex.grant_id)
-        if ex.fault and ex.exit_code == 0:
-            ex.exit_code = 1  # a faulted executor never counts as a success
-        self._remove_record(ex)
-        ex.done.set()
+    async def _pump(self, ex: Executor, f) -> None:
+        """Copy output to the log file ``f`` (opened before the spawn; closed here), turn
+        events into reports; once the leader exits, end the rest of its processes
+        (``_reap``), then release the grant and report the exit. The executor counts as
+        running (``running``, its grant held) until then. Whatever fails here (a log write,
+        a report callback, a /proc scan), the executor is killed if still running, its
+        grant released, its exit reported and ``done`` set: ``stop`` and the agent's
+        shutdown wait on it."""
+        assert ex.proc is not None
+        last_error = ""
+        try:
+            last_error = await self._follow(ex, f)
+        except Exception as e:
+            self.log.exception("executor log pump failed; killing the executor", job_id=ex.job_id,
+                               allocation=ex.allocation_id, rank=ex.rank, error=repr(e))
+            last_error = f"agent: handling the executor's output failed: {e!r}"
+            await self._abandon(ex)
+        except BaseException:
+            # Cancelled (the event loop is going away): no reports any more, but nothing
+            # waits for ever and no grant outlives the process.
+            _signal(ex, signal.SIGKILL)
+            self._finish(ex, last_error)
+            raise
+        finally:
+            f.close()
+        self._finish(ex, last_error)
         await self.on_report(ex, {"kind": "EXITED", "exit_code": ex.exit_code,
                                   "message": ex.fault[:400] if ex.fault else
                                   "" if ex.exit_code == 0 else last_error[-400:],
                                   # A rank that finished (0) or faulted is reported as such.
                                   "stopped_by_agent": ex.stopped_by_agent and ex.exit_code != 0 and not ex.fault})
 
+    async def _follow(self, ex: Executor, f) -> str:
+        """``_pump``'s normal path, up to the exit code: returns the executor's last error."""
+        assert ex.proc is not None and ex.proc.stdout is not None
+        prefix = f"[rank {ex.rank}] ".encode()
+        reader = asyncio.create_task(self._copy_output(ex, f, prefix))
+        leader = asyncio.ensure_future(ex.leader_exited.wait())
+        try:
+            # A reader that fails while the leader runs is not left unnoticed (nothing would
+            # drain the pipe: the executor would block on its next write).
+            await asyncio.wait({leader, reader}, return_when=asyncio.FIRST_COMPLETED)
+            if reader.done() and reader.exception() is not None:
+                reader.result()
+            await leader
+        except BaseException:
+            reader.cancel()
+            raise
+        finally:
+            leader.cancel()
+        # Not EOF first: a member of the group that holds the output open (a worker that
+        # ignores SIGTERM) would keep the exit unreported, and one that closed it would leak.
+        try:
+            await self._reap(ex)
+        except BaseException:
+            reader.cancel()
+            raise
+        try:
+            async with asyncio.timeout(KILL_WAIT_S):
+                last_error = await asyncio.shield(reader)
+        except TimeoutError:
+            # Its processes are gone, yet the output is open: a process outside its
+            # session and without its token (or not ours to kill) holds it.
+            self.log.warning("executor output still open after its processes ended; closing it",
+                             job_id=ex.job_id, allocation=ex.allocation_id, rank=ex.rank)
+            _close_output(ex)
+            last_error = await reader
+        code = await ex.proc.wait()  # at once: the leader has exited and its output is closed
+        # A signal kill shows as a negative return code: report it the shell's way.
+        ex.exit_code = code if code >= 0 else 128 - code
+        try:
+            f.write(prefix + f"exited with code {ex.exit_code}\n".encode())
+        except OSError as e:
+            self.log.error("cannot write the executor log", job_id=ex.job_id, path=str(ex.log_path), error=str(e))
+        return last_error
+
+    async def _abandon(self, ex: Executor) -> None:
+        """After ``_follow`` failed: SIGKILL whatever is left of ``ex`` (its leader if still
+        running, then what it left: ``_reap`` with ``kill_requested``), close its output and
+        take its exit code (1 when the leader's is unknown). Best effort: never raises."""
+        assert ex.proc is not None
+        ex.kill_requested.set()
+        if ex.proc.returncode is None:
+            try:
+                os.killpg(ex.proc.pid, signal.SIGKILL)  # not reaped yet: the group id is still its own
+            except ProcessLookupError:
+                pass
+        try:
+            async with asyncio.timeout(KILL_WAIT_S):
+                await ex.leader_exited.wait()
+        except TimeoutError:
+            self.log.error("executor leader survives SIGKILL", job_id=ex.job_id, allocation=ex.allocation_id,
+                           rank=ex.rank, pid=ex.proc.pid)
+        try:
+            await self._reap(ex)
+        except Exception as e:
+            self.log.exception("cannot end the processes of an abandoned executor", job_id=ex.job_id,
+                               allocation=ex.allocation_id, rank=ex.rank, error=repr(e))
+        _close_output(ex)
+        if ex.exit_code is None:
+            code = ex.proc.returncode
+            ex.exit_code = 1 if code is None else code if code >= 0 else 128 - code
+
+    def _finish(self, ex: Executor, last_error: str) -> None:
+        """The end of ``ex`` once its processes are gone (or abandoned): an MPS-wide fault
+        check, the grant released, the record removed, ``done`` set. Never raises before
+        ``done`` is set."""
+        try:
+            if ex.exit_code is None:
+                code = ex.proc.returncode if ex.proc is not None else None
+                ex.exit_code = 1 if code is None else code if code >= 0 else 128 - code
+            self.log.info("executor exited", job_id=ex.job_id, allocation=ex.allocation_id, rank=ex.rank,
+                          code=ex.exit_code)
+            if ex.grant is not None:
+                try:
+                    # Before releasing: a fatal MPS fault in this client took down every client of the GPU.
+                    backend = self.parts.backends.get(ex.grant.device_id)
+                    if isinstance(backend, MpsBackend) and not ex.fault:
+                        hit = backend.faulted_by_exit(ex.grant_id, ex.exit_code, last_error)
+                        if hit:
+                            ex.fault = (f"MPS fatal fault on {backend.device_id} (rank {ex.rank} of "
+                                        f"{ex.allocation_id}: {last_error[-200:]}); every client of the GPU is failed")
+                            self.fail_grants(hit, ex.fault)
+                finally:
+                    self.parts.release(ex.grant_id)
+            if ex.fault and ex.exit_code == 0:
+                ex.exit_code = 1  # a faulted executor never counts as a success
+            try:
+                self._remove_record(ex)
+            except OSError as e:
+                self.log.warning("cannot remove executor record", allocation=ex.allocation_id, rank=ex.rank,
+                                 error=str(e))
+        finally:
+            ex.done.set()
+
     async def _copy_output(self, ex: Executor, f, prefix: bytes) -> str:
         """Copy ``ex``'s output to ``f`` line by line until EOF, handling its events; returns
         its last error (the last fatal ``error`` event's message, or the last non-event
         line). An ``error`` event with ``"fatal": false`` (a rejected peft control line: the
-        run goes on) is logged like any line but never becomes the last error."""
+        run goes on) is logged like any line but never becomes the last error. The pipe is
+        drained whatever happens: a line longer than the stream limit (64 KiB) is dropped
+        with a note in the log, a failed log write drops the text (logged once), an event
+        whose handling raises is logged and passed over."""
         last_error = ""
+        write_failed = False
+
+        def write(data: bytes) -> None:
+            nonlocal write_failed
+            if write_failed:
+                return
+            try:
+                f.write(data)
+            except OSError as e:
+                write_failed = True
+                self.log.error("cannot write the executor log; its output is dropped from now on",
+                               job_id=ex.job_id, allocation=ex.allocation_id, rank=ex.rank, path=str(ex.log_path),
+                               error=str(e))
+
         assert ex.proc is not None and ex.proc.stdout is not None
-        async for raw in ex.proc.stdout:
-            f.write(prefix + raw)
+        while True:
+            try:
+                raw = await ex.proc.stdout.readline()
+            except ValueError:
+                # Over the limit: StreamReader.readline dropped it (up to its newline, if seen).
+                write(prefix + b"<output line longer than 64 KiB dropped>\n")
+                continue
+            if not raw:
+                break
+            write(prefix + raw)
             line = raw.decode(errors="replace").rstrip("\n")
             ev = parse_line(line)
             if ev is None:
                 if line.strip():
                     last_error = line.strip()
                 continue
-            await self._event(ex, ev)
+            try:
+                await self._event(ex, ev)
+            except Exception as e:
+                self.log.exception("executor event handling failed; event passed over", job_id=ex.job_id,
+                                   allocation=ex.allocation_id, rank=ex.rank, kind=ev.get("event"), error=repr(e))
             if ev["event"] == "error" and ev.get("fatal") is not False:
                 last_error = str(ev.get("message", ""))
         return last_error

@@ -1,0 +1,292 @@
+"""Requests the agent must refuse before it changes anything, and executors whose output
+handling fails, against a real ExecutorManager whose executors are real subprocesses of
+a fake runtime (the manager's ``python``):
+
+- allocation and job ids name files under the state dir: one with a '/', "..", or too long
+  is refused (INVALID_ARGUMENT naming the field) by every RPC that carries one, before
+  anything is granted, spawned or written; the controller's own ids pass;
+- a refused request carrying a newer fencing token does not lock out the real leader; an
+  accepted one still does;
+- ReadLogs ``tail_bytes`` < 0 and StopExecutor ``grace_s`` < 0 or non-finite are refused;
+- an executor whose log cannot be opened is never spawned (its grant released); an
+  output line over the stream limit, a failing ``on_step`` callback or a failing /proc
+  scan still end in an EXITED report, the grant released and ``done`` set (``stop`` and
+  the agent's shutdown never wait for ever).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+import agent.executors as executors
+from agent.api import AgentService, NodeState
+from agent.devices import discover
+from agent.executors import BadRequest, ExecutorManager, process_start_ticks
+from agent.partitions import Partitions
+from tessera.api.v1 import agent_pb2
+
+# Writes a marker next to its spec (it ran), prints, then waits to be stopped.
+SLEEPER = """#!{python}
+import sys, time
+spec = sys.argv[sys.argv.index("--spec") + 1]
+open(spec + ".ran", "w").close()
+print("hello", flush=True)
+time.sleep(300)
+"""
+
+SPAWNED: list[int] = []
+
+
+def alive(pid: int) -> bool:
+    return process_start_ticks(pid) is not None
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    yield
+    while SPAWNED:
+        pid = SPAWNED.pop()
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def make_mgr(tmp_path: Path, source: str = SLEEPER, reports: list | None = None, on_step=None) -> ExecutorManager:
+    state = tmp_path / "state"
+    devs = discover(1, use_nvml=False)
+    parts = Partitions.for_devices(devs, state_dir=str(state))
+    rt = tmp_path / "fake-python"
+    rt.write_text(source.format(python=sys.executable))
+    rt.chmod(0o755)
+
+    async def on_report(ex, r):
+        if reports is not None:
+            reports.append((ex.allocation_id, dict(r)))
+
+    return ExecutorManager(state, devs, on_report, on_step=on_step, python=str(rt), parts=parts, reap_grace_s=0.5)
+
+
+class Aborted(Exception):
+    pass
+
+
+class Ctx:
+    code = None
+    details = ""
+
+    async def abort(self, code, details):
+        self.code, self.details = code, details
+        raise Aborted(details)
+
+
+def service(mgr: ExecutorManager, token: int = 5) -> AgentService:
+    node = NodeState("n", list(mgr.devices.values()))
+    node.incarnation = "i-1"
+    node.max_token = token
+    return AgentService(node, mgr, 1.0)
+
+
+def launch_req(mgr: ExecutorManager, **kw) -> agent_pb2.LaunchExecutorRequest:
+    d = dict(allocation_id="a-0123456789ab", job_id="j-0123456789ab", rank=0, world_size=1,
+             device_ids=[next(iter(mgr.devices))], fencing_token=5, incarnation="i-1",
+             runtime_spec_json='{"workload": {"type": "gpt"}}')
+    d.update(kw)
+    return agent_pb2.LaunchExecutorRequest(**d)
+
+
+async def refused(call, req) -> Ctx:
+    ctx = Ctx()
+    with pytest.raises(Aborted):
+        await call(req, ctx)
+    return ctx
+
+
+def files_under(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+BAD_IDS = ["team/j1", "x/y", "../../escape", "..", ".", "a" * 129, "a b", "a\0b"]
+
+
+@pytest.mark.parametrize("field", ["job_id", "allocation_id"])
+@pytest.mark.parametrize("bad", BAD_IDS)
+async def test_launch_refuses_an_unsafe_id_before_anything_happens(tmp_path, field, bad):
+    mgr = make_mgr(tmp_path)
+    svc = service(mgr)
+    before = files_under(tmp_path)
+    ctx = await refused(svc.LaunchExecutor, launch_req(mgr, **{field: bad}))
+    # Before the fix: "team/j1" launched (its log could never be opened: the exit was
+    # never reported, the grant never released), "x/y" failed with UNKNOWN, and
+    # "../../escape" wrote its spec outside state/specs.
+    assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and ctx.details.startswith(f"{field}:")
+    assert mgr.executors == {} and mgr.parts.grants() == []
+    assert files_under(tmp_path) == before
+    with pytest.raises(BadRequest, match=f"^{field}:"):  # the manager checks too
+        await mgr.launch(**{"allocation_id": "a-1", "job_id": "j-1", field: bad}, rank=0, world_size=1,
+                         device_ids=[next(iter(mgr.devices))], master_addr="127.0.0.1", master_port=1,
+                         runtime_spec={"workload": {"type": "gpt"}}, checkpoint_dir="")
+    assert mgr.parts.grants() == [] and files_under(tmp_path) == before
+
+
+async def test_every_rpc_refuses_an_unsafe_id_and_controller_ids_pass(tmp_path):
+    mgr = make_mgr(tmp_path)
+    svc = service(mgr)
+    for call, req, field in [
+        (svc.StopExecutor, agent_pb2.StopExecutorRequest(allocation_id="x/y", fencing_token=5), "allocation_id"),
+        (svc.ControlTask, agent_pb2.ControlTaskRequest(allocation_id="../a", op="cancel", task="t",
+                                                       fencing_token=5), "allocation_id"),
+        (svc.UpdateGrant, agent_pb2.UpdateGrantRequest(allocation_id="x/y", units=1, fencing_token=5),
+         "allocation_id"),
+        (svc.ReadLogs, agent_pb2.ReadLogsRequest(job_id=".."), "job_id"),
+        (svc.ReadLogs, agent_pb2.ReadLogsRequest(job_id="j" * 129), "job_id"),
+    ]:
+        ctx = await refused(call, req)
+        assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and ctx.details.startswith(f"{field}:"), (req, ctx.details)
+    # The controller's ids (controller/core.py: "a-" / "j-" + hex) launch, log and stop.
+    r = await svc.LaunchExecutor(launch_req(mgr), Ctx())
+    SPAWNED.append(r.pid)
+    spec = mgr.state_dir / "specs" / "a-0123456789ab-r0.json"
+    async with asyncio.timeout(30):
+        while not Path(str(spec) + ".ran").exists():
+            await asyncio.sleep(0.05)
+    r2 = await svc.StopExecutor(agent_pb2.StopExecutorRequest(allocation_id="a-0123456789ab", fencing_token=5,
+                                                              grace_s=2), Ctx())
+    assert r2.stopped == 1 and mgr.parts.grants() == []
+    logs = await svc.ReadLogs(agent_pb2.ReadLogsRequest(job_id="j-0123456789ab"), Ctx())
+    assert "[rank 0] hello" in logs.text
+
+
+async def test_a_refused_request_does_not_raise_the_fencing_token(tmp_path):
+    mgr = make_mgr(tmp_path)
+    svc = service(mgr, token=5)
+    # Malformed requests carrying a higher token: refused, and the token is not taken.
+    for call, req in [
+        (svc.ControlTask, agent_pb2.ControlTaskRequest(allocation_id="a-1", op="bogus", task="t", fencing_token=99)),
+        (svc.LaunchExecutor, launch_req(mgr, job_id="team/j1", fencing_token=99)),
+        (svc.LaunchExecutor, launch_req(mgr, runtime_spec_json="{}", fencing_token=99)),
+        (svc.LaunchExecutor, launch_req(mgr, incarnation="i-0", fencing_token=99)),
+        (svc.StopExecutor, agent_pb2.StopExecutorRequest(allocation_id="a-1", grace_s=-1, fencing_token=99)),
+        (svc.UpdateGrant, agent_pb2.UpdateGrantRequest(allocation_id="a-1", units=0, fencing_token=99)),
+    ]:
+        ctx = await refused(call, req)
+        assert ctx.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+        # Before the fix: 99 was recorded before the request was validated.
+        assert svc.node.max_token == 5, req
+    r = await svc.StopExecutor(agent_pb2.StopExecutorRequest(allocation_id="a-1", fencing_token=5), Ctx())
+    assert r.stopped == 0
+    # An accepted request from a newer leader still fences the old one out.
+    await svc.StopExecutor(agent_pb2.StopExecutorRequest(allocation_id="a-1", fencing_token=6), Ctx())
+    assert svc.node.max_token == 6
+    ctx = await refused(svc.StopExecutor, agent_pb2.StopExecutorRequest(allocation_id="a-1", fencing_token=5))
+    assert ctx.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+@pytest.mark.parametrize("grace", [-3.0, float("nan"), float("inf"), float("-inf")])
+async def test_stop_refuses_a_negative_or_non_finite_grace(tmp_path, grace):
+    mgr = make_mgr(tmp_path)
+    svc = service(mgr)
+    r = await svc.LaunchExecutor(launch_req(mgr), Ctx())
+    SPAWNED.append(r.pid)
+    ctx = await refused(svc.StopExecutor, agent_pb2.StopExecutorRequest(allocation_id="a-0123456789ab",
+                                                                        fencing_token=5, grace_s=grace))
+    assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and ctx.details.startswith("grace_s:")
+    assert alive(r.pid) and mgr.running_allocations() == ["a-0123456789ab"]
+    await mgr.stop("a-0123456789ab", 2.0)
+
+
+async def test_read_logs_refuses_a_negative_tail(tmp_path):
+    mgr = make_mgr(tmp_path)
+    svc = service(mgr)
+    mgr.log_path("j-1").write_text("some log\n")
+    ctx = await refused(svc.ReadLogs, agent_pb2.ReadLogsRequest(job_id="j-1", tail_bytes=-5))
+    assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and ctx.details.startswith("tail_bytes:")
+    r = await svc.ReadLogs(agent_pb2.ReadLogsRequest(job_id="j-1", tail_bytes=4), Ctx())
+    assert (r.text, r.truncated) == ("log\n", True)
+
+
+async def test_an_executor_whose_log_cannot_be_opened_is_never_spawned(tmp_path):
+    reports: list = []
+    mgr = make_mgr(tmp_path, reports=reports)
+    svc = service(mgr)
+    mgr.log_path("j-0123456789ab").mkdir()  # open(..., "ab") fails: IsADirectoryError
+    ctx = await refused(svc.LaunchExecutor, launch_req(mgr))
+    # Before the fix: launched; the pump died opening the log, the exit was never
+    # reported, the grant never released, and a stop waited for ever.
+    assert ctx.code == grpc.StatusCode.INTERNAL and "j-0123456789ab.log" in ctx.details
+    assert mgr.executors == {} and mgr.parts.grants() == [] and reports == []
+    assert not (mgr.state_dir / "specs" / "a-0123456789ab-r0.json.ran").exists()
+    assert list((mgr.state_dir / "executors").iterdir()) == []
+
+
+# A line far over the stream limit (64 KiB), then a line, then exit 3.
+LONG_LINE = """#!{python}
+import sys
+sys.stdout.write("x" * (300 * 1024) + "\\n")
+sys.stdout.write("after the long line\\n")
+sys.stdout.flush()
+sys.exit(3)
+"""
+
+# A progress event, then exit 0.
+PROGRESS = """#!{python}
+import json
+print("TESSERA_EVENT " + json.dumps({{"event": "progress", "step": 1, "loss": 2.0, "total": 5}}), flush=True)
+print("done", flush=True)
+"""
+
+
+async def launch_and_wait(mgr: ExecutorManager, reports: list) -> dict:
+    ex, _ = await mgr.launch(allocation_id="a-1", job_id="j-1", rank=0, world_size=1,
+                             device_ids=[next(iter(mgr.devices))], master_addr="127.0.0.1", master_port=1,
+                             runtime_spec={"workload": {"type": "gpt"}}, checkpoint_dir="")
+    SPAWNED.append(ex.proc.pid)
+    await asyncio.wait_for(ex.done.wait(), 30)
+    assert mgr.parts.grants() == [] and not ex.running
+    assert list((mgr.state_dir / "executors").iterdir()) == []
+    assert await asyncio.wait_for(mgr.stop("a-1", 0.5), 10) == 0
+    exited = [r for _, r in reports if r["kind"] == "EXITED"]
+    assert len(exited) == 1
+    return exited[0]
+
+
+async def test_a_line_over_the_stream_limit_is_dropped_not_fatal(tmp_path):
+    reports: list = []
+    mgr = make_mgr(tmp_path, LONG_LINE, reports)
+    # Before the fix: the reader died of ValueError; the pump with it (no EXITED, grant held).
+    r = await launch_and_wait(mgr, reports)
+    assert r["exit_code"] == 3 and r["message"] == "after the long line"
+    log = mgr.log_path("j-1").read_text()
+    assert "longer than 64 KiB dropped" in log and "[rank 0] after the long line" in log
+    assert "[rank 0] exited with code 3" in log
+
+
+async def test_a_failing_step_callback_does_not_lose_the_exit(tmp_path):
+    reports: list = []
+
+    async def on_step(ex, ev):
+        raise RuntimeError("profiler down")
+
+    mgr = make_mgr(tmp_path, PROGRESS, reports, on_step=on_step)
+    # Before the fix: the callback's error killed the reader, then the pump.
+    r = await launch_and_wait(mgr, reports)
+    assert r["exit_code"] == 0
+    assert "[rank 0] done" in mgr.log_path("j-1").read_text()
+
+
+async def test_a_failing_proc_scan_still_reports_the_exit(tmp_path, monkeypatch):
+    reports: list = []
+
+    def broken(*a, **kw):
+        raise OSError("procfs unreadable")
+
+    monkeypatch.setattr(executors, "executor_processes", broken)
+    mgr = make_mgr(tmp_path, PROGRESS, reports)
+    # Before the fix: the pump died in _reap: no EXITED, the grant held, done never set.
+    r = await launch_and_wait(mgr, reports)
+    assert r["exit_code"] == 0
