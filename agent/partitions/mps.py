@@ -8,7 +8,9 @@ per client, and detection of faults that take down every client of a GPU.
   The binary path is injected so tests run a fake with the same command-line contract.
 - :class:`MpsBackend`: one partition per GPU, capacity 100 SM percent and the GPU's
   memory. A grant's units become ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` and its memory
-  ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=<N>M"`` (ordinal 0: the client sees one GPU).
+  ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=<N>M"`` (ordinal 0: the client sees one GPU),
+  rounded down to whole MiB so it never exceeds the grant; a grant of under 1 MiB (but
+  not 0, no limit) is refused (:class:`BadMemoryLimit`).
 
   The SM percentage is a **limit, not a reservation**: MPS caps how many SMs a client's
   kernels may occupy, but it does not hold SMs back for a client that is idle, nor
@@ -34,7 +36,7 @@ from pathlib import Path
 from agent.devices import LocalDevice
 from tessera import log
 
-from .base import Grant, Ledger, LedgerBackend, PartitionError
+from .base import BadGrant, Grant, Ledger, LedgerBackend, PartitionError
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
 _MAX_PARTIAL_LINE = 64 * 1024  # a server.log "line" longer than this is matched as it is
@@ -70,6 +72,13 @@ class MpsError(PartitionError):
     """The MPS control daemon could not be started or stopped."""
 
 
+class BadMemoryLimit(BadGrant):
+    """A memory amount MPS cannot enforce exactly (under 1 MiB). ``field``: the request
+    field to name in a refusal."""
+
+    field = "memory_bytes"
+
+
 class MpsDaemon:
     """The control daemon of one GPU. ``start`` and ``stop`` are idempotent.
 
@@ -84,7 +93,10 @@ class MpsDaemon:
         self.pipe_dir, self.log_dir = self.root / "pipe", self.root / "log"
         self.start_timeout_s = start_timeout_s
         self.base_env = dict(os.environ if base_env is None else base_env)
+        # running: a daemon of ours may be up (``-d`` ran): stop() must quit it. ready: its
+        # control pipe appeared (start() succeeded).
         self.running = False
+        self.ready = False
         self.log = log.get(component="partitions", backend="mps", gpu=gpu)
 
     def env(self) -> dict[str, str]:
@@ -100,29 +112,59 @@ class MpsDaemon:
         return {"CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir), "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir)}
 
     def start(self) -> None:
-        """Start the daemon (``-d`` forks it and returns) and wait for its control pipe."""
-        if self.running:
+        """Start the daemon (``-d`` forks it and returns) and wait for its control pipe.
+
+        Once ``-d`` has run (it returned 0, or it timed out: the daemon may have forked),
+        a daemon may be left behind by any failure that follows: ``running`` is set at
+        once (so ``stop`` quits it) and the failure sends ``quit`` itself, best effort;
+        when that fails too, ``running`` stays set and a later ``stop`` tries again. A
+        ``start`` after such a failure takes the daemon left behind if its pipe has
+        appeared by then, else quits it (best effort) and starts afresh."""
+        if self.running and self.ready:
             return
+        if self.running:
+            if (self.pipe_dir / "control").exists():  # the daemon of a failed start came up late
+                self.ready = True
+                self.log.info("mps daemon started", pipe_dir=str(self.pipe_dir), log_dir=str(self.log_dir))
+                return
+            self._quit_after_failure()
         for d in (self.pipe_dir, self.log_dir):
             d.mkdir(parents=True, exist_ok=True)
             os.chmod(d, 0o700)
         try:
             r = subprocess.run([self.binary, "-d"], env=self.env(), capture_output=True, text=True,
                                timeout=self.start_timeout_s)
-        except (OSError, subprocess.TimeoutExpired) as e:
+        except OSError as e:
+            raise MpsError(f"cannot start {self.binary} for GPU {self.gpu}: {e}") from e
+        except subprocess.TimeoutExpired as e:
+            self.running = True  # it may have forked the daemon before hanging
+            self._quit_after_failure()
             raise MpsError(f"cannot start {self.binary} for GPU {self.gpu}: {e}") from e
         if r.returncode != 0:
             raise MpsError(f"{self.binary} -d for GPU {self.gpu} exited {r.returncode}: {(r.stderr or r.stdout).strip()}")
+        self.running = True  # the daemon runs: from here on, stop() must quit it
         # The daemon creates its "control" socket once it accepts commands; a client
         # started before that would silently run without MPS (no quota at all).
         deadline = time.monotonic() + self.start_timeout_s
         while not (self.pipe_dir / "control").exists():
             if time.monotonic() > deadline:
+                self._quit_after_failure()
                 raise MpsError(f"{self.binary} for GPU {self.gpu} did not create {self.pipe_dir / 'control'} "
                                f"within {self.start_timeout_s}s")
             time.sleep(0.05)
-        self.running = True
+        self.ready = True
         self.log.info("mps daemon started", pipe_dir=str(self.pipe_dir), log_dir=str(self.log_dir))
+
+    def _quit_after_failure(self) -> None:
+        """Best effort ``quit`` of a daemon a failed start may have left; ``running`` is
+        cleared when it succeeds, kept (``stop`` retries) when it does not."""
+        try:
+            self.command("quit", timeout_s=self.start_timeout_s)
+        except MpsError as e:
+            self.log.warning("cannot quit the mps daemon of a failed start; stop() will try again", error=str(e))
+            return
+        self.running = self.ready = False
+        self.log.info("mps daemon of a failed start quit")
 
     def command(self, cmd: str, timeout_s: float = 10.0) -> str:
         """Send one control command (``quit``, ``get_server_list``, ...) on stdin; its output."""
@@ -136,11 +178,12 @@ class MpsDaemon:
         return r.stdout
 
     def stop(self) -> None:
-        """``quit`` the daemon (it stops its server too); idempotent."""
+        """``quit`` the daemon (it stops its server too); idempotent. Also quits the daemon
+        a failed ``start`` may have left (``running`` without ``ready``)."""
         if not self.running:
             return
         self.command("quit")
-        self.running = False
+        self.running = self.ready = False
         self.log.info("mps daemon stopped")
 
     def server_log(self) -> Path:
@@ -193,8 +236,12 @@ class MpsBackend(LedgerBackend):
         env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(units)
         if memory_bytes:
             # Documented format "<ordinal>=<N>M"; the client sees one GPU, ordinal 0.
-            # Round down so the limit never exceeds what was granted.
-            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={max(1, memory_bytes // MIB)}M"
+            # Round down so the limit never exceeds what was granted; under 1 MiB there is
+            # no such limit (0M is no limit at all): refused, before anything is booked.
+            if memory_bytes < MIB:
+                raise BadMemoryLimit(f"memory_bytes: an MPS memory limit is whole MiB; {memory_bytes} bytes is "
+                                     f"under 1 MiB (ask 0 for no limit, or at least {MIB})")
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={memory_bytes // MIB}M"
         self.log.info("mps granted", grant_id=grant_id, sm_percent=units, memory_bytes=memory_bytes)
         return Grant(grant_id, partition_id, self.kind, self.device_id, units, memory_bytes, env=env)
 

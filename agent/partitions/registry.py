@@ -144,13 +144,15 @@ class Partitions:
         return [g for b in self.backends.values() for g in b.grants()]
 
     def start(self) -> None:
-        started = []
+        """Start every backend; when one fails, stop it (what it may have left half started,
+        e.g. an MPS daemon whose pipe never appeared) and those started before it, then raise."""
+        touched = []
         try:
             for b in self.backends.values():
+                touched.append(b)
                 b.start()
-                started.append(b)
         except Exception:
-            for b in reversed(started):
+            for b in reversed(touched):
                 try:
                     b.stop()
                 except PartitionError as e:
