@@ -432,6 +432,11 @@ class ExecutorManager:
                 os.sched_setaffinity(ex_proc.pid, cores)
             except ProcessLookupError:
                 pass
+            except OSError as e:
+                # Not pinned (e.g. cores outside this agent's own affinity): it must not run
+                # unconfined once the caller releases its grant. Killed, reaped, unrecorded.
+                await self._discard_spawned(ex, log_file)
+                raise BadRequest(f"cannot pin the executor to cores {sorted(cores)}: {e.strerror or e}") from None
         if devs[0].kind == "cpu" and cores:
             ex.cores = len(cores)
             ex.cpu_mark = (0.0, time.monotonic())  # a fresh process: no CPU time used yet
@@ -441,8 +446,32 @@ class ExecutorManager:
                       devices=device_ids, cores=cores, partition=grant.partition_id if grant else "",
                       units=grant.units if grant else 0)
         ex.pump = asyncio.create_task(self._pump(ex, log_file))
-        await self.on_report(ex, {"kind": "STARTED"})
+        try:
+            await self.on_report(ex, {"kind": "STARTED"})
+        except Exception as e:
+            # The executor runs and its pump owns the grant from here on: a failed report
+            # must not make the caller release the grant under a running process.
+            self.log.error("STARTED report failed; the executor runs on", job_id=job_id,
+                           allocation=allocation_id, rank=rank, error=repr(e))
         return ex, False
+
+    async def _discard_spawned(self, ex: Executor, log_file) -> None:
+        """Undo a spawn that cannot go on (before its pump exists): SIGKILL its process
+        group, wait for the leader, close its log, remove its record."""
+        assert ex.proc is not None
+        try:
+            os.killpg(ex.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            async with asyncio.timeout(KILL_WAIT_S):
+                await ex.leader_exited.wait()
+        except TimeoutError:
+            self.log.error("a discarded executor did not exit after SIGKILL", job_id=ex.job_id, pid=ex.proc.pid)
+        if ex.transport is not None:
+            ex.transport.close()
+        log_file.close()
+        self._remove_record(ex)
 
     async def _pump(self, ex: Executor, f) -> None:
         """Copy output to the log file ``f`` (opened before the spawn; closed here), turn

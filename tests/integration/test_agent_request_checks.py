@@ -290,3 +290,64 @@ async def test_a_failing_proc_scan_still_reports_the_exit(tmp_path, monkeypatch)
     # Before the fix: the pump died in _reap: no EXITED, the grant held, done never set.
     r = await launch_and_wait(mgr, reports)
     assert r["exit_code"] == 0
+
+
+async def test_an_executor_that_cannot_be_pinned_is_killed_not_left_running(tmp_path):
+    """Pinning happens after the spawn (from the parent): if it fails (a core this host does
+    not have), the launch is refused and the spawned process is gone — it must not run
+    unconfined once the caller releases its grant — with no record or executor left."""
+    from agent.devices import LocalDevice
+
+    rt = tmp_path / "fake-python"
+    rt.write_text(SLEEPER.format(python=sys.executable))
+    rt.chmod(0o755)
+    dev = LocalDevice(id="cpu0", kind="cpu", model="cpu", memory_bytes=1 << 30, capacity=1, cores=(4096,))
+    reports: list = []
+
+    async def on_report(ex, r):
+        reports.append(dict(r))
+
+    state = tmp_path / "state"
+    mgr = ExecutorManager(state, [dev], on_report, python=str(rt), reap_grace_s=0.5)
+    seen: list[int] = []
+    real_exec = asyncio.get_running_loop().subprocess_exec
+
+    async def spy(*a, **kw):
+        t, p = await real_exec(*a, **kw)
+        seen.append(t.get_pid())
+        SPAWNED.append(t.get_pid())
+        return t, p
+
+    asyncio.get_running_loop().subprocess_exec = spy
+    try:
+        with pytest.raises(BadRequest, match="cannot pin the executor to cores"):
+            await mgr.launch(allocation_id="a-0123456789ab", job_id="j-0123456789ab", rank=0, world_size=1,
+                             device_ids=["cpu0"], master_addr="127.0.0.1", master_port=1,
+                             runtime_spec={"workload": {"type": "gpt"}}, checkpoint_dir="")
+    finally:
+        del asyncio.get_running_loop().subprocess_exec
+    assert len(seen) == 1 and not alive(seen[0])
+    assert mgr.executors == {} and reports == []
+    assert list((state / "executors").glob("*")) == []
+
+
+async def test_a_failed_started_report_leaves_the_running_executor_its_grant(tmp_path):
+    """Once spawned, the pump owns the executor's grant: a STARTED report that raises must
+    not make the launch fail (the caller would release the grant under a running process)."""
+    reports: list = []
+    mgr = make_mgr(tmp_path)
+
+    async def on_report(ex, r):
+        if r["kind"] == "STARTED":
+            raise RuntimeError("report queue closed")
+        reports.append(dict(r))
+
+    mgr.on_report = on_report
+    ex, again = await mgr.launch(allocation_id="a-0123456789ab", job_id="j-0123456789ab", rank=0, world_size=1,
+                                 device_ids=[next(iter(mgr.devices))], master_addr="127.0.0.1", master_port=1,
+                                 runtime_spec={"workload": {"type": "gpt"}}, checkpoint_dir="")
+    SPAWNED.append(ex.proc.pid)
+    assert not again and ex.running and alive(ex.proc.pid)
+    assert [g.grant_id for g in mgr.parts.grants()] == [ex.grant_id]
+    assert await mgr.stop("a-0123456789ab", grace_s=1) == 1
+    assert mgr.parts.grants() == [] and reports[-1]["kind"] == "EXITED"
