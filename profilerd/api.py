@@ -12,7 +12,7 @@ import grpc
 from tessera.api.v1 import profiler_pb2, profiler_pb2_grpc
 from tessera.measurement import malformed
 
-MAX_MEASUREMENT_BYTES = 256 << 10  # serialized; a batch to the estimator is cut at 1 MiB (stream.MAX_BATCH_BYTES)
+from .config import MAX_MEASUREMENT_BYTES  # serialized; a batch to the estimator is cut at 1 MiB (stream.MAX_BATCH_BYTES)
 
 
 class ProfilerService(profiler_pb2_grpc.ProfilerServiceServicer):

@@ -2,8 +2,12 @@
 the stream to the estimator (pure: no I/O, no clock).
 
 Measurements get seq numbers 1, 2, 3, ... (per source) on entry. They stay until the
-estimator's watermark (highest persisted seq) covers them; when the buffer is full the
-oldest is dropped and counted, so an outage shorter than the buffer loses nothing.
+estimator's watermark (highest persisted seq) covers them. The buffer is bounded twice:
+by count (``capacity`` measurements) and by size (``max_bytes``, the sum of their
+serialized sizes, as measured on entry). When either bound is exceeded the oldest are
+dropped and counted until both hold again, so an outage during which fewer than
+``capacity`` measurements of at most ``max_bytes`` in all are produced loses nothing.
+A single measurement larger than ``max_bytes`` cannot be kept: it is dropped itself.
 """
 
 from __future__ import annotations
@@ -20,36 +24,51 @@ class Counters:
     sent: int
     dropped: int
     next_seq: int
+    buffered_bytes: int = 0
 
 
 class SeqBuffer:
-    def __init__(self, capacity: int, next_seq: int = 1) -> None:
+    def __init__(self, capacity: int, next_seq: int = 1, max_bytes: int | None = None) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         if next_seq < 1:
             raise ValueError(f"next_seq must be >= 1, got {next_seq}")
         self.capacity = capacity
+        self.max_bytes = max_bytes  # None: bounded by count only
         self.next_seq = next_seq
         self.sent = 0      # acknowledged by the estimator (trimmed by a watermark)
         self.dropped = 0   # lost: to a full buffer, or refused by the estimator (``discard``)
         self.refused = 0   # of ``dropped``: discarded because the estimator refused them
         self._items: deque[profiler_pb2.Measurement] = deque()
+        self._sizes: deque[int] = deque()  # serialized size of each item on entry, in step with _items
+        self.bytes = 0                     # sum of _sizes
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, m: profiler_pb2.Measurement) -> tuple[int, bool]:
-        """Number ``m`` (sets ``m.seq`` in place), append it, and drop the oldest if the
-        buffer was full. Returns (seq, whether one was dropped)."""
+    def add(self, m: profiler_pb2.Measurement) -> tuple[int, int]:
+        """Number ``m`` (sets ``m.seq`` in place), append it, then drop the oldest while
+        either bound is exceeded (``m`` itself when it alone is over ``max_bytes``).
+        Returns (seq, how many were dropped)."""
         m.seq = self.next_seq
         self.next_seq += 1
-        dropped = False
-        if len(self._items) >= self.capacity:
-            self._items.popleft()
-            self.dropped += 1
-            dropped = True
+        size = m.ByteSize()
         self._items.append(m)
+        self._sizes.append(size)
+        self.bytes += size
+        dropped = 0
+        while self._items and (len(self._items) > self.capacity
+                               or (self.max_bytes is not None and self.bytes > self.max_bytes)):
+            self._popleft()
+            self.dropped += 1
+            dropped += 1
         return m.seq, dropped
+
+    def _popleft(self) -> profiler_pb2.Measurement:
+        self.bytes -= self._sizes.popleft()
+        return self._items.popleft()
 
     def pending(self, after: int = 0, limit: int | None = None) -> list[profiler_pb2.Measurement]:
         """Buffered measurements with seq > ``after``, oldest first, at most ``limit``."""
@@ -67,7 +86,7 @@ class SeqBuffer:
         returns how many, which are counted as sent."""
         n = 0
         while self._items and self._items[0].seq <= watermark:
-            self._items.popleft()
+            self._popleft()
             n += 1
         self.sent += n
         return n
@@ -79,6 +98,8 @@ class SeqBuffer:
         for j, m in enumerate(self._items):
             if m.seq == seq:
                 del self._items[j]
+                self.bytes -= self._sizes[j]
+                del self._sizes[j]
                 self.dropped += 1
                 self.refused += 1
                 return m
@@ -100,4 +121,5 @@ class SeqBuffer:
         return seq
 
     def counters(self) -> Counters:
-        return Counters(buffered=len(self._items), sent=self.sent, dropped=self.dropped, next_seq=self.next_seq)
+        return Counters(buffered=len(self._items), sent=self.sent, dropped=self.dropped, next_seq=self.next_seq,
+                        buffered_bytes=self.bytes)

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 from tessera.errors import SpecError
 
+# Serialized; ReportStep refuses larger (profilerd.api), and buffer_bytes may not be
+# smaller, so any measurement ReportStep accepts fits the buffer.
+MAX_MEASUREMENT_BYTES = 256 << 10
+
 
 @dataclass(frozen=True)
 class ProfilerdConfig:
@@ -16,6 +20,7 @@ class ProfilerdConfig:
     estimator: str = field(default="", metadata={"help": "estimator HOST:PORT; empty: buffer only"})
     sample_interval_s: float = field(default=1.0, metadata={"help": "device sampling period, seconds (0: no sampling)"})
     buffer_size: int = field(default=10000, metadata={"help": "measurements kept until acknowledged; beyond, the oldest is dropped"})
+    buffer_bytes: int = field(default=64 << 20, metadata={"help": "serialized bytes of the measurements kept until acknowledged (default 64 MiB); beyond, the oldest are dropped"})
     state_dir: str = field(default=".tessera/profilerd", metadata={"help": "state directory (seq reservation)"})
     flush_interval_s: float = field(default=0.5, metadata={"help": "at most one ReportMeasurements call this often"})
     batch_size: int = field(default=256, metadata={"help": "measurements per MeasurementBatch message"})
@@ -31,6 +36,9 @@ class ProfilerdConfig:
                 raise SpecError(name, "required")
         if self.buffer_size <= 0:
             raise SpecError("buffer_size", f"must be positive, got {self.buffer_size}")
+        if self.buffer_bytes < MAX_MEASUREMENT_BYTES:
+            raise SpecError("buffer_bytes", f"must be at least {MAX_MEASUREMENT_BYTES} (the largest measurement "
+                                            f"ReportStep accepts), got {self.buffer_bytes}")
         if self.batch_size <= 0:
             raise SpecError("batch_size", f"must be positive, got {self.batch_size}")
         for name in ("sample_interval_s", "flush_interval_s", "grace_s"):

@@ -44,7 +44,7 @@ class Profilerd:
         self.source = f"profilerd/{cfg.node}"
         self.log = log.get(component="profilerd", node_id=cfg.node)
         self.reservation = SeqReservation(cfg.state_dir)
-        self.buffer = SeqBuffer(cfg.buffer_size, self.reservation.first_seq())
+        self.buffer = SeqBuffer(cfg.buffer_size, self.reservation.first_seq(), max_bytes=cfg.buffer_bytes)
         self.samplers = samplers if samplers is not None else (default_samplers(cfg) if cfg.sample_interval_s > 0 else [])
         self.streamer = (Streamer(self.buffer, self.source, cfg.estimator, on_seq_change=self.reservation.ensure,
                                   flush_interval_s=cfg.flush_interval_s, batch_size=cfg.batch_size,
@@ -73,12 +73,14 @@ class Profilerd:
             m.time = time.time()
         self.reservation.ensure(self.buffer.next_seq)  # the number is durable before it is used
         seq, dropped = self.buffer.add(m)
-        if dropped:
-            self._drops_unlogged += 1
+        if dropped:  # either bound (count or bytes) exceeded
+            self._drops_unlogged += dropped
             now = time.monotonic()
             if now - self._last_drop_log >= DROP_LOG_INTERVAL_S:
                 self.log.warning("buffer full: dropped oldest measurements", dropped=self._drops_unlogged,
-                                 dropped_total=self.buffer.dropped, capacity=self.buffer.capacity)
+                                 dropped_total=self.buffer.dropped, capacity=self.buffer.capacity,
+                                 capacity_bytes=self.buffer.max_bytes, buffered=len(self.buffer),
+                                 buffered_bytes=self.buffer.bytes)
                 self._drops_unlogged = 0
                 self._last_drop_log = now
         if self.streamer is not None:

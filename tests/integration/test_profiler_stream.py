@@ -151,6 +151,41 @@ async def test_overflow_drops_oldest_and_counts(tmp_path, free_port):
             await est.stop()
 
 
+async def test_byte_bound_drops_oldest_and_counts(tmp_path, free_port):
+    """Large steps during an outage: the buffer holds at most --buffer-bytes of them
+    (count bound far away); the oldest are dropped, counted and logged, the newest
+    reach the estimator once it is back."""
+    port = free_port()  # the estimator is down
+    d, prun, pch, prof = await start_profilerd(tmp_path, f"127.0.0.1:{port}", sample_interval_s=0,
+                                               buffer_size=10_000, buffer_bytes=1 << 20)
+    est = None
+    try:
+        with structlog.testing.capture_logs() as logs:
+            for i in range(12):
+                m = step("job-7", i, 0.1)
+                m.labels["plan"] = "x" * (200 << 10)
+                await prof.ReportStep(m)
+        s = await prof.GetStats(profiler_pb2.GetStatsRequest())
+        # 5 of ~200 KiB fit in 1 MiB, 6 do not
+        assert (s.buffered, s.dropped, s.sent, s.next_seq) == (5, 7, 0, 13)
+        assert d.buffer.bytes <= 1 << 20
+        drops = [e for e in logs if e["event"] == "buffer full: dropped oldest measurements"]
+        assert drops and drops[0]["dropped_total"] == 1 and drops[0]["capacity_bytes"] == 1 << 20
+
+        est = await Estimator(tmp_path / "est", port=port).start()
+
+        async def all_sent():
+            return (await prof.GetStats(profiler_pb2.GetStatsRequest())).sent == 5
+
+        await until(all_sent, what="the buffered 5 to be acknowledged")
+        records = [r for r in read_log(tmp_path / "est" / LOG_NAME)[0] if not is_meta(r)]
+        assert [r.seq for r in records] == list(range(8, 13))  # the newest 5 survive
+    finally:
+        await stop_profilerd(d, prun, pch)
+        if est is not None:
+            await est.stop()
+
+
 async def test_a_measurement_the_estimator_refuses_is_dropped_and_the_stream_goes_on(tmp_path):
     """A malformed measurement that got into the buffer (ReportStep refuses them; a
     sampler need not) is refused by the estimator with the whole batch: profilerd drops

@@ -111,3 +111,77 @@ def test_discard_removes_one_by_seq_and_counts_it_dropped_and_refused():
     assert b.discard(3) is None and b.discard(99) is None  # gone / never buffered: nothing counted
     assert (b.dropped, b.refused, len(b)) == (1, 1, 4)
     assert b.trim(4) == 3 and b.sent == 3  # the gap is no measurement
+
+
+# --- the byte bound
+
+def big(i: int, n: int) -> profiler_pb2.Measurement:
+    return profiler_pb2.Measurement(kind="step", step=i, labels={"plan": "x" * n})
+
+
+def test_byte_bound_drops_oldest_until_both_bounds_hold():
+    one = big(1, 1000)
+    one.seq = 1
+    size = one.ByteSize()  # every one of these (steps, seqs 1..5 take a byte each)
+    b = SeqBuffer(100, max_bytes=3 * size + size // 2)  # room for 3 by bytes, 100 by count
+    results = [b.add(big(i, 1000)) for i in range(1, 6)]
+    assert [d for _, d in results] == [0, 0, 0, 1, 1]
+    assert [x.step for x in b.pending()] == [3, 4, 5]
+    assert b.bytes == 3 * size == b.counters().buffered_bytes
+    assert (b.dropped, b.refused) == (2, 0)
+    # one larger measurement pushes out as many of the oldest as it needs
+    seq, dropped = b.add(big(6, 2 * size))
+    assert dropped == 2 and [x.step for x in b.pending()] == [5, 6]
+    assert b.bytes <= b.max_bytes
+
+
+def test_byte_bound_a_measurement_over_the_bound_alone_is_dropped_itself():
+    b = SeqBuffer(10, max_bytes=500)
+    b.add(big(0, 10))
+    seq, dropped = b.add(big(1, 1000))
+    assert (seq, dropped) == (2, 2) and len(b) == 0 and b.bytes == 0
+    assert b.counters().dropped == 2 and b.next_seq == 3
+
+
+def test_bytes_follow_trim_and_discard():
+    b = SeqBuffer(10, max_bytes=1 << 20)
+    sizes = []
+    for i in range(4):
+        b.add(big(i, 100 * (i + 1)))
+        sizes.append(b.pending()[-1].ByteSize())
+    assert b.bytes == sum(sizes)
+    b.trim(1)
+    assert b.bytes == sum(sizes[1:])
+    b.discard(3)
+    assert b.bytes == sizes[1] + sizes[3]
+    b.trim(4)
+    assert b.bytes == 0
+
+
+def test_bad_max_bytes():
+    with pytest.raises(ValueError, match="max_bytes"):
+        SeqBuffer(5, max_bytes=0)
+
+
+@given(cap=st.integers(1, 20), max_bytes=st.integers(1, 400),
+       ops=st.lists(st.one_of(st.none(), st.integers(0, 80), st.integers(0, 120).map(lambda n: -n - 1)), max_size=120))
+def test_invariants_with_a_byte_bound(cap, max_bytes, ops):
+    """Adds of varied sizes (negative ints: -n-1, a label of n bytes), acks (ints >= 0),
+    None (a small add): both bounds hold after every operation, bytes is the sum of what
+    is buffered, and every number issued is buffered, sent or dropped."""
+    b = SeqBuffer(cap, max_bytes=max_bytes)
+    acked = 0
+    for op in ops:
+        if op is None:
+            b.add(m())
+        elif op < 0:
+            b.add(big(0, -op - 1))
+        else:
+            acked = max(acked, min(op, b.next_seq - 1))
+            b.trim(acked)
+        items = b.pending()
+        assert len(items) <= cap and b.bytes <= max_bytes
+        assert b.bytes == sum(x.ByteSize() for x in items)
+        assert [x.seq for x in items] == sorted({x.seq for x in items})
+        c = b.counters()
+        assert c.buffered + c.sent + c.dropped == c.next_seq - 1
