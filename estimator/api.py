@@ -16,6 +16,7 @@ from tessera.modelkey import model_key
 from tessera.perfmodel import FORMAT, Candidate, Estimate
 
 from . import models
+from . import store as store_mod
 from .models import ModelKeeper
 from .profiles import summarize
 from .store import MeasurementStore, StoreFailed
@@ -81,6 +82,24 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServiceServicer):
         self.keeper = keeper if keeper is not None else ModelKeeper(store, store.dir)
         self.log = log.get(component="estimator.api")
 
+    def _unindexable(self, batch: estimator_pb2.MeasurementBatch, e: ValueError) -> str:
+        """The refusal of a batch the store could not index, naming the measurement like
+        ``validate`` does ("measurements[i]: ... (seq N)"), so the sender can drop that
+        one and go on (profilerd.stream). The store refused the first record of the batch
+        that is new (above its source's watermark, not repeated in the batch) and that
+        ``store.slots`` cannot index; it is located the same way. No single field is at
+        fault, so the whole measurement is named."""
+        seen: dict[str, int] = {}
+        for i, m in enumerate(batch.measurements):
+            if m.seq <= seen.get(m.source, self.store.watermark(m.source)):
+                continue  # a duplicate: the store did not index it
+            seen[m.source] = m.seq
+            try:
+                store_mod.slots(m)
+            except Exception:
+                return f"measurements[{i}]: {e}"
+        return str(e)  # not found again (cannot happen with a pure slots): unlocated, as before
+
     async def ReportMeasurements(self, request_iterator, context):
         accepted = dups = 0
         sources: set[str] = set()
@@ -94,7 +113,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServiceServicer):
             try:
                 a, d = await self.store.append(batch.measurements)
             except ValueError as e:  # a record the store cannot index: nothing of this batch persisted
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, self._unindexable(batch, e))
             except OSError as e:  # nothing of this batch acknowledged; the client resends later
                 self.log.error("measurements not persisted", error=str(e), failed=isinstance(e, StoreFailed))
                 await context.abort(grpc.StatusCode.UNAVAILABLE,

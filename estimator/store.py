@@ -809,8 +809,10 @@ class MeasurementStore:
                     try:
                         record_slots.append(slots(m))
                     except Exception as e:
-                        raise ValueError(f"measurement {m.source!r} seq {m.seq} ({m.kind}) cannot be indexed: {e!r}; "
-                                         "nothing of this batch was persisted") from e
+                        # ends in "(seq N)" like estimator.api's refusals, which prefix
+                        # "measurements[i]: " so that profilerd drops just this one
+                        raise ValueError(f"a {m.kind!r} measurement of {m.source!r} cannot be indexed: {e!r}; "
+                                         f"nothing of this batch was persisted (seq {m.seq})") from e
                 blobs = [encode(m) for m in new]
                 rx = self.receipt_time()
                 # The lock must not be released while a thread still works on the file:

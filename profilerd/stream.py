@@ -13,8 +13,8 @@ Batches are cut by count (``batch_size``) and by serialized size (``max_batch_by
 well under the estimator's 4 MiB receive limit), so no flush can fail for its size; a
 single measurement too large for a batch is dropped (counted as refused) before sending.
 
-A measurement the estimator refuses (INVALID_ARGUMENT for ``measurements[i]``: the whole
-batch is refused, the watermark does not move) would fail every later call, so the
+A measurement the estimator refuses (INVALID_ARGUMENT for ``measurements[i]``, malformed
+or one its store cannot index: the whole batch is refused, the watermark does not move) would fail every later call, so the
 stream drops that one measurement (``SeqBuffer.discard``: counted in ``dropped`` and
 ``refused``, logged) and goes on in the same session. The refused seq comes from the
 estimator's message ("(seq N)"); an estimator that does not name it is asked for its

@@ -208,6 +208,73 @@ async def test_a_measurement_the_estimator_refuses_is_dropped_and_the_stream_goe
     assert [r.seq for r in records] == [q for q in seqs if q != seqs[1]]
 
 
+def _unindexable_job(monkeypatch, job: str) -> None:
+    """The estimator's store cannot index the steps of ``job`` (``estimator.store.slots``
+    raises for them: a bug, or a record this version cannot index). The in-process
+    estimator uses this very module."""
+    import estimator.store as store_mod
+
+    real = store_mod.slots
+
+    def slots(m):
+        if m.job_id == job:
+            raise KeyError("no window for this record")
+        return real(m)
+
+    monkeypatch.setattr(store_mod, "slots", slots)
+
+
+async def test_unindexable_refusal_names_the_measurement_and_its_seq(tmp_path, monkeypatch):
+    """INVALID_ARGUMENT "measurements[i]: ... (seq N)" with i the index in the batch the
+    client sent (duplicates before it count), as the malformed refusals do."""
+    est = await Estimator(tmp_path / "est").start()
+    src = "profilerd/x"
+
+    def m(seq, job):
+        return profiler_pb2.Measurement(source=src, seq=seq, kind="step", job_id=job, step_time_s=0.1)
+
+    try:
+        async with grpc.aio.insecure_channel(est.address) as ch:
+            e = estimator_pb2_grpc.EstimatorServiceStub(ch)
+            await e.ReportMeasurements(iter([estimator_pb2.MeasurementBatch(measurements=[m(1, "poison")])]))
+            _unindexable_job(monkeypatch, "poison")  # seq 1 was indexed before: now a duplicate
+            batch = estimator_pb2.MeasurementBatch(measurements=[m(1, "poison"), m(2, "ok"), m(2, "poison"),
+                                                                 m(3, "poison"), m(4, "ok")])
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await e.ReportMeasurements(iter([batch]))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            details = err.value.details()
+            assert details.startswith("measurements[3]: ") and details.endswith("(seq 3)"), details
+            assert "cannot be indexed" in details
+            assert est.store.watermark(src) == 1  # nothing of the refused batch
+    finally:
+        await est.stop()
+
+
+async def test_a_measurement_the_store_cannot_index_is_dropped_and_the_stream_goes_on(tmp_path, monkeypatch):
+    """A measurement the estimator's store cannot index refuses its whole batch: profilerd
+    locates it from the refusal, drops that one (GetStats.dropped), and everything after
+    it still arrives, without a reconnect."""
+    _unindexable_job(monkeypatch, "poison")
+    est = await Estimator(tmp_path / "est").start()
+    d, prun, pch, prof = await start_profilerd(tmp_path, est.address, sample_interval_s=0)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            seqs = [d.add(step("job-8", 0, 0.1)), d.add(step("poison", 1, 0.1))]  # one burst: one batch
+            seqs += [(await prof.ReportStep(step("job-8", i, 0.1))).seq for i in range(2, 12)]
+            await until(lambda: est.store.watermark(d.source) >= seqs[-1], what="the steps after the refused one")
+        s = await prof.GetStats(profiler_pb2.GetStatsRequest())
+        assert (s.buffered, s.sent, s.dropped, s.connected, s.stream_errors) == (0, 11, 1, True, 0)
+        [ev] = [e for e in logs if e["event"] == "measurement refused; dropped it"]
+        assert ev["seq"] == seqs[1] and "cannot be indexed" in ev["error"]
+        assert not [e for e in logs if e["event"] == "estimator stream lost; buffering"]  # never blocked
+    finally:
+        await stop_profilerd(d, prun, pch)
+        await est.stop()
+    records = [r for r in read_log(tmp_path / "est" / LOG_NAME)[0] if not is_meta(r)]
+    assert [r.seq for r in records] == [q for q in seqs if q != seqs[1]]
+
+
 async def test_large_measurements_after_an_outage_arrive_in_batches_under_the_receive_limit(tmp_path, free_port):
     """25 steps of 200 KiB each (under ReportStep's cap) buffered during an outage make
     5 MB: cut by count alone the first flush is one message over the estimator's 4 MiB

@@ -48,3 +48,32 @@ async def test_torn_tail_is_truncated(tmp_path):
     s2.close()
     records, end = read_log(path)
     assert [r.seq for r in records if not is_meta(r)] == [1, 2, 3] and end == path.stat().st_size
+
+
+def _unindexable_job(monkeypatch, job: str) -> None:
+    """Make ``estimator.store.slots`` fail for the steps of ``job`` (what a bug in the
+    indexing code, or a record this version cannot index, does)."""
+    import estimator.store as store_mod
+
+    real = store_mod.slots
+
+    def slots(m):
+        if m.job_id == job:
+            raise KeyError("no window for this record")
+        return real(m)
+
+    monkeypatch.setattr(store_mod, "slots", slots)
+
+
+async def test_unindexable_refusal_names_the_seq_last_and_persists_nothing(tmp_path, monkeypatch):
+    import pytest
+
+    _unindexable_job(monkeypatch, "poison")
+    s = MeasurementStore(tmp_path)
+    with pytest.raises(ValueError) as e:
+        await s.append([step("a", 1), step("a", 2, job="poison"), step("a", 3)])
+    msg = str(e.value)
+    assert msg.endswith("(seq 2)")  # what profilerd.stream reads to drop exactly this one
+    assert "'step'" in msg and "'a'" in msg and "cannot be indexed" in msg and "KeyError" in msg
+    assert s.watermark("a") == 0 and s.count == 0  # nothing of the batch
+    s.close()
