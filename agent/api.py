@@ -50,8 +50,10 @@ class NodeState:
         return None
 
     def accept_token(self, token: int) -> None:
-        """Record ``token`` of an accepted request (called with no await since
-        ``check_token``: nothing older can have been accepted in between)."""
+        """Record ``token`` of a request the agent accepted (carried out, or refused only for
+        want of capacity); never for a request refused as invalid — by the servicer or by the
+        executor manager — so a malformed request with a high token cannot lock out the
+        real leader. Monotone: an older token accepted late changes nothing."""
         self.max_token = max(self.max_token, token)
 
 
@@ -94,7 +96,6 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 raise ValueError("no workload")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"runtime_spec_json: not a runtime spec ({e})")
-        self.node.accept_token(request.fencing_token)
         try:
             ex, already = await self.mgr.launch(
                 allocation_id=request.allocation_id, job_id=request.job_id, rank=request.rank,
@@ -103,6 +104,7 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 partition_id=request.partition_id, units=request.units, memory_bytes=request.memory_bytes,
             )
         except CapacityError as e:
+            self.node.accept_token(request.fencing_token)  # a valid request the node could not satisfy
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except BadRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -112,6 +114,9 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             # The node's own failure (its log or spec file cannot be written): nothing was
             # spawned, the grant was released.
             await context.abort(grpc.StatusCode.INTERNAL, f"cannot launch on node {self.node.name}: {e}")
+        # Recorded only now: a request the manager refused (unknown device or partition, a
+        # bad grant) must not lock the real leader out with its token.
+        self.node.accept_token(request.fencing_token)
         return agent_pb2.LaunchExecutorResponse(pid=ex.proc.pid if ex.proc else 0, already_running=already)
 
     async def StopExecutor(self, request, context):
@@ -175,11 +180,11 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             why, cmd = add_command(request)
             if why:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
-        self.node.accept_token(request.fencing_token)
         try:
             path = self.mgr.append_control(request.allocation_id, cmd)
         except KeyError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
+        self.node.accept_token(request.fencing_token)  # only an accepted request (see LaunchExecutor)
         return agent_pb2.ControlTaskResponse(control_file=path)
 
     async def UpdateGrant(self, request, context):
@@ -191,17 +196,18 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         if request.units < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"units: must be >= 1, got {request.units}")
-        self.node.accept_token(request.fencing_token)
         try:
             ex, g, old = self.mgr.update_grant(request.allocation_id, request.rank, request.units)
         except NotRunning as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except CapacityError as e:
+            self.node.accept_token(request.fencing_token)  # a valid request the node could not satisfy
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except NotLive as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except BadRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.node.accept_token(request.fencing_token)  # only an accepted request (see LaunchExecutor)
         return agent_pb2.UpdateGrantResponse(partition_id=g.partition_id, units=g.units, cores=list(g.cores),
                                              pid=ex.proc.pid, old_units=old)
 

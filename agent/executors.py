@@ -492,9 +492,21 @@ class ExecutorManager:
             await self._abandon(ex)
         except BaseException:
             # Cancelled (the event loop is going away): no reports any more, but nothing
-            # waits for ever and no grant outlives the process.
+            # waits for ever, and neither the grant nor the record goes before the processes
+            # do: SIGKILL the group, wait (bounded) for the leader, SIGKILL what carries the
+            # token; if that cannot be done the record stays, for the next agent's
+            # ``kill_orphans``.
             _signal(ex, signal.SIGKILL)
-            self._finish(ex, last_error)
+            gone = False
+            try:
+                async with asyncio.timeout(KILL_WAIT_S):
+                    await ex.leader_exited.wait()
+                for pid, ticks in executor_processes(ex.token, ex.proc.pid, ex.start_ticks):
+                    _send_verified(pid, ticks, signal.SIGKILL)
+                gone = True
+            except BaseException:  # cancelled again, or the leader would not die
+                pass
+            self._finish(ex, last_error, keep_record=not gone)
             raise
         finally:
             f.close()
@@ -576,10 +588,11 @@ class ExecutorManager:
             code = ex.proc.returncode
             ex.exit_code = 1 if code is None else code if code >= 0 else 128 - code
 
-    def _finish(self, ex: Executor, last_error: str) -> None:
+    def _finish(self, ex: Executor, last_error: str, keep_record: bool = False) -> None:
         """The end of ``ex`` once its processes are gone (or abandoned): an MPS-wide fault
-        check, the grant released, the record removed, ``done`` set. Never raises before
-        ``done`` is set."""
+        check, the grant released, the record removed (kept with ``keep_record``: processes
+        may survive, the next agent start kills them by it), ``done`` set. Never raises
+        before ``done`` is set."""
         try:
             if ex.exit_code is None:
                 code = ex.proc.returncode if ex.proc is not None else None
@@ -601,7 +614,8 @@ class ExecutorManager:
             if ex.fault and ex.exit_code == 0:
                 ex.exit_code = 1  # a faulted executor never counts as a success
             try:
-                self._remove_record(ex)
+                if not keep_record:
+                    self._remove_record(ex)
             except OSError as e:
                 self.log.warning("cannot remove executor record", allocation=ex.allocation_id, rank=ex.rank,
                                  error=str(e))
@@ -632,15 +646,10 @@ class ExecutorManager:
                                error=str(e))
 
         assert ex.proc is not None and ex.proc.stdout is not None
-        while True:
-            try:
-                raw = await ex.proc.stdout.readline()
-            except ValueError:
-                # Over the limit: StreamReader.readline dropped it (up to its newline, if seen).
+        async for raw in output_lines(ex.proc.stdout):
+            if raw is None:
                 write(prefix + b"<output line longer than 64 KiB dropped>\n")
                 continue
-            if not raw:
-                break
             write(prefix + raw)
             line = raw.decode(errors="replace").rstrip("\n")
             ev = parse_line(line)
@@ -1000,6 +1009,42 @@ def _failpoint(name: str) -> None:
 
 
 PF_KTHREAD = 0x00200000  # a kernel thread (field 9 of /proc/<pid>/stat, flags): never an executor's
+
+
+MAX_LINE = 64 << 10  # bytes of one output line; a longer one is dropped whole
+
+
+async def output_lines(stream: asyncio.StreamReader, limit: int = MAX_LINE, chunk: int = 1 << 16):
+    """The lines of ``stream`` (with their newline; the last one may lack it) until EOF; a
+    line longer than ``limit`` bytes is dropped *whole* — from its first byte to its
+    newline, however the pipe split it — and yields None in its place. (StreamReader's own
+    readline, over its limit, sometimes drops the rest of such a line and sometimes hands
+    it back as a line of its own, depending on how the data arrived.)"""
+    buf = b""
+    skipping = False  # inside a line already over the limit: drop up to its newline
+    while True:
+        data = await stream.read(chunk)
+        if not data:
+            if buf and not skipping:
+                yield buf
+            return
+        buf += data
+        while True:
+            nl = buf.find(b"\n")
+            if nl < 0:
+                if len(buf) > limit:
+                    if not skipping:
+                        yield None
+                    skipping = True
+                    buf = b""
+                break
+            line, buf = buf[:nl + 1], buf[nl + 1:]
+            if skipping:
+                skipping = False  # the tail of the dropped line
+            elif len(line) > limit + 1:
+                yield None
+            else:
+                yield line
 
 
 def executor_processes(token: str | None, sid: int | None = None,

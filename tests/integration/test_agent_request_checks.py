@@ -173,9 +173,15 @@ async def test_a_refused_request_does_not_raise_the_fencing_token(tmp_path):
         (svc.LaunchExecutor, launch_req(mgr, incarnation="i-0", fencing_token=99)),
         (svc.StopExecutor, agent_pb2.StopExecutorRequest(allocation_id="a-1", grace_s=-1, fencing_token=99)),
         (svc.UpdateGrant, agent_pb2.UpdateGrantRequest(allocation_id="a-1", units=0, fencing_token=99)),
+        # refused by the executor manager, past the servicer's own checks
+        (svc.LaunchExecutor, launch_req(mgr, device_ids=["nope"], fencing_token=99)),
+        (svc.LaunchExecutor, launch_req(mgr, partition_id="bogus", fencing_token=99)),
+        (svc.ControlTask, agent_pb2.ControlTaskRequest(allocation_id="a-1", op="cancel", task="t", fencing_token=99)),
+        (svc.UpdateGrant, agent_pb2.UpdateGrantRequest(allocation_id="a-1", units=1, fencing_token=99)),
     ]:
         ctx = await refused(call, req)
-        assert ctx.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+        assert ctx.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                            grpc.StatusCode.NOT_FOUND)
         # Before the fix: 99 was recorded before the request was validated.
         assert svc.node.max_token == 5, req
     r = await svc.StopExecutor(agent_pb2.StopExecutorRequest(allocation_id="a-1", fencing_token=5), Ctx())
@@ -351,3 +357,55 @@ async def test_a_failed_started_report_leaves_the_running_executor_its_grant(tmp
     assert [g.grant_id for g in mgr.parts.grants()] == [ex.grant_id]
     assert await mgr.stop("a-0123456789ab", grace_s=1) == 1
     assert mgr.parts.grants() == [] and reports[-1]["kind"] == "EXITED"
+
+
+# Starts a child in a session of its own (it still carries the executor's token), records
+# its pid next to the spec, then waits to be stopped.
+SETSID_PARENT = """#!{python}
+import subprocess, sys, time
+spec = sys.argv[sys.argv.index("--spec") + 1]
+p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+open(spec + ".child", "w").write(str(p.pid))
+print("hello", flush=True)
+time.sleep(300)
+"""
+
+
+async def test_a_cancelled_pump_kills_every_process_before_the_grant_goes(tmp_path):
+    """The event loop going away cancels the pumps: the grant is released (and ``done`` set)
+    only once the leader is dead and whatever carries its token (here a child that left
+    the session) has been SIGKILLed."""
+    mgr = make_mgr(tmp_path, SETSID_PARENT)
+    ex, _ = await mgr.launch(allocation_id="a-0123456789ab", job_id="j-0123456789ab", rank=0, world_size=1,
+                             device_ids=[next(iter(mgr.devices))], master_addr="127.0.0.1", master_port=1,
+                             runtime_spec={"workload": {"type": "gpt"}}, checkpoint_dir="")
+    SPAWNED.append(ex.proc.pid)
+    marker = Path(str(mgr.state_dir / "specs" / "a-0123456789ab-r0.json") + ".child")
+    deadline = asyncio.get_running_loop().time() + 30
+    while not (marker.exists() and marker.read_text()):
+        assert asyncio.get_running_loop().time() < deadline, "the child never started"
+        await asyncio.sleep(0.02)
+    child = int(marker.read_text())
+    SPAWNED.append(child)
+    ex.pump.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await ex.pump
+    assert ex.done.is_set() and mgr.parts.grants() == []
+    assert not alive(ex.proc.pid)
+    deadline = asyncio.get_running_loop().time() + 5
+    while alive(child):  # SIGKILLed: gone as soon as the kernel reaps it (its parent, pid 1 here)
+        assert asyncio.get_running_loop().time() < deadline, "the token-carrying child survived"
+        await asyncio.sleep(0.02)
+    assert list((mgr.state_dir / "executors").glob("*")) == []
+
+
+@pytest.mark.parametrize("n", [66_000, 140_000, 300_000, 1_000_000])
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 65536])
+async def test_an_over_long_line_is_dropped_whole_however_the_pipe_splits_it(n, chunk):
+    data = b"first\n" + b"x" * n + b"TAIL-OF-LONG-LINE\n" + b"after\n" + b"last-without-newline"
+    r = asyncio.StreamReader(limit=2 ** 16)
+    for i in range(0, len(data), max(chunk, 1) * 997):
+        r.feed_data(data[i:i + max(chunk, 1) * 997])
+    r.feed_eof()
+    got = [x async for x in executors.output_lines(r, chunk=chunk * 13 + 1)]
+    assert got == [b"first\n", None, b"after\n", b"last-without-newline"]
