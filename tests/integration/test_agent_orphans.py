@@ -492,6 +492,12 @@ def test_a_process_older_than_the_leader_is_never_taken_for_the_executors(tmp_pa
                              env=dict(os.environ, TESSERA_EXECUTOR_TOKEN=token))
         procs.append(p)
         assert p.stdout.readline() == b"up\n"
+        # ... and its exec has completed: while the kernel swaps the image, its environ
+        # can be unreadable for an instant (seen once in a loaded CI run).
+        deadline = time.monotonic() + 10
+        while not Path(f"/proc/{p.pid}/cmdline").read_bytes().startswith(b"sleep"):
+            assert time.monotonic() < deadline, "the carrier never exec'd sleep"
+            time.sleep(0.005)
         return p
 
     try:
