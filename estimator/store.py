@@ -46,8 +46,9 @@ disagreement that holds, within that bound, for ``clock_settle_s`` is a real ste
 receipt clock follows it, recorded by a rebase record (``REBASE_KIND``, ``values.by`` the
 step, ``values.at`` the new time) that moves every receipt time so far by ``max(by, 0)`` and
 clamps it to at most ``at`` (live and on replay), so no key gets older by the step. On open,
-receipt times later than the open (a previous run's clock was ahead) are clamped to it: a
-record dated in the future never blocks expiry beyond one ``key_ttl_s`` after the open. An expiry is made
+receipt times later than the open's reading (an earlier clock ahead, or this one behind) are
+left as they are and the receipt clock starts at the latest of them: no key ages at an open,
+and expiry waits for the wall clock to agree or for a lasting step to be followed. An expiry is made
 durable before it takes effect in memory: a tombstone record (``EXPIRED_KIND``, empty
 source, ``labels.keys`` the JSON list of [window, key]) is appended and fsynced, and
 replay applies it at its place in the log, so an expired key never comes back on a
@@ -400,7 +401,8 @@ class MeasurementStore:
     the wall clock and the receipt clock disagree by more than ``max_clock_skew_s``, and the
     receipt clock follows a disagreement that held (within that bound) for
     ``clock_settle_s`` without making any key older (see the module docstring). Receipt
-    times replayed from the log are clamped to at most the open time. Records of a log
+    times replayed from the log are kept; the receipt clock starts at the latest of them
+    when that is after the open's reading. Records of a log
     written before receipt markers existed count as received at the open. Inject both
     clocks to move time by hand (a test clock that moves both is steady time; moving only
     ``clock`` is a step)."""
@@ -484,10 +486,20 @@ class MeasurementStore:
                 self.replay_duplicates += 1  # e.g. a batch resent after its ack was lost
                 continue
             self._index(m, encode(m), self._replay_slots(m), rx)
-        future = self._rebase(0.0, self.opened_at)  # dated after the open: a previous run's clock was ahead
-        if future:
-            self.log.warning("measurements dated after the open (the clock was ahead when they were received); "
-                             "their receipt time is the open", records=future, opened_at=self.opened_at)
+        # The log's latest receipt time after the open's wall-clock reading: either an earlier
+        # run's clock was ahead, or this reading is behind (a host booting before NTP). The two
+        # cannot be told apart here, so nothing is moved (a clamp kept only in memory would
+        # make the records stamped from it look old to a later open, whose sweep would expire
+        # fresh keys): the receipt clock starts at that latest time instead — no key ages at
+        # the open — and sweeps wait until the wall clock agrees with it, or a lasting step is
+        # followed through a persisted rebase record (``_clock_settled``).
+        latest = max([rx, *self._rx.values(), *(at for at, _ in self._tombs.values())])
+        if latest > self.opened_at:
+            self._anchor_wall = latest
+            self.log.warning("the log has receipt times after this open's wall-clock reading (an earlier clock "
+                             "ahead, or this one behind); the receipt clock starts at the latest, and key expiry "
+                             "waits for the wall clock to agree", latest=latest, opened_at=self.opened_at,
+                             ahead_s=round(latest - self.opened_at, 3))
         self._file = self._open_append()
         self._size = good
         self.log.info("measurement store opened", path=str(self.path), measurements=self.count,

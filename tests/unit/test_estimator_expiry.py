@@ -296,9 +296,11 @@ async def test_a_wall_clock_step_that_holds_is_followed_and_ages_no_key(tmp_path
     r.close()
 
 
-async def test_receipt_times_after_the_open_are_clamped_to_it(tmp_path):
-    """Records received while the clock was 30 TTLs ahead (a run that opened on a spike)
-    do not block expiry after a restart with a correct clock: they age from the open."""
+async def test_receipt_times_after_the_open_wait_for_the_wall_clock(tmp_path):
+    """Records received while the clock was 30 TTLs ahead (a run that opened on a spike):
+    after a restart with a correct clock nothing ages at the open (the receipt clock starts
+    at their time); expiry waits until the correct reading has held ``clock_settle_s``
+    (a rebase record), then they age from there — never expired early, never blocked."""
     clock = Clock()
     clock.step = 30 * TTL
     s = MeasurementStore(tmp_path, key_ttl_s=TTL, **clocks(clock), compact_bytes=0)
@@ -307,9 +309,37 @@ async def test_receipt_times_after_the_open_are_clamped_to_it(tmp_path):
     clock.step = 0.0
     clock.t += 10
     r = MeasurementStore(tmp_path, key_ttl_s=TTL, **clocks(clock), compact_bytes=0)
-    assert set(r._rx.values()) == {T0 + 10}  # noqa: SLF001
+    assert set(r._rx.values()) == {T0 + 30 * TTL}  # noqa: SLF001 - not moved by the open
+    assert await r.sweep() == {}  # the wall clock disagrees with the receipt clock: refused
+    clock.t += r.clock_settle_s
+    assert await r.sweep() == {} and r.rebases == 1  # followed: receipt times capped at the correct now
     clock.t += TTL + 1
     assert (await r.sweep())["job"] == 1
+    r.close()
+
+
+@pytest.mark.parametrize("compact", [False, True])
+async def test_an_open_with_the_clock_behind_never_ages_keys_for_a_later_open(tmp_path, compact):
+    """A host whose wall clock reads 30 TTLs behind at one open (before NTP), restarted
+    before that step was followed: what that run received and wrote (compaction included)
+    must not look old to the next open, with a correct clock."""
+    clock = Clock()
+    kw = dict(key_ttl_s=TTL, compact_bytes=1 if compact else 0)
+    s = MeasurementStore(tmp_path, **clocks(clock), **kw)
+    await s.append([step("p1", 1, job="j1", i=1)])
+    s.close()
+    clock.t += 5
+    clock.step = -30 * TTL  # this open reads 30 TTLs behind
+    s = MeasurementStore(tmp_path, **clocks(clock), **kw)
+    clock.step = 0.0  # NTP fixes it a moment later
+    clock.t += 5
+    await s.append([step("p2", 1, job="j2", i=1)])
+    assert await s.sweep() == {}
+    s.close()  # restarted before clock_settle_s
+    clock.t += 5
+    r = MeasurementStore(tmp_path, **clocks(clock), **kw)
+    assert await r.sweep() == {}
+    assert len(r.steps(job_id="j1")) == 1 and len(r.steps(job_id="j2")) == 1
     r.close()
 
 
