@@ -84,6 +84,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tessera import log
 from tessera.fsutil import fsync_dir
@@ -369,6 +370,23 @@ def survivors(records: Iterable[Iterable[Slot]], retention: Retention) -> list[i
     return sorted(w.refs)
 
 
+async def _write_then(write: Callable[[], Any], apply: Callable[[], None]) -> None:
+    """Run the blocking ``write`` in a thread, then ``apply()`` its effect in memory. A
+    cancellation first waits for the thread (the store's lock must not be released while
+    it works on the file); if the write completed, ``apply()`` still runs — what it wrote
+    is durable and replay would apply it — and then the cancellation goes through. An
+    exception of ``write`` (an OSError) propagates, ``apply`` not called."""
+    fut = asyncio.ensure_future(asyncio.to_thread(write))
+    try:
+        await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await _settle(fut)
+        if not fut.cancelled() and fut.exception() is None:
+            apply()
+        raise
+    apply()
+
+
 class StoreFailed(OSError):
     """The log could not be restored to a known-good state after a failed write; the
     store refuses appends until it is reopened (which truncates any torn tail)."""
@@ -547,19 +565,12 @@ class MeasurementStore:
         if mono - self._step[1] < self.clock_settle_s:
             return False
         blob = encode(profiler_pb2.Measurement(kind=REBASE_KIND, values={"by": skew, "at": wall}))
-        fut = asyncio.ensure_future(asyncio.to_thread(self._write, blob))
         try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await _settle(fut)
-            if not fut.cancelled() and fut.exception() is None:
-                self._follow(skew, wall, mono)
-            raise
+            await _write_then(lambda: self._write(blob), lambda: self._follow(skew, wall, mono))
         except OSError as e:
             self.log.error("receipt clock rebase not persisted; key expiry stays paused", path=str(self.path),
                            error=str(e))
             return False
-        self._follow(skew, wall, mono)
         return True
 
     def _follow(self, skew: float, wall: float, mono: float) -> None:
@@ -754,20 +765,18 @@ class MeasurementStore:
             return Counter()
         retained, before = self.retained, self._retained_bytes
         blob = encode(tombstone(keys, now))
-        fut = asyncio.ensure_future(asyncio.to_thread(self._write, blob))
+        done: Counter[str] = Counter()
+
+        def expire() -> None:  # durable once written: it takes effect (also when cancelled)
+            done.update(self._expire(keys, now))
+            self.expired.update(done)
+
         try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await _settle(fut)
-            if not fut.cancelled() and fut.exception() is None:
-                self.expired.update(self._expire(keys, now))  # durable: it takes effect
-            raise
+            await _write_then(lambda: self._write(blob), expire)
         except OSError as e:
             self.log.error("key expiry not persisted; keys kept until the next sweep", path=str(self.path),
                            keys=len(keys), error=str(e))
             return Counter()
-        done = self._expire(keys, now)
-        self.expired.update(done)
         self.log.info("keys expired", key_ttl_s=self.key_ttl_s, expired=dict(done),
                       sample=[_key_to_json(n, k) for n, k in keys[:5]], records_dropped=retained - self.retained,
                       bytes_dropped=before - self._retained_bytes, keys=self.keys,
@@ -827,28 +836,19 @@ class MeasurementStore:
                                          f"nothing of this batch was persisted (seq {m.seq})") from e
                 blobs = [encode(m) for m in new]
                 rx = self.receipt_time()
-                # The lock must not be released while a thread still works on the file:
-                # when the caller is cancelled, wait for the thread, index what it wrote
-                # (it is durable), then let the cancellation through.
-                fut = asyncio.ensure_future(asyncio.to_thread(
-                    self._write, encode(receipt_marker(rx)) + b"".join(blobs)))
-                try:
-                    await asyncio.shield(fut)
-                except asyncio.CancelledError:
-                    await _settle(fut)
-                    if not fut.cancelled() and fut.exception() is None:
-                        self._index_batch(new, blobs, record_slots, rx)
-                        self.duplicates += dups
-                    raise
-                self._index_batch(new, blobs, record_slots, rx)
-                try:
-                    # After indexing: a key that reports in this batch is not expired by it.
-                    await self._sweep_locked()
-                    await self._maybe_compact()
-                except asyncio.CancelledError:
+                data = encode(receipt_marker(rx)) + b"".join(blobs)
+
+                def indexed() -> None:  # what was written is durable: indexed, its duplicates counted
+                    self._index_batch(new, blobs, record_slots, rx)
                     self.duplicates += dups
-                    raise
-            self.duplicates += dups
+
+                # When the caller is cancelled, what the thread wrote is still indexed.
+                await _write_then(lambda: self._write(data), indexed)
+                # After indexing: a key that reports in this batch is not expired by it.
+                await self._sweep_locked()
+                await self._maybe_compact()
+            else:
+                self.duplicates += dups
             return len(new), dups
 
     def _index_batch(self, new: list[profiler_pb2.Measurement], blobs: list[bytes],
