@@ -459,14 +459,7 @@ class ExecutorManager:
         """Undo a spawn that cannot go on (before its pump exists): SIGKILL its process
         group, wait for the leader, close its log, remove its record."""
         assert ex.proc is not None
-        try:
-            os.killpg(ex.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            async with asyncio.timeout(KILL_WAIT_S):
-                await ex.leader_exited.wait()
-        except TimeoutError:
+        if not await self._kill_leader(ex):
             self.log.error("a discarded executor did not exit after SIGKILL", job_id=ex.job_id, pid=ex.proc.pid)
         if ex.transport is not None:
             ex.transport.close()
@@ -496,15 +489,13 @@ class ExecutorManager:
             # do: SIGKILL the group, wait (bounded) for the leader, SIGKILL what carries the
             # token; if that cannot be done the record stays, for the next agent's
             # ``kill_orphans``.
-            _signal(ex, signal.SIGKILL)
             gone = False
             try:
-                async with asyncio.timeout(KILL_WAIT_S):
-                    await ex.leader_exited.wait()
-                for pid, ticks in executor_processes(ex.token, ex.proc.pid, ex.start_ticks):
-                    _send_verified(pid, ticks, signal.SIGKILL)
-                gone = True
-            except BaseException:  # cancelled again, or the leader would not die
+                if await self._kill_leader(ex):
+                    for pid, ticks in executor_processes(ex.token, ex.proc.pid, ex.start_ticks):
+                        _send_verified(pid, ticks, signal.SIGKILL)
+                    gone = True
+            except BaseException:  # cancelled again
                 pass
             self._finish(ex, last_error, keep_record=not gone)
             raise
@@ -561,21 +552,24 @@ class ExecutorManager:
             self.log.error("cannot write the executor log", job_id=ex.job_id, path=str(ex.log_path), error=str(e))
         return last_error
 
-    async def _abandon(self, ex: Executor) -> None:
-        """After ``_follow`` failed: SIGKILL whatever is left of ``ex`` (its leader if still
-        running, then what it left: ``_reap`` with ``kill_requested``), close its output and
-        take its exit code (1 when the leader's is unknown). Best effort: never raises."""
-        assert ex.proc is not None
-        ex.kill_requested.set()
-        if ex.proc.returncode is None:
-            try:
-                os.killpg(ex.proc.pid, signal.SIGKILL)  # not reaped yet: the group id is still its own
-            except ProcessLookupError:
-                pass
+    async def _kill_leader(self, ex: Executor) -> bool:
+        """SIGKILL ``ex``'s process group (``_signal``: while its leader is not reaped the
+        group id is still its own; a reap then SIGKILLs what is left at once) and wait up to
+        ``KILL_WAIT_S`` for the leader to exit. Whether it did."""
+        _signal(ex, signal.SIGKILL)
         try:
             async with asyncio.timeout(KILL_WAIT_S):
                 await ex.leader_exited.wait()
+            return True
         except TimeoutError:
+            return False
+
+    async def _abandon(self, ex: Executor) -> None:
+        """After ``_follow`` failed: SIGKILL whatever is left of ``ex`` (its leader if still
+        running, then what it left: ``_reap`` with ``kill_requested``) and close its output
+        (its exit code is taken by ``_finish``). Best effort: never raises."""
+        assert ex.proc is not None
+        if not await self._kill_leader(ex):
             self.log.error("executor leader survives SIGKILL", job_id=ex.job_id, allocation=ex.allocation_id,
                            rank=ex.rank, pid=ex.proc.pid)
         try:
@@ -584,9 +578,6 @@ class ExecutorManager:
             self.log.exception("cannot end the processes of an abandoned executor", job_id=ex.job_id,
                                allocation=ex.allocation_id, rank=ex.rank, error=repr(e))
         _close_output(ex)
-        if ex.exit_code is None:
-            code = ex.proc.returncode
-            ex.exit_code = 1 if code is None else code if code >= 0 else 128 - code
 
     def _finish(self, ex: Executor, last_error: str, keep_record: bool = False) -> None:
         """The end of ``ex`` once its processes are gone (or abandoned): an MPS-wide fault
