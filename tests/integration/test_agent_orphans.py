@@ -125,8 +125,9 @@ async def test_stop_ends_when_a_group_member_ignores_sigterm_and_holds_stdout(tm
     assert not (mgr.state_dir / "executors" / "a-1-r0.json").exists(), "the record goes with the executor"
 
 
-# An agent process that launches one executor, says so, and waits to be killed -9.
-CRASHING_AGENT = """
+# An agent process (a template: root, state dir, fake runtime) whose main() has its
+# ExecutorManager; each use appends what main() does with it.
+AGENT_PROCESS = """
 import asyncio, sys
 sys.path.insert(0, {root!r})
 from pathlib import Path
@@ -140,7 +141,10 @@ async def main():
     async def on_report(ex, r):
         pass
     mgr = ExecutorManager(Path({state!r}), devs, on_report, python={rt!r}, parts=parts)
-    ex, _ = await mgr.launch(allocation_id="a-old", job_id="j-old", rank=0, world_size=1, device_ids=[devs[0].id],
+"""
+
+# An agent process that launches one executor, says so, and waits to be killed -9.
+CRASHING_AGENT = AGENT_PROCESS + """    ex, _ = await mgr.launch(allocation_id="a-old", job_id="j-old", rank=0, world_size=1, device_ids=[devs[0].id],
                              master_addr="127.0.0.1", master_port=1, runtime_spec={{"workload": {{"type": "gpt"}}}},
                              checkpoint_dir="")
     print("LAUNCHED", ex.proc.pid, flush=True)
@@ -314,21 +318,7 @@ async def test_leader_exit_ends_what_it_left_before_the_exit_is_reported(tmp_pat
 
 # An agent process that dies (the failpoint: os._exit) right after spawning an executor,
 # before that executor's record holds its pid.
-CRASH_AFTER_SPAWN = """
-import asyncio, sys
-sys.path.insert(0, {root!r})
-from pathlib import Path
-from agent.devices import discover
-from agent.executors import ExecutorManager
-from agent.partitions import Partitions
-
-async def main():
-    devs = discover(1, use_nvml=False)
-    parts = Partitions.for_devices(devs, state_dir={state!r})
-    async def on_report(ex, r):
-        pass
-    mgr = ExecutorManager(Path({state!r}), devs, on_report, python={rt!r}, parts=parts)
-    await mgr.launch(allocation_id="a-new", job_id="j-new", rank=0, world_size=1, device_ids=[devs[0].id],
+CRASH_AFTER_SPAWN = AGENT_PROCESS + """    await mgr.launch(allocation_id="a-new", job_id="j-new", rank=0, world_size=1, device_ids=[devs[0].id],
                      master_addr="127.0.0.1", master_port=1, runtime_spec={{"workload": {{"type": "gpt"}}}},
                      checkpoint_dir="")
     print("NOT CRASHED", flush=True)

@@ -25,6 +25,7 @@ from profilerd import main as pmain
 from profilerd.config import ProfilerdConfig
 from tessera import grpcserver
 from tessera.api.v1 import estimator_pb2, estimator_pb2_grpc, profiler_pb2, profiler_pb2_grpc
+from tests.unit.test_estimator_store import _unindexable_job  # the store cannot index a job's steps
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -206,22 +207,6 @@ async def test_a_measurement_the_estimator_refuses_is_dropped_and_the_stream_goe
         await est.stop()
     records = [r for r in read_log(tmp_path / "est" / LOG_NAME)[0] if not is_meta(r)]
     assert [r.seq for r in records] == [q for q in seqs if q != seqs[1]]
-
-
-def _unindexable_job(monkeypatch, job: str) -> None:
-    """The estimator's store cannot index the steps of ``job`` (``estimator.store.slots``
-    raises for them: a bug, or a record this version cannot index). The in-process
-    estimator uses this very module."""
-    import estimator.store as store_mod
-
-    real = store_mod.slots
-
-    def slots(m):
-        if m.job_id == job:
-            raise KeyError("no window for this record")
-        return real(m)
-
-    monkeypatch.setattr(store_mod, "slots", slots)
 
 
 async def test_unindexable_refusal_names_the_measurement_and_its_seq(tmp_path, monkeypatch):

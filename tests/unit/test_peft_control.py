@@ -12,27 +12,9 @@ import torch
 
 from agent.runtime.peft import lora
 from agent.runtime.peft.workload import REJECTED_FILE, PeftRunner, parse, run
-from agent.runtime.report import Reporter, parse_line
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-MODEL = {"vocab": 64, "seq_len": 32, "layers": 1, "hidden": 32, "heads": 4}
-
-
-def workload(tasks, **kw):
-    return {"type": "peft", "model": MODEL, "steps": 4, "batch_size": 3, "learning_rate": 0.01, "seed": 0,
-            "peft": {"mode": "spatial", "chunk_size": 32, "tasks": tasks}, **kw}
-
-
-def events(buf):
-    return [e for e in (parse_line(line) for line in buf.getvalue().splitlines()) if e]
+from agent.runtime.report import Reporter
+# One tiny model, spatial workload, event parsing and one intra-op thread (autouse), as there.
+from tests.unit.test_peft_workload import MODEL, _one_thread, events, workload  # noqa: F401
 
 
 def spec(tmp_path, tasks, **kw):

@@ -19,6 +19,7 @@ from profilerd.buffer import SeqBuffer
 from profilerd.stream import Streamer
 from tessera.api.v1 import estimator_pb2, estimator_pb2_grpc, profiler_pb2
 from tessera.measurement import malformed
+from tests.unit.test_profilerd_stream_faults import _until
 
 SRC = "profilerd/n1"
 
@@ -90,13 +91,6 @@ async def server(tmp_path):
     for srv in servers:
         await srv.stop(0)
     store.close()
-
-
-async def _until(cond, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 async def _run_until(st: Streamer, cond) -> None:
