@@ -43,6 +43,9 @@ from agent.runtime.report import parse_line
 from tessera import log
 from tessera.fsutil import atomic_write
 from tessera.modelkey import model_key, profile_labels
+from tessera.procfs import proc_stat as _proc_stat
+from tessera.procfs import process_start_ticks  # noqa: F401 - also this module's interface (tests import it here)
+from tessera.procfs import read_proc as _read_proc
 
 from .devices import LocalDevice
 from .partitions import BadGrant, CapacityRefused, Grant, MpsBackend, NotLive, Partitions, UnknownPartition
@@ -144,41 +147,6 @@ def process_cpu_s(pid: int) -> float | None:
         return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")  # fields 14, 15
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _read_proc(path: str) -> bytes:
-    """The whole of a /proc file, read with plain os calls (a /proc scan reads one or two
-    per process: pathlib's overhead would be most of its cost). OSError as open/read."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        chunks = [os.read(fd, 4096)]
-        while chunks[-1]:
-            chunks.append(os.read(fd, 65536))
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def _proc_stat(pid: int) -> list[bytes] | None:
-    """Fields 3.. of ``/proc/<pid>/stat`` (index 0 is field 3, the state), as bytes, or
-    None when the process does not exist or the file cannot be parsed."""
-    try:
-        raw = _read_proc(f"/proc/{pid}/stat")
-        # The command name (field 2) may hold spaces and parentheses: split after its ")".
-        rest = raw[raw.rindex(b")") + 2:].split()
-        return rest if len(rest) >= 20 else None
-    except (OSError, ValueError):
-        return None
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """Start time of live process ``pid`` (field 22 of ``/proc/<pid>/stat``, clock ticks
-    since boot): with the pid, it names one process, never a later one that reuses the
-    pid. None when there is no such process or it is a zombie (already dead)."""
-    rest = _proc_stat(pid)
-    if rest is None or rest[0] in (b"Z", b"X"):
-        return None
-    return int(rest[19])
 
 
 def busy_fraction(cpu_s: float, wall_s: float, cores: int) -> float | None:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from .etcdproc import EtcdNotFound, EtcdProcess, find_etcd, free_ports
+from .procfs import process_start_ticks
 
 __all__ = ["Proc", "Testbed", "TestbedError", "MARKER_ENV", "find_marked", "daemon_command"]
 
@@ -112,16 +113,6 @@ def _alive(pid: int) -> bool:
             return False
         except PermissionError:
             return True
-
-
-def _start_ticks(pid: int) -> int | None:
-    """Start time of ``pid`` (field 22 of /proc/<pid>/stat, clock ticks since boot): with the
-    pid it names one process for good (a reused pid has another start time); None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -245,7 +236,7 @@ class Testbed:
         with_estimator = _module_present(DAEMONS["estimator"][1]) if with_estimator is None else with_estimator
         with_profilerd = _module_present(DAEMONS["profilerd"][1]) if with_profilerd is None else with_profilerd
         self.info = {"version": 1, "dir": str(self.dir), "marker": self.marker, "started": time.time(),
-                     "up_pid": os.getpid(), "up_start": _start_ticks(os.getpid()), "controller": "", "addresses": {"nodes": {}}, "processes": []}
+                     "up_pid": os.getpid(), "up_start": process_start_ticks(os.getpid()), "controller": "", "addresses": {"nodes": {}}, "processes": []}
         t0 = time.monotonic()
         try:
             self._start_etcd(timeout)
@@ -415,7 +406,7 @@ class Testbed:
         up_pid = info.get("up_pid")
         # Only the very process that recorded itself (same start time): a detached `up` has
         # exited, and its pid may now be anyone's.
-        owner = bool(up_pid) and info.get("up_start") is not None and _start_ticks(up_pid) == info.get("up_start")
+        owner = bool(up_pid) and info.get("up_start") is not None and process_start_ticks(up_pid) == info.get("up_start")
         if not self.procs and owner and up_pid != os.getpid() and _alive(up_pid):
             # A foreground `tessera up` owns the cluster: ask it to stop everything in order.
             try:

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tessera import etcdproc, testbed
+from tessera.procfs import process_start_ticks
 
 
 def _sleeper(marker: str, key: str = testbed.MARKER_ENV) -> subprocess.Popen:
@@ -83,14 +84,14 @@ def test_down_signals_the_recorded_up_process_only_if_it_is_still_that_process(t
     other = _sleeper("someone-else")
     try:
         (tmp_path / "testbed.json").write_text(json.dumps({
-            "marker": "mine", "up_pid": other.pid, "up_start": testbed._start_ticks(other.pid) + 1, "processes": []}))
+            "marker": "mine", "up_pid": other.pid, "up_start": process_start_ticks(other.pid) + 1, "processes": []}))
         testbed.Testbed(tmp_path).down(timeout=1)
         assert other.poll() is None  # a reused pid: left alone
         (tmp_path / "testbed.json").write_text(json.dumps({"marker": "mine", "up_pid": other.pid, "processes": []}))
         testbed.Testbed(tmp_path).down(timeout=1)
         assert other.poll() is None  # no start time recorded (a detached up clears it): left alone
         (tmp_path / "testbed.json").write_text(json.dumps({
-            "marker": "mine", "up_pid": other.pid, "up_start": testbed._start_ticks(other.pid), "processes": []}))
+            "marker": "mine", "up_pid": other.pid, "up_start": process_start_ticks(other.pid), "processes": []}))
         testbed.Testbed(tmp_path).down(timeout=5)
         assert other.wait(5) == -15  # the foreground `up` itself: asked to stop everything
     finally:
@@ -101,7 +102,7 @@ def test_down_signals_the_recorded_up_process_only_if_it_is_still_that_process(t
 
 def test_detach_clears_the_up_process(tmp_path):
     tb = testbed.Testbed(tmp_path)
-    tb.info = {"up_pid": os.getpid(), "up_start": testbed._start_ticks(os.getpid()), "processes": []}
+    tb.info = {"up_pid": os.getpid(), "up_start": process_start_ticks(os.getpid()), "processes": []}
     tb.detach()
     rec = json.loads((tmp_path / "testbed.json").read_text())
     assert rec["up_pid"] is None and rec["up_start"] is None
