@@ -107,9 +107,8 @@ def executor_load(host: types_pb2.Job, jobs: list[types_pb2.Job]) -> int:
     """Unfinished tasks in ``host``'s executor: its own (spec and added; ended ones no
     longer count) plus every task of each active guest fused into it that has not ended."""
     def unfinished(job: types_pb2.Job) -> int:
-        names = peft_tasks.task_names(job)
-        names += [t.name for t in job.status.tasks if t.name not in names]
-        return sum(1 for n in names if (t := peft_tasks.find(job, n)) is None or t.phase not in TERMINAL)
+        return sum(1 for n in peft_tasks.all_task_names(job)
+                   if (t := peft_tasks.find(job, n)) is None or t.phase not in TERMINAL)
 
     return unfinished(host) + sum(unfinished(g) for g in guests_of(host.id, jobs) if g.id != host.id)
 
@@ -202,8 +201,7 @@ def guest_tasks(guest: types_pb2.Job, checkpoint_dir: str) -> list[tuple[str, di
 def guest_outcome(guest: types_pb2.Job) -> tuple[int, str] | None:
     """(SUCCEEDED, reason) once every task of ``guest`` (its spec's and any added) has ended;
     None while one is still to run."""
-    names = peft_tasks.task_names(guest)
-    names += [t.name for t in guest.status.tasks if t.name not in names]
+    names = peft_tasks.all_task_names(guest)
     ended = [peft_tasks.find(guest, n) for n in names]
     if not names or any(t is None or t.phase not in TERMINAL for t in ended):
         return None

@@ -104,8 +104,12 @@ def view(job: types_pb2.Job, name: str) -> types_pb2.Job | None:
     return out
 
 
-def views(job: types_pb2.Job) -> list[types_pb2.Job]:
-    """Every task of ``job`` as its own job: the spec's tasks in order, then tasks added at run time."""
+def all_task_names(job: types_pb2.Job) -> list[str]:
+    """Every task of ``job``: the spec's tasks in order, then tasks added at run time."""
     names = task_names(job)
-    names += [t.name for t in job.status.tasks if t.name not in names]
-    return [v for v in (view(job, n) for n in names) if v is not None]
+    return names + [t.name for t in job.status.tasks if t.name not in names]
+
+
+def views(job: types_pb2.Job) -> list[types_pb2.Job]:
+    """Every task of ``job`` as its own job (``all_task_names`` order)."""
+    return [v for v in (view(job, n) for n in all_task_names(job)) if v is not None]
