@@ -257,3 +257,18 @@ def test_job_progress_continues_across_a_relaunch(tmp_path, mode):
         pass
     last = [e for e in events(buf2) if e["event"] == "progress"][-1]
     assert last["step"] == last["total"]
+
+
+def test_a_resumed_task_cancelled_before_its_first_step_reports_its_saved_loss(tmp_path):
+    """Its latest loss travels in its state: cancelled right after a relaunch (before it
+    trains a step there) it reports that loss, not NaN (a flaky live test caught the NaN)."""
+    tasks = [{"name": "a", "steps": 50}]
+    first, _ = runner(tmp_path, tasks)
+    for _ in range(3):
+        first.step()
+    first.checkpoint_running()
+    saved = first.engine.tasks["a"].loss
+    again, buf = runner(tmp_path, tasks)
+    again.cancel_task("a")
+    ended = [e for e in events(buf) if e["event"] == "task" and e["phase"] == "cancelled"]
+    assert ended and ended[-1]["step"] == 3 and ended[-1]["loss"] == pytest.approx(saved) and saved == saved

@@ -399,7 +399,8 @@ class MuxEngine:
                 "step": t.step, "weights": weights}
 
     def task_state(self, t: TaskState) -> dict:
-        """Adapter + optimizer moments + step: enough to resume the task alone."""
+        """Adapter + optimizer moments + step (+ its first and latest loss): enough to resume
+        the task alone."""
         st = self.opt.slot_state(t.slot)
         r = t.spec["rank"]
         keep = set(self.adapter(t)["weights"])
@@ -408,7 +409,7 @@ class MuxEngine:
             if n in keep:
                 moments[n] = {k: (v[:, :r] if k.startswith("A") else v[:r, :]).cpu() for k, v in m.items()}
         return {"adapter": self.adapter(t), "optim": {"step": st["step"], "lr": st["lr"], "moments": moments},
-                "tokens": t.tokens, "first_loss": t.first_loss}
+                "tokens": t.tokens, "first_loss": t.first_loss, "loss": t.loss}
 
     def restore(self, t: TaskState, state: dict) -> None:
         """Load :meth:`task_state` output into a running task (same spec). A task whose
@@ -430,6 +431,9 @@ class MuxEngine:
         t.step = int(state["adapter"]["step"])
         t.tokens = t.tokens_at_add = int(state.get("tokens", 0))
         t.first_loss = float(state.get("first_loss", float("nan")))
+        # Its latest loss, until it trains here: a task cancelled (or ended) before its first
+        # step in this executor reports that, not NaN.
+        t.loss = float(state.get("loss", float("nan")))
         if t.step >= t.steps:
             t.final_adapter = self.adapter(t)
             self._end(t, "succeeded")
