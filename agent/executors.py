@@ -183,6 +183,21 @@ def grant_id(allocation_id: str, rank: int) -> str:
     return f"{allocation_id}/r{rank}"
 
 
+def control_file(spec: dict) -> str:
+    """The task-control file of a peft executor's runtime spec (agent/runtime/peft/workload.py)."""
+    return spec.get("control_file") or os.path.join(spec["checkpoint_dir"], "peft-control.jsonl")
+
+
+def _has_control(spec: dict) -> bool:
+    """Whether a peft executor of ``spec`` starts with task-control lines to apply."""
+    if (spec.get("workload") or {}).get("type") != "peft":
+        return False
+    try:
+        return os.path.getsize(control_file(spec)) > 0
+    except OSError:
+        return False
+
+
 class ExecutorManager:
     """The executors of this node. ``reap_grace_s``: once an executor's leader has exited,
     how long the rest of its processes get between SIGTERM and SIGKILL."""
@@ -238,7 +253,9 @@ class ExecutorManager:
         if not live:
             raise KeyError(f"no running executor of allocation {allocation_id} on this node")
         spec = json.loads((self.state_dir / "specs" / f"{allocation_id}-r{live[0].rank}.json").read_text())
-        path = spec.get("control_file") or os.path.join(spec["checkpoint_dir"], "peft-control.jsonl")
+        path = control_file(spec)
+        for e in live:  # its steps now run tasks its spec does not name: no profile of that spec's step
+            e.labels.pop("module", None)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         # One write of a whole line: the executor only applies lines that end in a newline.
         with open(path, "a", encoding="utf-8") as f:
@@ -364,8 +381,11 @@ class ExecutorManager:
         env["TESSERA_CPU_CORES"] = ",".join(map(str, cores))
         if grant is not None:
             env = grant.apply_env(env)  # the partition's quota wins (MPS percentages, core sets)
+        labels = profile_labels(spec, devs[0].kind)
+        if _has_control(spec):  # a relaunch re-applies earlier adds/cancels: not the spec's step shape
+            labels.pop("module", None)
         ex = Executor(allocation_id, job_id, rank, list(device_ids), self.log_path(job_id),
-                      model_key=model_key(spec.get("workload", {})), labels=profile_labels(spec, devs[0].kind),
+                      model_key=model_key(spec.get("workload", {})), labels=labels,
                       grant=grant, token=secrets.token_hex(16))
         env[TOKEN_ENV] = ex.token
         # Opened before the spawn: an executor whose output cannot be kept is never started

@@ -56,6 +56,7 @@ from tessera.modelkey import arch_key
 from tessera.spec.peft import MAX_TASKS, validate_peft
 
 from . import tasks as peft_tasks
+from .records import is_profile_job
 
 P = types_pb2.JobPhase
 ACTIVE = (P.SCHEDULED, P.RUNNING)
@@ -121,6 +122,10 @@ def fusion_problem(host: types_pb2.Job, guest: types_pb2.Job, load: int | None =
         return "only peft jobs fuse"
     if host.id == guest.id:
         return "a job does not fuse with itself"
+    if is_profile_job(host) or is_profile_job(guest):
+        # its steps must measure its own workload's step (the estimate of a job is read
+        # from them); a host's steps carry its guests' tasks too
+        return f"profiling job {(host if is_profile_job(host) else guest).id} runs alone"
     if host.status.phase != P.RUNNING or not host.status.allocation_id:
         return f"host {host.id} is {P.Name(host.status.phase)}, not running an executor"
     if host.status.fused_into:

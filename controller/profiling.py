@@ -1,27 +1,34 @@
 """Profiling jobs and estimates: the controller's side of the performance model.
 
-Each cycle (while leading) for every job of a ``gpt`` workload:
+Each cycle (while leading) for every job of a ``gpt``, ``peft`` or ``multimodal`` workload:
 
-1. its module (``tessera.modelkey.arch_key``) has no profile at the estimator
-   (ListProfiles) -> submit a *profiling job* once: the job's own workload on one
-   device (its per-rank batch, ``dp = tp = pp = 1``, ``profile_steps`` steps), a real
-   short run through the agents whose step timings reach the estimator via
-   profilerd; the job's ``status.estimate`` says ``profiling`` and names it (never for
-   a finished job: it keeps the estimate it has, see ``Profiling._ended``);
+1. its module (``module_of``: ``tessera.modelkey.shape_key``, for ``gpt`` the model's
+   ``arch_key``, for the others the model plus a digest of the step's shape) has no
+   profile at the estimator (ListProfiles) -> submit a *profiling job* once
+   (``profile_doc``): for ``gpt`` the job's model on one device (its per-rank batch,
+   ``dp = tp = pp = 1``), for ``peft``/``multimodal`` the job's own workload,
+   ``profile_steps`` steps; a real short run through the agents whose step timings
+   reach the estimator via profilerd; the job's ``status.estimate`` says ``profiling``
+   and names it (never for a finished job: it keeps the estimate it has, see
+   ``Profiling._ended``);
 2. otherwise -> evaluate the cached model snapshot (GetModelSnapshot, polled with
    ``if_newer_than``) *locally* with ``tessera.perfmodel`` for the job's plan and write
    ``status.estimate`` (ok with seconds and confidence, or insufficient_data with the
-   reason) when it changed.
+   reason) when it changed. ``gpt`` estimates compose the fitted curve and the
+   communication tables; ``peft``/``multimodal`` ones are the job's step shape measured,
+   carried to the job's quota (``tessera.perfmodel.workload``).
 
 The controller talks to the estimator only over gRPC; the numbers come from the same
 pure code the estimator runs. An unreachable estimator skips the cycle (estimates are
 advisory: scheduling never waits for them). Profiling jobs belong to tenant
-``PROFILE_TENANT`` and are idempotent per (module, per-rank shape, device kind).
+``PROFILE_TENANT``, are idempotent per (module, per-rank shape, device kind), and never
+fuse with other LoRA jobs (controller/fusion.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import json
 import time
@@ -31,37 +38,59 @@ import grpc
 
 from tessera import log, manifest
 from tessera.api.v1 import estimator_pb2, estimator_pb2_grpc, types_pb2
-from tessera.modelkey import arch_key
+from tessera.modelkey import arch_key, shape_key
 from tessera.perfmodel import Candidate, Estimate, PerfModel
+from tessera.spec.multimodal import mean_mix
 
 from .core import NotFound, NotLeader
+from .records import PROFILE_PREFIX, PROFILE_TENANT, is_profile_job  # noqa: F401 - one definition (fusion too)
 from .store import Fenced
 from .policy.snapshot_estimator import link_for  # noqa: F401 - one definition for the policy and here
 
-PROFILE_TENANT = "tessera-system"
-PROFILE_PREFIX = "profile-"
+WORKLOADS = ("gpt", "peft", "multimodal")  # the workload types estimated (all the runtime has)
 P = types_pb2.JobPhase
 TERMINAL = (P.SUCCEEDED, P.FAILED, P.CANCELLED)
 
 
-def is_profile_job(job: types_pb2.Job) -> bool:
-    return job.spec.tenant == PROFILE_TENANT and job.spec.name.startswith(PROFILE_PREFIX)
-
-
 def profile_doc(doc: dict, steps: int) -> tuple[dict, str]:
-    """(manifest of the profiling job, its idempotency key) for a validated job manifest:
-    the same model and data on one device at the per-rank batch, ``steps`` steps."""
+    """(manifest of the profiling job, its idempotency key) for a validated job manifest.
+
+    ``gpt``: the same model and data on one device at the per-rank batch, ``steps``
+    steps (the performance model composes the plan). ``peft`` / ``multimodal``: the job's
+    own workload on as many devices, ``steps`` steps (every LoRA task ``steps`` steps, so
+    all of them are in every profiled step; a modality schedule replaced by its mean over
+    the job's run, ``tessera.spec.multimodal.mean_mix``), which files its steps under the
+    job's own ``shape_key``. The key is the same for every job of one step shape."""
     w = doc["workload"]
     p = w["plan"]
-    rows = w["batch_size"] // p["dp"]
     dev = doc["resources"].get("device_kind", "")
-    key = json.dumps([arch_key(w), rows, p["micro_batches"], dev], sort_keys=True)
+    if w.get("type", "gpt") == "gpt":
+        rows = w["batch_size"] // p["dp"]
+        key = json.dumps([arch_key(w), rows, p["micro_batches"], dev], sort_keys=True)
+        pw = {k: v for k, v in w.items() if k not in ("peft", "multimodal")}
+        pw.update(steps=steps, batch_size=rows, checkpoint_every=steps,
+                  plan={"dp": 1, "tp": 1, "pp": 1, "micro_batches": p["micro_batches"]})
+        devices = 1
+    else:
+        devices = doc["resources"]["devices"]
+        key = json.dumps([shape_key(w, devices), w["batch_size"], p["micro_batches"], dev], sort_keys=True)
+        pw = copy.deepcopy(w)
+        pw.update(steps=steps, checkpoint_every=steps)
+        if pw["type"] == "peft":
+            for t in pw["peft"]["tasks"]:
+                t["steps"] = steps
+        elif pw["type"] == "multimodal":
+            img, aud = mean_mix(w["multimodal"]["mix"], w["steps"])
+            pw["multimodal"]["mix"] = [{"step": 0, "image_prob": round(img, 4), "audio_prob": round(aud, 4)}]
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    pw = {k: v for k, v in w.items() if k not in ("peft", "multimodal")}
-    pw.update(steps=steps, batch_size=rows, checkpoint_every=steps,
-              plan={"dp": 1, "tp": 1, "pp": 1, "micro_batches": p["micro_batches"]})
     return ({"apiVersion": manifest.API_VERSION, "name": PROFILE_PREFIX + digest, "tenant": PROFILE_TENANT,
-             "workload": pw, "resources": {"devices": 1, "device_kind": dev}}, PROFILE_PREFIX + digest)
+             "workload": pw, "resources": {"devices": devices, "device_kind": dev}}, PROFILE_PREFIX + digest)
+
+
+def module_of(doc: dict) -> str:
+    """The module key a validated job manifest's estimates and profiles are filed under
+    (``tessera.modelkey.shape_key`` over its devices)."""
+    return shape_key(doc["workload"], doc["resources"]["devices"])
 
 
 def candidate(doc: dict, device_type: str, quota: float, nodes: int) -> Candidate:
@@ -71,7 +100,7 @@ def candidate(doc: dict, device_type: str, quota: float, nodes: int) -> Candidat
     return Candidate(device_type=device_type, layers=m["layers"], hidden=m["hidden"], heads=m["heads"],
                      vocab=m["vocab"], seq_len=m["seq_len"], batch=w["batch_size"], dp=p["dp"], tp=p["tp"], pp=p["pp"],
                      micro_batches=p["micro_batches"], quota=quota, link=link_for(device_type, nodes),
-                     module=arch_key(w))
+                     module=module_of(doc))
 
 
 def to_status(e: Estimate, version: int, now: float, profile_job: str = "") -> types_pb2.JobEstimate:
@@ -165,7 +194,7 @@ class Profiling:
         known: dict[str, list] = {}
         requested = estimated = 0
         for job in jobs:
-            if is_profile_job(job) or job.spec.workload.type != "gpt":
+            if is_profile_job(job) or job.spec.workload.type not in WORKLOADS:
                 continue
             try:
                 r, e = await self._one(job, model, jobs, nodes, by_id, known)
@@ -188,7 +217,7 @@ class Profiling:
         if job.status.phase in TERMINAL and cur.status == "ok":
             return 0, 0  # frozen: the estimate it ran with
         doc = manifest.validate(manifest.from_proto(job.spec))
-        module = arch_key(doc["workload"])
+        module = module_of(doc)
         if module not in known:
             known[module] = await self.link.profiles(module)
         profs = known[module]

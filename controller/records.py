@@ -1,9 +1,18 @@
 """Pure mutations of a job record shared by the controller's write paths (core, actions):
-phase transitions, decisions, and the allocation keys a placement holds."""
+phase transitions, decisions, and the allocation keys a placement holds; and which jobs
+are the controller's own profiling jobs (profiling, fusion)."""
 
 from __future__ import annotations
 
 from tessera.api.v1 import types_pb2
+
+PROFILE_TENANT = "tessera-system"
+PROFILE_PREFIX = "profile-"
+
+
+def is_profile_job(job: types_pb2.Job) -> bool:
+    """A profiling job the controller submitted (controller/profiling.py)."""
+    return job.spec.tenant == PROFILE_TENANT and job.spec.name.startswith(PROFILE_PREFIX)
 
 
 def transition(job: types_pb2.Job, phase: int, reason: str, now: float) -> None:

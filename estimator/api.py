@@ -14,6 +14,7 @@ from tessera.api.v1 import estimator_pb2, estimator_pb2_grpc, profiler_pb2
 from tessera.measurement import malformed
 from tessera.modelkey import model_key
 from tessera.perfmodel import FORMAT, Candidate, Estimate
+from tessera.perfmodel.workload import workload_of
 
 from . import models
 from . import store as store_mod
@@ -177,7 +178,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServiceServicer):
     async def ListProfiles(self, request, context):
         model = await self.keeper.current()
         out = [estimator_pb2.ProfileEntry(
-            module=p.module, model_key=model_key({"type": "gpt", "batch_size": p.rows, "model": {
+            module=p.module, model_key=model_key({"type": workload_of(p.module), "batch_size": p.rows, "model": {
                 "layers": p.layers, "hidden": p.hidden, "seq_len": p.seq_len, "vocab": p.vocab}}), device_type=p.device_type, job_id=p.job_id, rows=p.rows, seq=p.seq_len,
             micro_batches=p.micro_batches, quota=p.quota, steps=p.steps, median_step_time_s=p.median_s, spread=p.spread)
             for p in models.profiles(self.store.runs)

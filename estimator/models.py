@@ -1,10 +1,13 @@
 """From measurements to a versioned performance model (tessera.perfmodel), persisted.
 
 Inputs, as the store indexes them (``run_key``, ``comm_row``, ``colocation_row``):
-- step measurements of *single-device* runs (labels ``world_size`` = 1, from
-  ``tessera.modelkey.profile_labels``): each run (job, device kind, module, batch,
-  micro-batches, threads) becomes one profile point, the median of its steps after
-  ``WARMUP_STEPS`` (at least ``MIN_MEASURED`` measured steps);
+- step measurements of *single-device* ``gpt`` runs (labels ``world_size`` = 1, from
+  ``tessera.modelkey.profile_labels``) and of rank 0 of ``peft``/``multimodal`` runs
+  (``run_key``): each run (job, device kind, module, batch, micro-batches, threads)
+  becomes one profile point, the median of its steps after ``WARMUP_STEPS`` (at least
+  ``MIN_MEASURED`` measured steps); the compute curve is fitted on the ``gpt`` points
+  only, the others answer estimates of their own step shape
+  (``tessera.perfmodel.workload``);
 - ``kind="comm"`` rows (labels ``op``, ``link``; values ``bytes``, ``world``, ``seconds``;
   ``compute_s`` too for ``op="sync"`` rows, the straggler term),
   e.g. from the gloo micro-benchmark of ``bench/_measure.py``;
@@ -35,6 +38,7 @@ from tessera import log
 from tessera.fsutil import atomic_write
 from tessera.measurement import NUMERIC_LABELS, ROW_VALUES, RUN_INTS, malformed, number  # noqa: F401 (re-exported)
 from tessera.perfmodel import ComputeFit, ComputeSample, PerfModel, ProfilePoint, fit_comm, fit_compute, fit_interference
+from tessera.perfmodel.workload import profiled, workload_of
 
 WARMUP_STEPS = 2
 MIN_MEASURED = 3
@@ -64,15 +68,23 @@ def _pos(x) -> bool:
 
 
 def run_key(m) -> tuple | None:
-    """The single-device run a step measurement belongs to, or None when it is not one
-    (multi-rank, not a gpt workload, no configuration labels, no finite time > 0, a
-    label that is not a finite number, threads not > 0). Total: never raises."""
+    """The profiled run a step measurement belongs to, or None when it is not one. A
+    ``gpt`` run is a single-device one (world_size 1); a run of another workload
+    (``peft``, ``multimodal``) is rank 0 of any world size whose ``module`` is that
+    workload's ``tessera.modelkey.shape_key`` (``<type>:...:w<digest>``; the world size
+    is inside the digest). None too without configuration labels, a finite time > 0, a
+    label that is a finite number, or threads > 0. Total: never raises."""
     lb = m.labels
     t = m.step_time_s
-    if not m.job_id or not (math.isfinite(t) and t > 0) or not lb.get("module") \
-            or lb.get("workload_type", "gpt") != "gpt":
+    wt = lb.get("workload_type", "gpt") or "gpt"
+    module = lb.get("module", "")
+    if not m.job_id or not (math.isfinite(t) and t > 0) or not module or lb.get("rank", "0") != "0":
         return None
-    if _int(lb, "world_size") != 1 or lb.get("rank", "0") != "0":
+    world = _int(lb, "world_size")
+    if wt == "gpt":
+        if world != 1 or workload_of(module) != "gpt":
+            return None
+    elif workload_of(module) != wt or ":w" not in module or world is None or world < 1:
         return None
     ints = tuple(_int(lb, k) for k in RUN_INTS)
     if any(v is None or v <= 0 for v in ints):
@@ -177,11 +189,12 @@ def build_model(runs: dict, comm_rows: list[dict], colocation_rows: list[dict], 
     compute, points = {}, {}
     for dev in sorted({p.device_type for p in ps}):
         mine = [p for p in ps if p.device_type == dev]
+        curve = [p for p in mine if not profiled(p.module)]  # the gpt stages the curve describes
         try:  # one device type's failed fit must not block the others (nor every later refit)
-            compute[dev] = fit_compute(dev, [p.sample() for p in mine])
+            compute[dev] = fit_compute(dev, [p.sample() for p in curve])
         except Exception as e:
             lg.warning("compute fit failed", device_type=dev, profiles=len(mine), error=repr(e))
-            compute[dev] = ComputeFit(device_type=dev, n=len(mine), reason=f"compute fit of {dev!r} failed: {e!r}")
+            compute[dev] = ComputeFit(device_type=dev, n=len(curve), reason=f"compute fit of {dev!r} failed: {e!r}")
         points[dev] = [p.point() for p in mine]
     comm = {}
     for link in sorted({r["link"] for r in comm_rows}):

@@ -31,17 +31,13 @@ import numpy as np
 
 from tessera.perfmodel import features as F
 from tessera.perfmodel.comm import CommFit
+from tessera.perfmodel import workload as W
 from tessera.perfmodel.compute import ComputeFit, extrapolation
+from tessera.perfmodel.priors import COLOCATION, CONF_TOLERANCE, EXTRAP_PER_LOG, RUN_TO_RUN, UNSEEN_MODULE, confidence  # noqa: F401
 
 FORMAT = "tessera.perfmodel/1"
 
-# Prior uncertainties (relative, 1 sigma) added where the data cannot speak: per
-# natural-log unit of extrapolation outside the profiled box, for a module never
-# profiled itself, and for a colocation mode fitted from few pairs.
-EXTRAP_PER_LOG = 0.04
-UNSEEN_MODULE = 0.02
-COLOCATION = 0.04
-CONF_TOLERANCE = 0.10  # confidence = P(|relative error| < 10%) under a normal error
+# Priors (tessera.perfmodel.priors) stay importable from here.
 
 
 @dataclass(frozen=True)
@@ -142,6 +138,9 @@ class PerfModel:
             if bad:
                 out[i] = _insufficient(bad)
                 continue
+            if W.profiled(c.module):
+                out[i] = self._from_workload(c)
+                continue
             no_curve = self._no_curve(c)
             if no_curve and c.device_type in self.profiles:
                 hit = self._from_profile(c)
@@ -157,6 +156,20 @@ class PerfModel:
             for i, e in zip(idx, self._evaluate(dev, link, [cands[i] for i in idx])):
                 out[i] = e
         return out  # type: ignore[return-value]
+
+    def _from_workload(self, c: Candidate) -> Estimate:
+        """A workload the compute curve does not describe (``peft``, ``multimodal``: its
+        module is a ``tessera.modelkey.shape_key``): from its own profiles
+        (:func:`tessera.perfmodel.workload.estimate`). No memory model: ``memory_bytes``
+        is NaN."""
+        fit = self.compute.get(c.device_type)
+        got = W.estimate(c, self.profiles.get(c.device_type, ()), fit,
+                         self.interference.get(c.device_type, {}))
+        if isinstance(got, str):
+            return _insufficient(got)
+        seconds, r, breakdown, reason = got
+        return Estimate(status="ok", seconds=seconds, memory_bytes=math.nan, rel_std=r, confidence=confidence(r),
+                        reason=reason, breakdown=breakdown)
 
     def _from_profile(self, c: Candidate) -> Estimate | None:
         """From the measured profile of exactly this configuration's per-rank shape, or
@@ -196,7 +209,7 @@ class PerfModel:
                 mem = 16.0 * params + F.activation_bytes(rows / c.micro_batches, seq, c.layers, c.hidden, c.heads,
                                                          c.vocab, 1)
                 return Estimate(status="ok", seconds=seconds, memory_bytes=float(mem), rel_std=r,
-                                confidence=min(1.0, max(0.0, math.erf(CONF_TOLERANCE / (math.sqrt(2.0) * r)))),
+                                confidence=confidence(r),
                                 reason=f"measured profile of the per-rank configuration ({p.steps} steps)"
                                        + (f" + all-reduce over {c.link!r}" if comm is not None else "")
                                        + f"; no fitted curve for {c.device_type!r} yet",
@@ -349,9 +362,6 @@ class PerfModel:
 
     def with_version(self, version: int) -> "PerfModel":
         return replace(self, version=version)
-
-
-RUN_TO_RUN = 0.03  # prior: another run of the same configuration differs by ~3% (placement, host)
 
 
 @dataclass(frozen=True)

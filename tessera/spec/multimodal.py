@@ -205,3 +205,27 @@ def media_tokens_max(section: dict) -> int:
     per_image = (img["size"] // img["patch"]) ** 2 // img["pool"]
     per_audio = aud["frames"] // aud["pool"] if aud["enabled"] else 0
     return data["max_images"] * per_image + (data["max_audio"] * per_audio if aud["enabled"] else 0)
+
+
+def mix_at(mix: list[dict], step: int) -> tuple[float, float]:
+    """(image_prob, audio_prob) at ``step`` of a validated ``mix``: linear between schedule
+    points, constant after the last (the runtime's data source and the controller's
+    profiling both read the schedule through this one function)."""
+    if step <= mix[0]["step"]:
+        return mix[0]["image_prob"], mix[0].get("audio_prob", 0.0)
+    for a, b in zip(mix, mix[1:]):
+        if a["step"] <= step < b["step"]:
+            f = (step - a["step"]) / (b["step"] - a["step"])
+            lerp = lambda x, y: x + f * (y - x)  # noqa: E731
+            return lerp(a["image_prob"], b["image_prob"]), lerp(a.get("audio_prob", 0.0), b.get("audio_prob", 0.0))
+    return mix[-1]["image_prob"], mix[-1].get("audio_prob", 0.0)
+
+
+def mean_mix(mix: list[dict], steps: int) -> tuple[float, float]:
+    """(image_prob, audio_prob) averaged over the steps ``0 .. steps-1`` of a run: the
+    constant mix whose expected media per sample (linear in the probabilities) equals the
+    run's. Exact arithmetic on the schedule, no sampling; ``steps`` < 1 counts as 1."""
+    n = max(1, int(steps))
+    pts = [mix_at(mix, s) for s in range(n)] if n <= 100_000 else \
+        [mix_at(mix, int(round(i * (n - 1) / 99_999))) for i in range(100_000)]
+    return (sum(p[0] for p in pts) / len(pts), sum(p[1] for p in pts) / len(pts))

@@ -121,3 +121,53 @@ async def test_new_model_is_profiled_then_estimated(stack):
     assert again.status.estimate.profile_job_id == ""
     listed = await jobs.ListJobs(cpb.ListJobsRequest(tenant=PROFILE_TENANT))
     assert [j.id for j in listed.jobs] == [pj_id]
+
+
+PEFT = {"type": "peft", "model": TINY, "steps": 12, "batch_size": 4, "learning_rate": 0.01, "checkpoint_every": 20,
+        "peft": {"chunk_size": 16, "tasks": [{"name": "a", "rank": 4}, {"name": "b", "rank": 2, "steps": 9,
+                                                                             "dataset": {"distribution": "longtail"}}]}}
+MM = {"type": "multimodal", "model": {**TINY, "seq_len": 48}, "steps": 12, "batch_size": 4, "learning_rate": 0.003,
+      "checkpoint_every": 20,
+      "multimodal": {"mode": "colocated", "micro_batches": 2, "image": {"size": 16, "patch": 8, "pool": 2},
+                     "encoder": {"layers": 1, "hidden": 32, "heads": 2}, "data": {"max_images": 2, "max_text": 24},
+                     "mix": [{"step": 0, "image_prob": 0.2}, {"step": 10, "image_prob": 0.8}]}}
+
+
+@pytest.mark.parametrize("workload", [PEFT, MM], ids=["peft", "multimodal"])
+async def test_peft_and_multimodal_jobs_are_profiled_then_estimated(stack, workload):
+    """Issue 6's "a job submitted without any profile gets profiled automatically, then
+    estimated" for the two workloads the compute curve does not describe: the profiling
+    job runs the job's own step shape (every LoRA task ``profile_steps`` steps; the
+    modality schedule at its run mean), its steps are filed under the job's shape key,
+    and the job's estimate is that measured step."""
+    from tessera import manifest
+    from tessera.modelkey import shape_key
+
+    jobs, est = stack
+    doc = manifest.validate({"apiVersion": "tessera/v1", "name": "w", "tenant": "it", "workload": workload,
+                             "resources": {"devices": 1, "device_kind": "cpu"}})
+    r = await jobs.SubmitJob(cpb.SubmitJobRequest(spec=manifest.to_proto(doc)))
+    profiling = await watch_until(jobs, r.job.id, lambda j: j.status.estimate.status == "profiling", 30)
+    pj = await jobs.GetJob(cpb.GetJobRequest(job_id=profiling.status.estimate.profile_job_id))
+    pdoc = manifest.validate(manifest.from_proto(pj.spec))
+    assert pj.spec.tenant == PROFILE_TENANT and pdoc["workload"]["steps"] == 6
+    module = shape_key(doc["workload"], 1)
+    assert shape_key(pdoc["workload"], 1) == module and ":w" in module
+    if workload is PEFT:
+        assert [t["steps"] for t in pdoc["workload"]["peft"]["tasks"]] == [6, 6]
+    else:
+        assert pdoc["workload"]["multimodal"]["mix"] == [{"step": 0, "image_prob": 0.525, "audio_prob": 0.0}]  # (10 * 0.47 + 2 * 0.8) / 12
+
+    done = await watch_until(jobs, r.job.id, lambda j: j.status.phase in (tpb.SUCCEEDED, tpb.FAILED)
+                             and j.status.estimate.status == "ok")
+    assert done.status.phase == tpb.SUCCEEDED, done.status.reason
+    e = done.status.estimate
+    assert e.profile_job_id == pj.id and 0 < e.confidence < 1 and "this workload's step" in e.reason
+    assert 0.25 < done.status.step_time_s / e.step_time_s < 4.0, (done.status.step_time_s, e.step_time_s)
+    profs = await est.ListProfiles(estimator_pb2.ListProfilesRequest(module=module))
+    assert pj.id in {p.job_id for p in profs.profiles}
+    assert all(p.model_key.startswith(workload["type"] + ":") for p in profs.profiles)
+    con = Console(record=True, width=300)
+    con.print(job_view(done))
+    text = con.export_text()
+    assert "ms measured" in text and "ms estimated" in text

@@ -25,10 +25,41 @@ def test_only_single_device_gpt_runs_with_labels_are_profiles():
     assert run_key(step()) == ("j1", "cpu", LABELS["module"], 2, 64, 4, 256, 32, 8, 1, 1.0)
     assert run_key(step(world_size="2")) is None          # a rank of a multi-rank plan
     assert run_key(step(rank="1")) is None
-    assert run_key(step(workload_type="peft")) is None     # no feature functions for it
+    assert run_key(step(workload_type="peft")) is None     # a peft run must carry its shape key
+    assert run_key(step(module="peft:l2-h64-a4-s32-v256:w0123456789ab")) is None  # a gpt run under a peft key
     assert run_key(step(hidden="0")) is None
     assert run_key(step(t=0.0)) is None
     assert run_key(profiler_pb2.Measurement(kind="step", job_id="j", step=1, step_time_s=0.1)) is None  # old agent
+
+
+PEFT = "peft:l2-h64-a4-s32-v256:w0123456789ab"
+
+
+def test_peft_and_multimodal_runs_are_profiles_of_their_shape_key_on_rank_0_of_any_world():
+    assert run_key(step(workload_type="peft", module=PEFT))[:3] == ("j1", "cpu", PEFT)
+    mm = "multimodal:l2-h64-a4-s32-v256:wba9876543210"
+    assert run_key(step(workload_type="multimodal", module=mm, world_size="2"))[2] == mm
+    assert run_key(step(workload_type="multimodal", module=mm, world_size="2", rank="1")) is None
+    assert run_key(step(workload_type="multimodal", module=PEFT)) is None       # key of another workload
+    assert run_key(step(workload_type="peft", module=PEFT, world_size="0")) is None
+    assert run_key(step(workload_type="peft", module="")) is None              # an executor whose tasks changed
+
+
+def test_the_compute_curve_is_fitted_on_gpt_profiles_only_and_peft_answers_from_its_own():
+    gpt = {run_key(step(job=f"g{i}", batch=str(b), layers=str(l), hidden=str(h))): {k: 1e-4 * b * l * h / 64 + 1e-3
+                                                                                      for k in range(1, 7)}
+           for i, (b, l, h) in enumerate([(b, l, h) for b in (2, 4, 8, 16) for l, h in ((1, 32), (2, 64), (4, 64))])}
+    peft = {run_key(step(job="p", workload_type="peft", module=PEFT, threads="2")): {k: 5.0 for k in range(1, 7)}}
+    with_peft = build_model({**gpt, **peft}, [], [], 1)
+    alone = build_model(gpt, [], [], 1)
+    assert with_peft.compute["cpu"].status == "ok"
+    assert with_peft.compute["cpu"].coef == alone.compute["cpu"].coef      # a 5 s peft step did not move the curve
+    assert PEFT not in with_peft.compute["cpu"].modules
+    e = with_peft.estimate(Candidate(device_type="cpu", layers=2, hidden=64, heads=4, vocab=256, seq_len=32, batch=8,
+                                     quota=2.0, module=PEFT))
+    assert e.ok and e.seconds == 5.0
+    assert with_peft.estimate(Candidate(device_type="cpu", layers=2, hidden=64, heads=4, vocab=256, seq_len=32,
+                                        batch=8, quota=1.0, module=PEFT)).seconds > 5.0   # scaled to fewer cores
 
 
 def test_profile_is_median_after_warmup_and_needs_enough_steps():

@@ -76,6 +76,20 @@ def test_which_jobs_fuse():
     assert fusion.fusion_problem(host, g) == "only peft jobs fuse"
 
 
+def test_a_profiling_job_neither_hosts_nor_joins_a_fusion():
+    """Its steps are the measurement of its own step shape (controller/profiling.py)."""
+    from controller.records import PROFILE_PREFIX, PROFILE_TENANT
+
+    host, guest = running_on(peft_job(H)), peft_job(G)
+    for j in (host, guest):
+        prof = tpb.Job()
+        prof.CopyFrom(j)
+        prof.spec.tenant, prof.spec.name = PROFILE_TENANT, PROFILE_PREFIX + "0123456789ab"
+        pair = (prof, guest) if j is host else (host, prof)
+        assert fusion.fusion_problem(*pair) == f"profiling job {prof.id} runs alone"
+    assert fusion.fusion_problem(host, guest) == ""
+
+
 def test_an_executor_carries_at_most_max_tasks_unfinished_tasks_fused_ones_included():
     from tessera.spec.peft import MAX_TASKS
 

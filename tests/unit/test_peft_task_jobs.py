@@ -105,9 +105,12 @@ def test_append_control_writes_one_line_to_the_executor_control_file(tmp_path):
     mgr = _manager(tmp_path, [])
     ckpt = tmp_path / "ckpt"
     (tmp_path / "specs" / "a-1-r0.json").write_text(json.dumps({"checkpoint_dir": str(ckpt)}))
-    mgr.executors[("a-1", 0)] = Executor("a-1", "j-1", 0, ["cpu0"], tmp_path / "l.log")
+    mgr.executors[("a-1", 0)] = Executor("a-1", "j-1", 0, ["cpu0"], tmp_path / "l.log",
+                                         labels={"module": "peft:l1-h32-a4-s32-v64:w0123456789ab", "rank": "0"})
     path = mgr.append_control("a-1", {"op": "cancel", "task": "t1"})
     assert path == str(ckpt / "peft-control.jsonl")
+    # its steps no longer run the spec's tasks: not a profile of the spec's step shape any more
+    assert "module" not in mgr.executors[("a-1", 0)].labels and mgr.executors[("a-1", 0)].labels["rank"] == "0"
     mgr.append_control("a-1", {"op": "cancel", "task": "t0"})
     lines = (ckpt / "peft-control.jsonl").read_text().splitlines()
     assert [json.loads(x)["task"] for x in lines] == ["t1", "t0"]
@@ -117,3 +120,17 @@ def test_append_control_writes_one_line_to_the_executor_control_file(tmp_path):
         assert "a-2" in str(e)
     else:
         raise AssertionError("append_control to an unknown allocation must fail")
+
+
+def test_a_relaunched_peft_executor_with_control_lines_is_no_profile_of_its_spec(tmp_path):
+    from agent.executors import _has_control
+
+    spec = {"workload": {"type": "peft"}, "checkpoint_dir": str(tmp_path)}
+    assert not _has_control(spec)                                   # no control file yet
+    (tmp_path / "peft-control.jsonl").write_text("")
+    assert not _has_control(spec)
+    (tmp_path / "peft-control.jsonl").write_text('{"op": "cancel", "task": "t0"}\n')
+    assert _has_control(spec)
+    assert not _has_control({**spec, "workload": {"type": "gpt"}})
+    other = tmp_path / "c.jsonl"
+    assert not _has_control({**spec, "control_file": str(other)})   # the spec's own control file counts

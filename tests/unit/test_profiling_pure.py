@@ -6,9 +6,9 @@ from __future__ import annotations
 from tessera import manifest
 from tessera.api.v1 import types_pb2
 from tessera.cli import _step_time
-from tessera.modelkey import arch_key
+from tessera.modelkey import arch_key, shape_key
 
-from controller.profiling import PROFILE_TENANT, candidate, is_profile_job, link_for, profile_doc
+from controller.profiling import PROFILE_TENANT, candidate, is_profile_job, link_for, module_of, profile_doc
 
 MODEL = {"vocab": 64, "seq_len": 16, "layers": 4, "hidden": 32, "heads": 2}
 
@@ -65,3 +65,42 @@ def test_estimate_rewritten_only_when_it_moved():
     p = types_pb2.JobEstimate(status="profiling", profile_job_id="j-1", reason="x")
     assert _same(p, types_pb2.JobEstimate(status="profiling", profile_job_id="j-1", reason="x", time=5))
     assert not _same(p, types_pb2.JobEstimate(status="insufficient_data", profile_job_id="j-1", reason="x"))
+
+
+PEFT_W = {"type": "peft", "model": MODEL, "steps": 40, "batch_size": 4, "learning_rate": 0.01,
+          "peft": {"tasks": [{"name": "a", "rank": 4, "steps": 10}, {"name": "b", "rank": 2}]}}
+MM_W = {"type": "multimodal", "model": {**MODEL, "seq_len": 48}, "steps": 30, "batch_size": 4,
+        "multimodal": {"mode": "disaggregated", "image": {"size": 16, "patch": 8, "pool": 2},
+                       "encoder": {"layers": 1, "hidden": 32, "heads": 2}, "data": {"max_images": 2, "max_text": 24},
+                       "mix": [{"step": 0, "image_prob": 0.0}, {"step": 30, "image_prob": 0.6}]}}
+
+
+def wdoc(workload, name="w", devices=1):
+    return manifest.validate({"apiVersion": "tessera/v1", "name": name, "tenant": "t", "workload": workload,
+                              "resources": {"devices": devices, "device_kind": "cpu"}})
+
+
+def test_profile_job_of_peft_runs_the_jobs_own_tasks_every_one_for_the_profile_steps():
+    d = wdoc(PEFT_W)
+    pd, idem = profile_doc(d, steps=6)
+    v = manifest.validate(pd)
+    w = v["workload"]
+    assert v["tenant"] == PROFILE_TENANT and v["name"] == idem and v["resources"]["devices"] == 1
+    assert w["steps"] == 6 and [t["steps"] for t in w["peft"]["tasks"]] == [6, 6]
+    assert [t["rank"] for t in w["peft"]["tasks"]] == [4, 2] and w["batch_size"] == 4
+    assert shape_key(w, 1) == module_of(d) == candidate(d, "cpu", 1.0, 1).module
+    assert d["workload"]["peft"]["tasks"][0]["steps"] == 10          # the job's own doc untouched
+    # another job of the same step shape (other name, run length, rates) shares the profile
+    other = wdoc({**PEFT_W, "steps": 99, "learning_rate": 0.5}, name="other")
+    assert profile_doc(other, 6)[1] == idem
+    assert profile_doc(wdoc({**PEFT_W, "batch_size": 8}), 6)[1] != idem
+
+
+def test_profile_job_of_multimodal_keeps_its_devices_and_runs_the_mean_mix():
+    d = wdoc(MM_W, devices=2)
+    pd, idem = profile_doc(d, steps=6)
+    v = manifest.validate(pd)
+    assert v["resources"]["devices"] == 2 and v["workload"]["steps"] == 6
+    assert v["workload"]["multimodal"]["mix"] == [{"step": 0, "image_prob": 0.29, "audio_prob": 0.0}]  # 0.6*14.5/30
+    assert shape_key(v["workload"], 2) == module_of(d) != shape_key(d["workload"], 1)
+    assert profile_doc(wdoc(MM_W, devices=1), 6)[1] != idem

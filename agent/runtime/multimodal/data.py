@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.spec.multimodal import mix_at  # noqa: F401 - re-exported: the schedule's one definition
+
 
 @dataclass(frozen=True)
 class SampleMeta:
@@ -39,18 +41,6 @@ class Sample:
     images: torch.Tensor  # (n_images, C, S, S) float
     audio: torch.Tensor  # (n_audio, frames, frame_dim) float
     text: torch.Tensor  # (text_len,) int64
-
-
-def mix_at(mix: list[dict], step: int) -> tuple[float, float]:
-    """(image_prob, audio_prob) at ``step``: linear between schedule points, constant after."""
-    if step <= mix[0]["step"]:
-        return mix[0]["image_prob"], mix[0].get("audio_prob", 0.0)
-    for a, b in zip(mix, mix[1:]):
-        if a["step"] <= step < b["step"]:
-            f = (step - a["step"]) / (b["step"] - a["step"])
-            lerp = lambda x, y: x + f * (y - x)  # noqa: E731
-            return lerp(a["image_prob"], b["image_prob"]), lerp(a.get("audio_prob", 0.0), b.get("audio_prob", 0.0))
-    return mix[-1]["image_prob"], mix[-1].get("audio_prob", 0.0)
 
 
 class SyntheticData:

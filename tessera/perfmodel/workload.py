@@ -1,0 +1,136 @@
+"""Estimates of workloads the compute curve does not describe (``peft``, ``multimodal``): pure.
+
+The fitted curve of :mod:`tessera.perfmodel.compute` composes a ``gpt`` step from
+FLOPs, memory traffic and dispatch counts. A multi-task LoRA step (a frozen backbone
+over packed chunks of many tasks) or a multimodal step (encoders, projectors and the
+LLM under their own quotas) is not one of those stages, so its estimate starts from a
+measurement of *its own step shape*: the module key of such a workload
+(``tessera.modelkey.shape_key``, e.g. ``peft:l2-h64-a4-s64-v256:w3f2a9c1d0b7e``) names
+everything that sets the cost of one step, and a short profiling run of the job files
+its steps under that key.
+
+Contract of :func:`estimate` for a valid candidate whose module is of such a workload:
+
+* profiles of the same module and batch (``rows``) and micro-batches at the candidate's
+  quota answer directly: the median of their medians; relative error = the points'
+  own (``ProfilePoint.rel_std``), or their run-to-run scatter when larger;
+* profiles at >= 2 other quotas: the module's own quota curve ``t(q) = a + b / q``
+  (a: the serial part, b: the part that divides over the quota; non-negative, fitted on
+  relative residuals) evaluated at the candidate's quota, plus ``EXTRAP_PER_LOG`` per
+  natural-log unit outside the profiled quotas;
+* one profiled quota only: that point scaled by the device type's fitted Amdahl/roofline
+  factor ``s(q) / s(q0)`` (``compute.quota_scale``, the device's curve, not the module's:
+  ``UNSEEN_MODULE`` more uncertainty, plus the log distance of the two quotas);
+* colocated (``colocated > 1``): the device's interference for the mode, as for ``gpt``;
+* otherwise ``insufficient_data`` naming what is missing. Never a number without data.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+
+from tessera.perfmodel.compute import ComputeFit, nnls, quota_scale
+from tessera.perfmodel.priors import COLOCATION, EXTRAP_PER_LOG, UNSEEN_MODULE
+
+GPT = "gpt"
+QUOTA_CURVE = 0.03  # prior error of a two-quota curve (no residual left to measure it)
+
+
+def workload_of(module: str) -> str:
+    """The workload type a module key names (``gpt`` for a key without a type)."""
+    return module.split(":", 1)[0] if ":" in module else GPT
+
+
+def profiled(module: str) -> bool:
+    """Whether estimates of ``module`` come from its own profiles (not the gpt curve)."""
+    return workload_of(module) != GPT
+
+
+def quota_curve(qs: list[float], ts: list[float]) -> tuple[float, float, float] | None:
+    """(a, b, rel_sigma) of ``t(q) = a + b / q`` fitted to per-quota times (>= 2 distinct
+    quotas, all finite and > 0), or None. ``rel_sigma`` is the RMS relative residual, NaN
+    with no degree of freedom left (two quotas)."""
+    q, t = np.asarray(qs, dtype=float), np.asarray(ts, dtype=float)
+    if len(set(q.tolist())) < 2 or not (np.isfinite(q).all() and np.isfinite(t).all()) or (q <= 0).any() \
+            or (t <= 0).any():
+        return None
+    x = np.stack([np.ones_like(q), 1.0 / q], axis=1) / t[:, None]
+    a, b = nnls(x, np.ones_like(t))
+    if not (math.isfinite(a) and math.isfinite(b)) or a + b <= 0:
+        return None
+    r = (a + b / q - t) / t
+    dof = len(q) - 2
+    return float(a), float(b), float(math.sqrt(float(r @ r) / dof)) if dof > 0 else math.nan
+
+
+def _group(points) -> tuple[float, float, int]:
+    """(seconds, rel_std, steps) of the profile points of one quota: the median of their
+    medians; the larger of their own error and their run-to-run scatter."""
+    secs = [p.seconds for p in points]
+    med = statistics.median(secs)
+    r = statistics.median(p.rel_std() for p in points)
+    if len(secs) >= 2:
+        r = max(r, statistics.stdev(secs) / statistics.fmean(secs))
+    return med, r, sum(p.steps for p in points)
+
+
+def estimate(c, points, fit: ComputeFit | None, interference: dict) -> tuple[float, float, dict, str] | str:
+    """``(seconds, rel_std, breakdown, reason)`` of candidate ``c`` (see module doc) from
+    its device type's profile points, fitted compute curve (or None) and interference
+    coefficients; or the reason there is none (a str). seconds and rel_std are finite
+    and > 0."""
+    insufficient = str
+    mine = [p for p in points if p.module == c.module and p.rows == c.batch
+            and p.micro_batches == c.micro_batches and p.usable()]
+    if not mine:
+        return insufficient(f"no profile of {c.module} at batch {c.batch} on {c.device_type!r}")
+    by_q: dict[float, list] = {}
+    for p in mine:
+        by_q.setdefault(round(p.q, 9), []).append(p)
+    q = float(c.quota)
+    groups = {qq: _group(ps) for qq, ps in sorted(by_q.items())}
+    breakdown: dict[str, float] = {}
+    if round(q, 9) in groups:
+        seconds, r, steps = groups[round(q, 9)]
+        breakdown["profile"] = seconds
+        reason = f"measured profile of this workload's step ({steps} steps) at quota {q:g}"
+    elif len(groups) >= 2:
+        qs = list(groups)
+        curve = quota_curve(qs, [groups[k][0] for k in qs])
+        if curve is None:
+            return insufficient(f"profiles of {c.module} give no quota curve")
+        a, b, sig = curve
+        seconds = a + b / q
+        d = max(0.0, math.log(q / max(qs))) + max(0.0, math.log(min(qs) / q))
+        own = statistics.median(groups[k][1] for k in qs)
+        r = math.sqrt(own ** 2 + (QUOTA_CURVE if math.isnan(sig) else sig) ** 2 + (EXTRAP_PER_LOG * d) ** 2)
+        breakdown.update(serial=a, parallel=b / q, extrapolation=d)
+        reason = f"this workload's own quota curve from profiles at quotas {', '.join(f'{k:g}' for k in qs)}"
+    else:
+        q0 = next(iter(groups))
+        if fit is None or fit.status != "ok":
+            return insufficient(f"{c.module} was profiled at quota {q0:g} only, and {c.device_type!r} has no fitted "
+                                f"compute curve to scale it to quota {q:g}")
+        t0, r0, steps = groups[q0]
+        scale = float(quota_scale(q, fit.p, fit.q_sat) / quota_scale(q0, fit.p, fit.q_sat))
+        seconds = t0 * scale
+        d = abs(math.log(q / q0))
+        r = math.sqrt(r0 ** 2 + UNSEEN_MODULE ** 2 + (EXTRAP_PER_LOG * d) ** 2)
+        breakdown.update(profile=t0, quota_scale=scale)
+        reason = (f"measured profile of this workload's step at quota {q0:g}, scaled to {q:g} by "
+                  f"{c.device_type}'s fitted quota curve")
+    if c.colocated > 1:
+        mode = "shared" if c.oversubscription > 1 else "split"
+        g = interference.get(mode)
+        if g is None:
+            return insufficient(f"no colocation ({mode}) profile for device type {c.device_type!r}")
+        stretch = max(c.oversubscription, 1.0) * (1.0 + g * (c.colocated - 1))
+        seconds *= stretch
+        r = math.sqrt(r * r + COLOCATION ** 2)
+        breakdown["colocation"] = stretch
+    if not (math.isfinite(seconds) and seconds > 0 and math.isfinite(r) and r > 0):
+        return insufficient("the profiles give no finite positive time for this candidate")
+    return float(seconds), float(r), breakdown, reason
