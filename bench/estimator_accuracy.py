@@ -10,7 +10,12 @@
 2. A held-out grid of real configurations (no grid point is a profile point): other
    batches and sequence lengths, unseen model sizes and vocabularies, 2-thread
    quotas, gradient accumulation, colocation pairs, dp=2 / pp=2 / tp=2 over 2 gloo
-   ranks — each run with ``agent.runtime`` (real steps; median after warm-up).
+   ranks — each run with ``agent.runtime`` (real steps; median after warm-up) —
+   and the non-gpt workloads the estimator answers from their own step shape
+   (``workload_peft``: multi-task LoRA, ``workload_multimodal``: colocated encoder +
+   LLM): each shape profiled by a short run at quota 1 (its profile points built by
+   the estimator's own ``profile_labels`` -> ``run_key`` -> ``profiles`` path, filed
+   under ``shape_key``), held out as longer runs at quotas 1 and 2.
 3. MAPE per category, single-device (one device, colocation included) and
    multi-rank, and the profiling cost: device-seconds of the profiles versus of
    measuring the whole grid.
@@ -66,6 +71,128 @@ ROUNDS = 5
 COMM_SIZES = [64 << 10, 512 << 10, 4 << 20]
 COMM_REPS = 4
 
+# Non-gpt workloads (estimated from their own step shape, tessera.perfmodel.workload):
+# name -> (category, job manifest). Each is profiled like a profiling job of the
+# controller (controller.profiling.profile_doc: the job's own workload, WARMUP +
+# MEASURED steps, one device, quota 1) and held out as WARMUP + WORKLOAD_MEASURED-step runs at
+# quotas WORKLOAD_QUOTAS (threads; cores 0..q-1). Model "A"-sized, a few steps each.
+WORKLOAD_QUOTAS = (1, 2)
+WORKLOAD_MEASURED = 12  # held-out runs: WARMUP + this many steps (the profile: WARMUP + MEASURED)
+
+
+def _tiny_model(vocab: int = 256) -> dict:
+    layers, hidden, heads, _, seq_len = MODELS["A"]
+    return {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "seq_len": seq_len}
+
+
+WORKLOADS = {
+    "peft-spatial": ("workload_peft", {
+        "type": "peft", "model": _tiny_model(), "steps": 100, "batch_size": 8, "learning_rate": 0.01, "seed": 0,
+        "peft": {"mode": "spatial", "chunk_size": 64, "tasks": [
+            {"name": "t0", "rank": 8, "target_modules": ["qkv", "proj", "fc", "out"],
+             "dataset": {"distribution": "longtail"}},
+            {"name": "t1", "rank": 4, "target_modules": ["qkv", "proj"], "dataset": {"min_len": 16, "max_len": 48}},
+            {"name": "t2", "rank": 16, "target_modules": ["fc", "out"], "batch_size": 2},
+            {"name": "t3", "rank": 2, "target_modules": ["qkv", "out"], "dataset": {"min_len": 4, "max_len": 24}}]}}),
+    "peft-temporal": ("workload_peft", {
+        "type": "peft", "model": _tiny_model(), "steps": 100, "batch_size": 8, "learning_rate": 0.01, "seed": 0,
+        "peft": {"mode": "temporal", "chunk_size": 64, "tasks": [
+            {"name": "t0", "rank": 8, "target_modules": ["qkv", "proj", "fc", "out"],
+             "dataset": {"distribution": "longtail"}},
+            {"name": "t1", "rank": 4, "target_modules": ["qkv", "fc"], "dataset": {"max_len": 32}}]}}),
+    "mm-colocated": ("workload_multimodal", {
+        "type": "multimodal", "model": _tiny_model(vocab=128), "steps": 100, "batch_size": 8,
+        "learning_rate": 0.003, "seed": 0,
+        "multimodal": {"mode": "colocated", "micro_batches": 2, "image": {"size": 32, "patch": 8, "pool": 4},
+                       "encoder": {"layers": 1, "hidden": 64, "heads": 4},
+                       "audio": {"enabled": True, "frames": 32, "frame_dim": 16, "pool": 4},
+                       "data": {"max_images": 2, "max_audio": 1, "min_text": 8, "max_text": 40},
+                       "mix": [{"step": 0, "image_prob": 0.2, "audio_prob": 0.1},
+                               {"step": 60, "image_prob": 0.8, "audio_prob": 0.3}],
+                       "colocated": {"encoder_quota": 0.5}}}),
+}
+
+
+def workload_doc(name: str, steps: int | None = None) -> dict:
+    """The validated (normalised) job manifest of workload shape ``name`` on one cpu
+    device, ``steps`` steps (every peft task too) when given."""
+    from tessera import manifest
+
+    w = json.loads(json.dumps(WORKLOADS[name][1]))
+    if steps is not None:
+        w["steps"] = steps
+        for t in (w.get("peft") or {}).get("tasks", ()):
+            t.pop("steps", None)
+    return manifest.validate({"apiVersion": manifest.API_VERSION, "name": "bench-" + name, "tenant": "bench",
+                              "workload": w, "resources": {"devices": 1, "device_kind": DEVICE}})
+
+
+def workload_profile(name: str) -> dict:
+    """The workload of shape ``name``'s profiling job, as the controller submits it
+    (``controller.profiling.profile_doc`` of the held-out job, WARMUP + MEASURED steps)."""
+    from controller.profiling import profile_doc
+
+    return profile_doc(workload_doc(name), WARMUP + MEASURED)[0]["workload"]
+
+
+def workload_module(name: str) -> str:
+    """The module key of shape ``name`` (``tessera.modelkey.shape_key`` on 1 device)."""
+    from tessera.modelkey import shape_key
+
+    return shape_key(workload_doc(name)["workload"], 1)
+
+
+def workload_heldout(name: str) -> dict:
+    """The workload of a held-out run of shape ``name``: the job's step shape (its
+    modality schedule at its run mean, as the profile) for WARMUP + WORKLOAD_MEASURED
+    steps with another seed (other data than the profile's); filed under the same
+    ``shape_key`` (checked)."""
+    from tessera.modelkey import shape_key
+
+    w = json.loads(json.dumps(workload_profile(name)))
+    w.update(steps=WARMUP + WORKLOAD_MEASURED, checkpoint_every=0, seed=1)
+    for t in (w.get("peft") or {}).get("tasks", ()):
+        t["steps"] = w["steps"]
+    if shape_key(w, 1) != workload_module(name):
+        raise AssertionError(f"held-out run of {name} is not filed under the job's shape key")
+    return w
+
+
+def workload_job(name: str, q: int) -> dict:
+    """A grid job of workload shape ``name`` at quota ``q`` (q threads on cores 0..q-1)."""
+    w = workload_doc(name)["workload"]
+    return {"shape": name, "type": w["type"], "module": workload_module(name), "model": name,
+            "batch": w["batch_size"], "seq": w["model"]["seq_len"], "q": q, "m": w["plan"]["micro_batches"],
+            "plan": {}, "cores": [list(range(q))]}
+
+
+def workload_points(name: str, runs: list[list[float]]) -> list:
+    """Profile points (``tessera.perfmodel.ProfilePoint``) of shape ``name`` from its
+    profiling runs (per-step times, one list per round), through the estimator's own
+    path: each step is a measurement labelled as the agent labels it
+    (``tessera.modelkey.profile_labels`` of the profiling job's runtime spec), keyed by
+    ``estimator.models.run_key`` and reduced by ``estimator.models.profiles`` (median
+    after its warm-up steps). Like the gpt profiles, the least disturbed round is kept."""
+    from types import SimpleNamespace
+
+    from estimator.models import profiles, run_key
+    from tessera.modelkey import profile_labels
+
+    spec = {"workload": workload_profile(name), "threads": 1, "dist": {"rank": 0, "world_size": 1}}
+    labels = {**profile_labels(spec, DEVICE), "rank": "0"}
+    best = None
+    for r, steps in enumerate(runs):
+        per_run: dict[tuple, dict[int, float]] = {}
+        for k, t in enumerate(steps):
+            key = run_key(SimpleNamespace(job_id=f"bench-profile-{name}-{r}", labels=labels, step_time_s=t))
+            if key is None:
+                raise AssertionError(f"the estimator takes no profile from {name}'s steps (labels {labels})")
+            per_run.setdefault(key, {})[k + 1] = t
+        ps = profiles(per_run)
+        if ps and (best is None or ps[0].median_s < best.median_s):
+            best = ps[0]
+    return [best.point()] if best is not None else []
+
 
 def model_dict(name: str) -> dict:
     layers, hidden, heads, vocab, seq_len = MODELS[name]
@@ -99,6 +226,10 @@ def grid(quick: bool) -> list[dict]:
                 {"model": m1, "batch": b1, "seq": s1, "q": 1, "m": 1, "plan": {}, "cores": [cores[0]]},
                 {"model": m2, "batch": b2, "seq": s2, "q": 1, "m": 1, "plan": {}, "cores": [cores[1]]}]})
 
+    for name in WORKLOADS:
+        for q in WORKLOAD_QUOTAS:
+            g.append({"category": WORKLOADS[name][0], "jobs": [workload_job(name, q)]})
+
     def multi(cat, model, batch, seq, dp=1, tp=1, pp=1, m=1):
         g.append({"category": cat, "jobs": [{"model": model, "batch": batch, "seq": seq, "q": 1, "m": m,
                                              "plan": {"dp": dp, "tp": tp, "pp": pp, "micro_batches": m},
@@ -122,6 +253,12 @@ def grid(quick: bool) -> list[dict]:
 
 
 def candidate(job: dict, colocated: int = 1, oversub: float = 1.0) -> Candidate:
+    if job.get("shape"):  # a peft / multimodal job: estimated from its own step shape's profiles
+        md = workload_doc(job["shape"])["workload"]["model"]
+        return Candidate(device_type=DEVICE, layers=md["layers"], hidden=md["hidden"], heads=md["heads"],
+                         vocab=md["vocab"], seq_len=md["seq_len"], batch=job["batch"], seq=job["seq"],
+                         micro_batches=job["m"], quota=job["q"], link=LINK, module=job["module"],
+                         colocated=colocated, oversubscription=oversub)
     layers, hidden, heads, vocab, seq_len = MODELS[job["model"]]
     p = job["plan"]
     return Candidate(device_type=DEVICE, layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq_len=seq_len,
@@ -139,11 +276,97 @@ def workload(model: str, batch: int, seq: int, m: int, steps: int, plan: dict | 
             "plan": {"dp": 1, "tp": 1, "pp": 1, "micro_batches": m, **(plan or {})}}
 
 
-def _profile_tasks() -> list[tuple]:
+def _profile_tasks(workloads: bool = False) -> list[tuple]:
     """The cheap profiles of one round: one profiling process (every point of both
     modules, each on its quota), the colocation profile (one module alone, then as a
-    pair per mode) and the communication micro-benchmark."""
-    return [("prof",), ("colo",), ("comm",)]
+    pair per mode) and the communication micro-benchmark; with ``workloads`` the
+    profiling runs of the peft / multimodal shapes of the grid (one fresh process each,
+    as the controller's profiling jobs)."""
+    return [("prof",), ("colo",), ("comm",)] + ([("wprof",)] if workloads else [])
+
+
+def _workload_child(spec: dict, cores: list[int], path: str) -> None:
+    """A forked executor of a peft / multimodal spec pinned to ``cores``: per ``progress``
+    event of the workload's step (``module`` = its type) a stamp (wall, CPU, run-queue
+    waits of every thread, as bench._measure) and the step's ``step_time_s``."""
+    code = 1
+    try:
+        import torch
+
+        from agent.runtime.__main__ import resolve
+        from agent.runtime.report import Reporter
+        from bench._measure import _stamp
+
+        import logging
+
+        import structlog
+
+        # The runners' info lines (task added / ended) would flood the table's terminal.
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(int(spec["threads"]))
+        wtype = spec["workload"]["type"]
+        rec: dict = {"stamps": [_stamp()], "step_s": [], "errors": []}
+
+        class Capture(Reporter):
+            def event(self, kind: str, **fields) -> None:
+                if kind == "progress" and fields.get("module") == wtype:
+                    rec["stamps"].append(_stamp())
+                    rec["step_s"].append(float(fields["step_time_s"]))
+                elif kind == "error":
+                    rec["errors"].append(str(fields.get("message")))
+
+        code = int(resolve(wtype)(spec, Capture(stream=open(os.devnull, "w"))))
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(rec, f)
+    finally:
+        os._exit(code)
+
+
+def run_workload(workload: dict, cores: list[int], warmup: int, timeout_s: float = 300.0) -> dict:
+    """One real run of a peft / multimodal workload (``agent.runtime``'s runner for its
+    type, a forked process pinned to ``cores``, ``threads`` = one per core; rank 0 of 1,
+    no checkpoints). Returns as ``bench._measure.run_jobs`` per job: ``step_s`` (median
+    after ``warmup`` steps of each step's ``step_time_s`` less the run-queue wait other
+    tenants caused during it), ``wall_s`` (median raw ``step_time_s``), ``cpu_util``,
+    ``steps`` (every step's corrected time, warm-up included), ``raw_steps`` (measured
+    steps, raw), ``device_s`` (the run's wall time times its cores).
+
+    The wait of a step is, as for a single-rank gpt run, the largest over the process's
+    threads — except for ``multimodal``, whose encoder and LLM workers share a core at
+    quota 1 by design (waiting on each other is the configuration, not noise): there
+    only the main thread's wait counts."""
+    import multiprocessing as mp
+    import tempfile
+
+    import numpy as np
+
+    from bench._measure import _join, _series
+
+    ctx = mp.get_context("fork")
+    spec = {"job_id": "bench-" + workload["type"], "workload": workload, "threads": len(cores),
+            "checkpoint_dir": None, "dist": {"rank": 0, "world_size": 1}}
+    t_begin = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="tessera-wl-") as tmp:
+        path = os.path.join(tmp, "run")
+        p = ctx.Process(target=_workload_child, args=(spec, list(cores), path), daemon=True)
+        p.start()
+        _join([p], timeout_s, [workload["type"]])
+        rec = json.load(open(path, encoding="utf-8"))
+    wall = time.monotonic() - t_begin
+    if rec["errors"] or len(rec["step_s"]) <= warmup:
+        raise RuntimeError(f"{workload['type']} run: {len(rec['step_s'])} steps, errors {rec['errors']}")
+    t, cpu, waits = _series(rec["stamps"])
+    main_tid = rec["stamps"][0][3]
+    threads = [waits.get(main_tid, np.zeros_like(t))] if workload["type"] == "multimodal" else list(waits.values())
+    corr, util = [], []
+    for k, raw in enumerate(rec["step_s"]):
+        wait = max((float(s[k + 1] - s[k]) for s in threads), default=0.0)
+        corr.append(max(0.2 * raw, min(raw, raw - wait)))
+        util.append(float(cpu[k + 1] - cpu[k]) / max(float(t[k + 1] - t[k]), 1e-9))
+    return {"step_s": statistics.median(corr[warmup:]), "wall_s": statistics.median(rec["step_s"][warmup:]),
+            "cpu_util": statistics.median(util[warmup:]), "steps": corr, "raw_steps": rec["step_s"][warmup:],
+            "device_s": wall * len(cores)}
 
 
 def step_time(rounds: list[float]) -> float:
@@ -175,6 +398,16 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
 
     steps = WARMUP + MEASURED
     pcost = {"compute": 0.0, "colocation": 0.0, "comm": 0.0}
+    # peft / multimodal shapes of the grid: one profiling run each per round.
+    shapes = list(dict.fromkeys(j["shape"] for pt in points for j in pt["jobs"] if j.get("shape")))
+    wprof: dict[str, list[list[float]]] = {name: [] for name in shapes}
+    wall_wl = 0.0  # wall time of the peft / multimodal runs (profiles and grid)
+    if shapes:
+        from agent.runtime.__main__ import resolve
+
+        pcost["workload"] = 0.0
+        for wt in {WORKLOADS[name][1]["type"] for name in shapes}:
+            resolve(wt)  # imported once here: no forked run counts the import as device time
     alone: dict[tuple, list[float]] = {}
     pairs: list[dict] = []  # one colocation row per mode and round; fit_interference takes the median g
     comm_runs: list[list[dict]] = []
@@ -185,9 +418,10 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
     colo = {"shared": [[0], [0]], "split": [[0], [1]]}
     n, b, s_ = COLO_PROFILE
     for r in range(rounds):
-        tasks = [("grid", i) for i in range(len(points))] + _profile_tasks()
+        tasks = [("grid", i) for i in range(len(points))] + _profile_tasks(bool(shapes))
         random.Random(100 + r).shuffle(tasks)
         for task in tasks:
+            t_task = time.monotonic()
             if task[0] == "prof":
                 pts = PROFILE_POINTS
                 meds, dev_s = profile_points([(workload(pn, pb, ps, pm, steps), list(range(int(pq))))
@@ -208,15 +442,26 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                     pairs.append({"mode": mode, "colocated": 2, "oversubscription": 2.0 if mode == "shared" else 1.0,
                                   "alone_s": solo[0]["step_s"],
                                   "together_s": statistics.median(x["step_s"] for x in res)})
+            elif task[0] == "wprof":
+                # The controller's profiling job of each shape: its own workload, WARMUP +
+                # MEASURED steps, quota 1, a fresh process.
+                for name in shapes:
+                    res = run_workload(workload_profile(name), [0], WARMUP)
+                    pcost["workload"] += res["device_s"]
+                    wprof[name].append(res["steps"])
             elif task[0] == "comm":
                 rows, dev_s = comm_table(sizes=COMM_SIZES, reps=COMM_REPS)
                 pcost["comm"] += dev_s
                 comm_runs.append(rows)
             else:
                 i = task[1]
-                jobs = [{"workload": workload(j["model"], j["batch"], j["seq"], j["m"], steps, j["plan"]),
-                         "cores": j["cores"]} for j in points[i]["jobs"]]
-                res = run_jobs(jobs, WARMUP)
+                if points[i]["jobs"][0].get("shape"):
+                    j = points[i]["jobs"][0]
+                    res = [run_workload(workload_heldout(j["shape"]), j["cores"][0], WARMUP)]
+                else:
+                    jobs = [{"workload": workload(j["model"], j["batch"], j["seq"], j["m"], steps, j["plan"]),
+                             "cores": j["cores"]} for j in points[i]["jobs"]]
+                    res = run_jobs(jobs, WARMUP)
                 grid_cost += sum(x["device_s"] for x in res)
                 per_round[i].append(sum(x["step_s"] for x in res))
                 got = ([x["step_s"] for x in res], [x["wall_s"] for x in res])
@@ -224,6 +469,8 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                 if best[i] is None or sum(got[0]) < sum(best[i][0]):
                     best[i] = got
                 util[i] += [x["cpu_util"] for x in res if x["cpu_util"] is not None]
+            if task[0] == "wprof" or (task[0] == "grid" and points[task[1]]["jobs"][0].get("shape")):
+                wall_wl += time.monotonic() - t_task
     samples = []
     for (pn, pb, ps, pq, pm), ts in alone.items():
         layers, hidden, heads, vocab, _ = MODELS[pn]
@@ -237,13 +484,17 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
             if key not in rows or row["seconds"] < rows[key]["seconds"]:
                 rows[key] = row
     comm_rows = list(rows.values())
+    wpoints = [pt for name in shapes for pt in workload_points(name, wprof[name])]
     model = PerfModel(version=1, compute={DEVICE: fit_compute(DEVICE, samples)},
-                      comm={LINK: fit_comm(LINK, comm_rows)}, interference={DEVICE: fit_interference(pairs)})
+                      comm={LINK: fit_comm(LINK, comm_rows)}, interference={DEVICE: fit_interference(pairs)},
+                      profiles={DEVICE: wpoints} if wpoints else {})
     measured = [{**pt, "measured": bst[0], "raw": bst[1], "rounds": pr, "cpu_util": statistics.median(u) if u else None}
                 for pt, bst, pr, u in zip(points, best, per_round, util)]
     prof = {"cost": pcost, "samples": len(samples), "comm_rows": comm_rows, "pairs": pairs,
             "profile_samples": [dict(x.__dict__) for x in samples],
-            "profile_rounds": {"/".join(map(str, k)): v for k, v in alone.items()}}
+            "profile_rounds": {"/".join(map(str, k)): v for k, v in alone.items()},
+            "workload_profiles": [p.to_dict() for p in wpoints], "workload_wall_s": wall_wl,
+            "workload_profile_rounds": {name: wprof[name] for name in shapes}}
     return model, prof, measured, grid_cost
 
 
@@ -311,14 +562,15 @@ def main(argv: list[str] | None = None) -> int:
     points = grid(args.quick)
     model, prof, measured, grid_cost = measure(points, rounds)
     fit = model.compute[DEVICE]
-    print(f"profiles: {prof['samples']} compute points, 2 colocation pairs, {len(prof['comm_rows'])} comm rows; "
+    print(f"profiles: {prof['samples']} compute points, 2 colocation pairs, {len(prof['comm_rows'])} comm rows, "
+          f"{len(prof['workload_profiles'])} peft/multimodal shapes; "
           f"fit {fit.status} rel_sigma={fit.rel_sigma:.3f} p={fit.p:.2f} {fit.reason}; "
           f"sync {model.comm[LINK].sync}", file=sys.stderr)
     res = evaluate(model, measured)
     # Host contention: CPU time / wall time of single-thread, single-rank grid steps
     # (1.0 on an idle host; 0.3 means other tenants took 70% of our core).
     utils = [pt["cpu_util"] for pt in measured if pt["cpu_util"] is not None and len(pt["jobs"]) == 1
-             and pt["jobs"][0]["q"] == 1 and not pt["jobs"][0]["plan"]]
+             and pt["jobs"][0]["q"] == 1 and not pt["jobs"][0]["plan"] and not pt["jobs"][0].get("shape")]
     contention = statistics.median(utils) if utils else None
     load = _loadavg()
     rows = res["rows"]
@@ -350,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
         "estimate_batch_s": res["eval_s"], "grid_points": len(rows),
         "model": model.to_dict(), "rows": rows, "profile_samples": prof["profile_samples"],
         "colocation_pairs": prof["pairs"], "comm_rows": prof["comm_rows"], "profile_rounds": prof["profile_rounds"],
+        "workload_profiles": prof["workload_profiles"], "workload_profile_rounds": prof["workload_profile_rounds"],
+        "workload_wall_s": prof["workload_wall_s"],
         "grid_rounds": [{"category": p["category"], "jobs": p["jobs"], "rounds": p["rounds"]} for p in measured],
         "wall_s": time.monotonic() - t0,
     }
@@ -365,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"profiling cost per round: {prof_cost / rounds:.1f} device-s of profiles "
           f"({', '.join(f'{k} {v / rounds:.1f}' for k, v in prof['cost'].items())}) vs {grid_cost / rounds:.1f} "
           f"device-s to measure the grid: {out['profiling_cost_ratio']:.1f}x less ({rounds} rounds of both); "
-          f"wall {out['wall_s']:.0f} s")
+          f"wall {out['wall_s']:.0f} s (peft/multimodal runs {out['workload_wall_s']:.1f} s of it)")
     spread = out["round_spread_median"]
     print(f"host: CPU/wall of single-core steps {contention if contention is None else round(contention, 2)}, "
           f"load average {' '.join(load0)} (start) {' '.join(load)} (end); median spread of a grid point over "
