@@ -19,8 +19,13 @@ Contract of :func:`estimate` for a valid candidate whose module is of such a wor
   relative residuals) evaluated at the candidate's quota, plus ``EXTRAP_PER_LOG`` per
   natural-log unit outside the profiled quotas;
 * one profiled quota only: that point scaled by the device type's fitted Amdahl/roofline
-  factor ``s(q) / s(q0)`` (``compute.quota_scale``, the device's curve, not the module's:
-  ``UNSEEN_MODULE`` more uncertainty, plus the log distance of the two quotas);
+  factor ``s(q) / s(q0)`` (``compute.quota_scale``): the device's ``gpt`` curve, not the
+  module's, and these runtimes change *how* they run with the quota (peft: one
+  micro-batch worker per thread; colocated multimodal: encoder and LLM on their own
+  cores), so the uncertainty grows by ``QUOTA_TRANSFER`` per natural-log unit between
+  the two quotas (measured on this project's 2-core VM: a peft step at 2 threads took
+  0.0286 s against 0.0228 s at 1, where the gpt curve predicts 0.885x — a 40 % miss at
+  ln 2; the confidence of such an estimate is low, as it should be);
 * colocated (``colocated > 1``): the device's interference for the mode, as for ``gpt``;
 * otherwise ``insufficient_data`` naming what is missing. Never a number without data.
 """
@@ -36,7 +41,8 @@ from tessera.perfmodel.compute import ComputeFit, nnls, quota_scale
 from tessera.perfmodel.priors import COLOCATION, EXTRAP_PER_LOG, UNSEEN_MODULE
 
 GPT = "gpt"
-QUOTA_CURVE = 0.03  # prior error of a two-quota curve (no residual left to measure it)
+QUOTA_CURVE = 0.03     # prior error of a two-quota curve (no residual left to measure it)
+QUOTA_TRANSFER = 0.5   # relative error per ln unit of carrying a profile by the device's gpt curve
 
 
 def workload_of(module: str) -> str:
@@ -118,7 +124,7 @@ def estimate(c, points, fit: ComputeFit | None, interference: dict) -> tuple[flo
         scale = float(quota_scale(q, fit.p, fit.q_sat) / quota_scale(q0, fit.p, fit.q_sat))
         seconds = t0 * scale
         d = abs(math.log(q / q0))
-        r = math.sqrt(r0 ** 2 + UNSEEN_MODULE ** 2 + (EXTRAP_PER_LOG * d) ** 2)
+        r = math.sqrt(r0 ** 2 + UNSEEN_MODULE ** 2 + (QUOTA_TRANSFER * d) ** 2)
         breakdown.update(profile=t0, quota_scale=scale)
         reason = (f"measured profile of this workload's step at quota {q0:g}, scaled to {q:g} by "
                   f"{c.device_type}'s fitted quota curve")
