@@ -178,7 +178,8 @@ def workload_points(name: str, runs: list[list[float]]) -> list:
     from estimator.models import profiles, run_key
     from tessera.modelkey import profile_labels
 
-    spec = {"workload": workload_profile(name), "threads": 1, "dist": {"rank": 0, "world_size": 1}}
+    spec = {"workload": workload_profile(name), "threads": 1, "dist": {"rank": 0, "world_size": 1},
+            "profiling": True}  # as the controller launches a profiling job (controller.core._launch)
     labels = {**profile_labels(spec, DEVICE), "rank": "0"}
     best = None
     for r, steps in enumerate(runs):

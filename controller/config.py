@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from tessera.errors import SpecError
+from tessera.measurement import PROFILE_MIN_MEASURED, PROFILE_WARMUP_STEPS
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,13 @@ class ControllerConfig:
                 "ended (default 7 days; 0 keeps finished jobs forever)"})
 
     def __post_init__(self) -> None:
+        least = PROFILE_WARMUP_STEPS + PROFILE_MIN_MEASURED
+        if isinstance(self.profile_steps, bool) or not isinstance(self.profile_steps, int) \
+                or self.profile_steps < least:
+            # fewer steps make no profile point: the job would stay "profiling" for ever
+            raise SpecError("profile_steps", f"must be an integer >= {least} (the estimator drops the first "
+                                             f"{PROFILE_WARMUP_STEPS} as warm-up and needs {PROFILE_MIN_MEASURED} "
+                                             f"measured), got {self.profile_steps!r}")
         # Checked here too, not only by the loader (which refuses a non-finite float): a
         # config built in code must not slip NaN (compares false: kept forever) or inf in.
         ttl = self.finished_job_ttl_s

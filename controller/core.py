@@ -32,7 +32,7 @@ from tessera.perfmodel import PerfModel
 
 from . import tasks as peft_tasks
 from . import actions, adapter, fusion
-from .records import alloc_keys, decide, transition
+from .records import alloc_keys, decide, is_profile_job, transition
 from .config import ControllerConfig
 from .store import CapacityExceeded, Conflict, Fenced, Store
 
@@ -1112,7 +1112,10 @@ class Controller:
             pl = job.status.plan
             doc["workload"]["plan"] = {"dp": pl.dp, "tp": pl.tp, "pp": pl.pp, "micro_batches": pl.micro_batches}
         actions.apply_overrides(job, doc)  # a reshard's encoder:LLM split
-        spec_json = json.dumps({"job_id": job.id, "workload": doc["workload"]})
+        rt = {"job_id": job.id, "workload": doc["workload"]}
+        if is_profile_job(job):  # its steps are the profile of its step shape (tessera.modelkey.profile_labels)
+            rt["profiling"] = True
+        spec_json = json.dumps(rt)
         shards = list(job.status.placement)
         world = sum(len(s.device_ids) for s in shards)
         master = nodes[shards[0].node].agent_address.rsplit(":", 1)[0]

@@ -97,8 +97,10 @@ def candidate(doc: dict, device_type: str, quota: float, nodes: int) -> Candidat
     """The perfmodel candidate of a validated job manifest on ``device_type``."""
     w, m = doc["workload"], doc["workload"]["model"]
     p = w["plan"]
+    # peft / multimodal runtimes take no gpt plan: their step shape (devices included) is the module key
+    dp, tp, pp = (p["dp"], p["tp"], p["pp"]) if w.get("type", "gpt") == "gpt" else (1, 1, 1)
     return Candidate(device_type=device_type, layers=m["layers"], hidden=m["hidden"], heads=m["heads"],
-                     vocab=m["vocab"], seq_len=m["seq_len"], batch=w["batch_size"], dp=p["dp"], tp=p["tp"], pp=p["pp"],
+                     vocab=m["vocab"], seq_len=m["seq_len"], batch=w["batch_size"], dp=dp, tp=tp, pp=pp,
                      micro_batches=p["micro_batches"], quota=quota, link=link_for(device_type, nodes),
                      module=module_of(doc))
 
@@ -228,7 +230,8 @@ class Profiling:
             quota, n_nodes = self._quota(job, nodes, [p for p in profs if p.device_type == dev] or profs)
             est = model.estimate(candidate(doc, dev, quota, n_nodes))
         rows, mb = pdoc["workload"]["batch_size"], pdoc["workload"]["plan"]["micro_batches"]
-        if est is not None and (est.ok or any(p.rows == rows and p.micro_batches == mb for p in profs)):
+        if est is not None and (est.ok or any(p.rows == rows and p.micro_batches == mb and p.device_type == dev
+                                              for p in profs)):
             pj_id = cur.profile_job_id if cur.profile_job_id in by_id else ""
             estimated += await self._write(job.id, to_status(est, model.version, self.clock(), pj_id))
             return requested, estimated

@@ -36,12 +36,13 @@ import numpy as np
 
 from tessera import log
 from tessera.fsutil import atomic_write
-from tessera.measurement import NUMERIC_LABELS, ROW_VALUES, RUN_INTS, malformed, number  # noqa: F401 (re-exported)
+from tessera.measurement import (NUMERIC_LABELS, PROFILE_MIN_MEASURED, PROFILE_WARMUP_STEPS, ROW_VALUES,  # noqa: F401
+                                 RUN_INTS, malformed, number)
 from tessera.perfmodel import ComputeFit, ComputeSample, PerfModel, ProfilePoint, fit_comm, fit_compute, fit_interference
 from tessera.perfmodel.workload import profiled, workload_of
 
-WARMUP_STEPS = 2
-MIN_MEASURED = 3
+WARMUP_STEPS = PROFILE_WARMUP_STEPS  # tessera.measurement: the controller's profile_steps follows them too
+MIN_MEASURED = PROFILE_MIN_MEASURED
 MODEL_NAME = "model.json"
 # RUN_INTS (the ints of a run key after job_id, device_kind, module), NUMERIC_LABELS,
 # ROW_VALUES and ``malformed`` live in tessera.measurement: profilerd refuses at

@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import math
 
+# A run's steps make a profile point when at least PROFILE_MIN_MEASURED remain after its
+# PROFILE_WARMUP_STEPS first (the estimator's rule; the controller's profile_steps must allow it).
+PROFILE_WARMUP_STEPS = 2
+PROFILE_MIN_MEASURED = 3
+
 # Fields of an estimator run key after (job_id, device_kind, module): integers in this order.
 RUN_INTS = ("layers", "hidden", "heads", "vocab", "seq_len", "batch", "micro_batches")
 # Labels a step measurement's run key parses as numbers (``malformed`` checks them).

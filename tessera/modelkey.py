@@ -83,13 +83,18 @@ PROFILE_LABELS = ("module", "workload_type", "layers", "hidden", "heads", "vocab
 def profile_labels(runtime_spec: dict, device_kind: str) -> dict[str, str]:
     """String labels (PROFILE_LABELS) describing one executor's run, from the runtime spec
     the agent launches it with (normalised manifest ``workload`` plus ``threads`` and
-    ``dist``); ``module`` is the workload's ``shape_key`` over ``dist.world_size`` ranks.
-    Missing values come out as "0"."""
+    ``dist``); ``module`` is the workload's ``shape_key`` over ``dist.world_size`` ranks —
+    for a non-gpt workload only in the run of a profiling job (``"profiling": true`` in the
+    spec, set by the controller): a peft job's own later steps run fewer tasks as tasks
+    end, a multimodal job's follow its modality schedule, so neither is its shape's step
+    (``module`` is "" then: no profile). Missing values come out as "0"."""
     w = runtime_spec.get("workload", {}) or {}
     m = w.get("model", {}) or {}
     plan = w.get("plan", {}) or {}
     dist = runtime_spec.get("dist", {}) or {}
-    vals = {"module": shape_key(w, dist.get("world_size", 1) or 1), "workload_type": w.get("type", "gpt"), "layers": m.get("layers"),
+    gpt = w.get("type", "gpt") == "gpt"
+    module = shape_key(w, dist.get("world_size", 1) or 1) if gpt or runtime_spec.get("profiling") else ""
+    vals = {"module": module, "workload_type": w.get("type", "gpt"), "layers": m.get("layers"),
             "hidden": m.get("hidden"), "heads": m.get("heads"), "vocab": m.get("vocab"), "seq_len": m.get("seq_len"),
             "batch": w.get("batch_size"), "dp": plan.get("dp", 1), "tp": plan.get("tp", 1), "pp": plan.get("pp", 1),
             "micro_batches": plan.get("micro_batches", 1), "threads": runtime_spec.get("threads", 1),

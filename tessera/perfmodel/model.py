@@ -134,12 +134,13 @@ class PerfModel:
         out: list[Estimate | None] = [None] * len(cands)
         groups: dict[tuple, list[int]] = {}
         for i, c in enumerate(cands):
+            if W.profiled(c.module):  # its own step shape: the gpt plan rules do not apply
+                bad = W.invalid(c)
+                out[i] = _insufficient(bad) if bad else self._from_workload(c)
+                continue
             bad = self._invalid(c)
             if bad:
                 out[i] = _insufficient(bad)
-                continue
-            if W.profiled(c.module):
-                out[i] = self._from_workload(c)
                 continue
             no_curve = self._no_curve(c)
             if no_curve and c.device_type in self.profiles:

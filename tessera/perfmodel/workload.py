@@ -16,8 +16,9 @@ Contract of :func:`estimate` for a valid candidate whose module is of such a wor
   own (``ProfilePoint.rel_std``), or their run-to-run scatter when larger;
 * profiles at >= 2 other quotas: the module's own quota curve ``t(q) = a + b / q``
   (a: the serial part, b: the part that divides over the quota; non-negative, fitted on
-  relative residuals) evaluated at the candidate's quota, plus ``EXTRAP_PER_LOG`` per
-  natural-log unit outside the profiled quotas;
+  relative residuals) evaluated at the candidate's quota; its error: the curve's residual
+  scatter (at least ``QUOTA_CURVE``), plus ``EXTRAP_PER_LOG`` per natural-log unit
+  outside the profiled quotas;
 * one profiled quota only: that point scaled by the device type's fitted Amdahl/roofline
   factor ``s(q) / s(q0)`` (``compute.quota_scale``): the device's ``gpt`` curve, not the
   module's, and these runtimes change *how* they run with the quota (peft: one
@@ -55,10 +56,27 @@ def profiled(module: str) -> bool:
     return workload_of(module) != GPT
 
 
+def invalid(c) -> str:
+    """Why candidate ``c`` of a profiled workload is not valid ("" if it is). Its plan
+    fields (dp, tp, pp) are not read: the step shape (world size included) is in its
+    module key, and these runtimes do not take a gpt plan; the model fields must be
+    positive as for any candidate."""
+    if min(c.batch, c.micro_batches) < 1:
+        return "invalid candidate (batch, micro_batches >= 1)"
+    if min(c.layers, c.hidden, c.heads, c.vocab, c.seq_len) < 1:
+        return "invalid model (layers, hidden, heads, vocab, seq_len >= 1)"
+    if not (math.isfinite(c.quota) and c.quota > 0):
+        return "quota must be a finite number > 0"
+    if not math.isfinite(c.oversubscription) or c.oversubscription < 0 or c.colocated < 1:
+        return "oversubscription must be a finite number >= 0, colocated >= 1"
+    return ""
+
+
 def quota_curve(qs: list[float], ts: list[float]) -> tuple[float, float, float] | None:
     """(a, b, rel_sigma) of ``t(q) = a + b / q`` fitted to per-quota times (>= 2 distinct
-    quotas, all finite and > 0), or None. ``rel_sigma`` is the RMS relative residual, NaN
-    with no degree of freedom left (two quotas)."""
+    quotas, all finite and > 0), or None. ``rel_sigma`` is the relative residuals' RMS over
+    the degrees of freedom; with none left (two quotas) their plain RMS when the fit
+    misses the points (a or b clipped at 0), NaN when it passes through both."""
     q, t = np.asarray(qs, dtype=float), np.asarray(ts, dtype=float)
     if len(set(q.tolist())) < 2 or not (np.isfinite(q).all() and np.isfinite(t).all()) or (q <= 0).any() \
             or (t <= 0).any():
@@ -69,7 +87,12 @@ def quota_curve(qs: list[float], ts: list[float]) -> tuple[float, float, float] 
         return None
     r = (a + b / q - t) / t
     dof = len(q) - 2
-    return float(a), float(b), float(math.sqrt(float(r @ r) / dof)) if dof > 0 else math.nan
+    if dof > 0:
+        return float(a), float(b), float(math.sqrt(float(r @ r) / dof))
+    rms = float(math.sqrt(float(r @ r) / len(q)))
+    # Two quotas: an exact fit leaves nothing to measure (NaN); a clipped one (a or b at 0,
+    # e.g. a step that gets slower with more quota) misses its own points by rms.
+    return float(a), float(b), rms if rms > 1e-9 else math.nan
 
 
 def _group(points) -> tuple[float, float, int]:
@@ -112,7 +135,8 @@ def estimate(c, points, fit: ComputeFit | None, interference: dict) -> tuple[flo
         seconds = a + b / q
         d = max(0.0, math.log(q / max(qs))) + max(0.0, math.log(min(qs) / q))
         own = statistics.median(groups[k][1] for k in qs)
-        r = math.sqrt(own ** 2 + (QUOTA_CURVE if math.isnan(sig) else sig) ** 2 + (EXTRAP_PER_LOG * d) ** 2)
+        r = math.sqrt(own ** 2 + (QUOTA_CURVE if math.isnan(sig) else max(sig, QUOTA_CURVE)) ** 2
+                      + (EXTRAP_PER_LOG * d) ** 2)
         breakdown.update(serial=a, parallel=b / q, extrapolation=d)
         reason = f"this workload's own quota curve from profiles at quotas {', '.join(f'{k:g}' for k in qs)}"
     else:

@@ -92,12 +92,39 @@ def test_multimodal_shape_key_uses_the_mean_mix_over_the_run():
     assert shape_key(mm_workload(steps=100)) != shape_key(w)     # a longer run spends more steps image-heavy
 
 
-def test_profile_labels_carry_the_shape_key_over_the_world_size():
+def test_profile_labels_carry_the_shape_key_over_the_world_size_in_a_profiling_run_only():
     w = peft_workload()
-    lb = profile_labels({"workload": w, "threads": 2, "dist": {"world_size": 1}}, "cpu")
+    lb = profile_labels({"workload": w, "threads": 2, "dist": {"world_size": 1}, "profiling": True}, "cpu")
     assert lb["module"] == shape_key(w, 1) and lb["workload_type"] == "peft" and lb["threads"] == "2"
-    lb2 = profile_labels({"workload": w, "dist": {"world_size": 2}}, "cpu")
+    lb2 = profile_labels({"workload": w, "dist": {"world_size": 2}, "profiling": True}, "cpu")
     assert lb2["module"] == shape_key(w, 2)
+    # the job's own run: its tasks end at different steps, so its steps are not its shape's step
+    assert profile_labels({"workload": w, "dist": {"world_size": 1}}, "cpu")["module"] == ""
+    g = {"type": "gpt", "model": MODEL, "batch_size": 8}
+    assert profile_labels({"workload": g, "dist": {"world_size": 1}}, "cpu")["module"] == arch_key(g)
+
+
+def test_mean_mix_is_exact_and_cheap_for_any_schedule_and_run_length():
+    import random
+    import time
+
+    rnd = random.Random(7)
+    for _ in range(500):
+        pts = [{"step": 0, "image_prob": rnd.random(), "audio_prob": rnd.random()}]
+        pts += [{"step": s, "image_prob": rnd.random()} for s in sorted(rnd.sample(range(1, 40), rnd.randint(0, 5)))]
+        n = rnd.randint(0, 60)
+        brute = [mix_at(pts, s) for s in range(max(1, n))]
+        got = mean_mix(pts, n)
+        assert got[0] == pytest.approx(sum(b[0] for b in brute) / len(brute), abs=1e-12)
+        assert got[1] == pytest.approx(sum(b[1] for b in brute) / len(brute), abs=1e-12)
+    # 300 one-step spikes: a sampled mean aliased onto them (a review measured 0.003 for 3e-7)
+    spikes = [{"step": 0, "image_prob": 0.0}]
+    for k in range(1, 301):
+        spikes += [{"step": 10_000 * k - 1, "image_prob": 0.0}, {"step": 10_000 * k, "image_prob": 1.0},
+                   {"step": 10_000 * k + 1, "image_prob": 0.0}]
+    t0 = time.perf_counter()
+    assert mean_mix(spikes, 10**9)[0] == pytest.approx(300 / 10**9, rel=1e-9)
+    assert time.perf_counter() - t0 < 0.05   # O(len(mix)): the controller computes it every cycle
 
 
 # ---------------------------------------------------------------------------- estimates
@@ -170,6 +197,25 @@ def test_no_profile_of_the_shape_batch_or_device_is_insufficient():
     # a corrupt point answers nothing
     bad = PerfModel(version=1, profiles={"cpu": [pt(1.0, math.inf)]}).estimate(cand(1.0))
     assert bad.status == "insufficient_data"
+
+
+def test_a_gpt_plan_does_not_make_a_profiled_workload_invalid():
+    """peft / multimodal runtimes take no plan: dp, tp, pp (and batch % micro-batches) are
+    not theirs to break; the profile of the same shape answers."""
+    m = PerfModel(version=1, profiles={"cpu": [pt(1.0, 0.02)]})
+    for c in (cand(dp=2), cand(tp=3), cand(pp=4)):
+        e = m.estimate(c)
+        assert e.ok and e.seconds == 0.02, (c, e.reason)
+
+
+def test_a_two_quota_curve_that_misses_its_points_says_so():
+    """A step slower at more quota: t = a + b/q can only stay flat (b clipped at 0) and
+    misses both points by ~11%; its error must show that, not the 3% prior."""
+    m = PerfModel(version=1, profiles={"cpu": [pt(1.0, 0.0228), pt(2.0, 0.0286)]})
+    e = m.estimate(cand(1.5))
+    assert e.ok and e.rel_std > 0.09 and e.confidence < 0.75
+    exact = PerfModel(version=1, profiles={"cpu": [pt(1.0, 0.020), pt(2.0, 0.012)]}).estimate(cand(1.5))
+    assert exact.ok and exact.rel_std < 0.05
 
 
 def test_invalid_candidate_is_refused_before_any_profile():

@@ -104,3 +104,22 @@ def test_profile_job_of_multimodal_keeps_its_devices_and_runs_the_mean_mix():
     assert v["workload"]["multimodal"]["mix"] == [{"step": 0, "image_prob": 0.29, "audio_prob": 0.0}]  # 0.6*14.5/30
     assert shape_key(v["workload"], 2) == module_of(d) != shape_key(d["workload"], 1)
     assert profile_doc(wdoc(MM_W, devices=1), 6)[1] != idem
+
+
+def test_candidate_of_a_peft_job_takes_no_gpt_plan():
+    d = wdoc({**PEFT_W, "plan": {"dp": 2, "tp": 1, "pp": 1, "micro_batches": 1}})
+    c = candidate(d, "cpu", 1.0, 1)
+    assert (c.dp, c.tp, c.pp) == (1, 1, 1) and c.module == module_of(d)
+
+
+def test_profile_steps_must_allow_a_profile_point():
+    import pytest
+
+    from controller.config import ControllerConfig
+    from tessera.errors import SpecError
+
+    assert ControllerConfig(profile_steps=5).profile_steps == 5
+    for bad in (4, 0, True, 6.5):
+        with pytest.raises(SpecError) as e:
+            ControllerConfig(profile_steps=bad)
+        assert e.value.field == "profile_steps"
