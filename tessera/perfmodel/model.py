@@ -10,6 +10,9 @@ Contract:
   :meth:`PerfModel.estimate` is the batch of one (identical numbers).
 - An estimate is ``status="ok"`` with seconds, memory, a breakdown and a
   confidence, or ``status="insufficient_data"`` with the reason and no numbers.
+- A candidate whose module is a ``peft``/``multimodal`` step shape
+  (``tessera.modelkey.shape_key``) is answered from that shape's own profiles
+  (:mod:`tessera.perfmodel.workload`), never by the composition below.
 
 Composition (one training step of the runtime's ``gpt`` workload, rank 0's view):
 
@@ -33,12 +36,10 @@ from tessera.perfmodel import features as F
 from tessera.perfmodel.comm import CommFit
 from tessera.perfmodel import workload as W
 from tessera.perfmodel.compute import ComputeFit, extrapolation
-from tessera.perfmodel.priors import COLOCATION, CONF_TOLERANCE, EXTRAP_PER_LOG, RUN_TO_RUN, UNSEEN_MODULE, confidence  # noqa: F401
+from tessera.perfmodel.priors import (COLOCATION, CONF_TOLERANCE, EXTRAP_PER_LOG, RUN_TO_RUN,  # noqa: F401 (re-exported)
+                                      UNSEEN_MODULE, confidence)
 
 FORMAT = "tessera.perfmodel/1"
-
-# Priors (tessera.perfmodel.priors) stay importable from here.
-
 
 @dataclass(frozen=True)
 class Candidate:
@@ -231,10 +232,9 @@ class PerfModel:
             return "batch must divide by dp*micro_batches, hidden and heads by tp"
         if min(c.hidden, c.heads, c.vocab, c.seq_len) < 1 or (c.seq or 0) < 0:
             return "invalid model (hidden, heads, vocab, seq_len >= 1; seq >= 0)"
-        if not (math.isfinite(c.quota) and c.quota > 0):
-            return "quota must be a finite number > 0"
-        if not math.isfinite(c.oversubscription) or c.oversubscription < 0 or c.colocated < 1:
-            return "oversubscription must be a finite number >= 0, colocated >= 1"
+        bad = W.quota_problem(c)
+        if bad:
+            return bad
         if c.schedule not in ("1f1b", "gpipe"):
             return f"unknown schedule {c.schedule!r} (1f1b or gpipe)"
         return ""

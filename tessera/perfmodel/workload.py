@@ -65,6 +65,12 @@ def invalid(c) -> str:
         return "invalid candidate (batch, micro_batches >= 1)"
     if min(c.layers, c.hidden, c.heads, c.vocab, c.seq_len) < 1:
         return "invalid model (layers, hidden, heads, vocab, seq_len >= 1)"
+    return quota_problem(c)
+
+
+def quota_problem(c) -> str:
+    """Why a candidate's quota or colocation fields are invalid ("" if they are not); the
+    same rule for every candidate (``PerfModel._invalid`` uses it too)."""
     if not (math.isfinite(c.quota) and c.quota > 0):
         return "quota must be a finite number > 0"
     if not math.isfinite(c.oversubscription) or c.oversubscription < 0 or c.colocated < 1:
