@@ -17,8 +17,6 @@ a fake runtime (the manager's ``python``):
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import sys
 from pathlib import Path
 
@@ -28,9 +26,10 @@ import pytest
 import agent.executors as executors
 from agent.api import AgentService, NodeState
 from agent.devices import discover
-from agent.executors import BadRequest, ExecutorManager, process_start_ticks
+from agent.executors import BadRequest, ExecutorManager
 from agent.partitions import Partitions
 from tessera.api.v1 import agent_pb2
+from tests.integration.test_agent_orphans import SPAWNED, alive, no_leftovers  # noqa: F401 - the autouse cleanup of spawned processes
 
 # Writes a marker next to its spec (it ran), prints, then waits to be stopped.
 SLEEPER = """#!{python}
@@ -41,20 +40,6 @@ print("hello", flush=True)
 time.sleep(300)
 """
 
-SPAWNED: list[int] = []
-
-
-def alive(pid: int) -> bool:
-    return process_start_ticks(pid) is not None
-
-
-@pytest.fixture(autouse=True)
-def no_leftovers():
-    yield
-    while SPAWNED:
-        pid = SPAWNED.pop()
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
 
 
 def make_mgr(tmp_path: Path, source: str = SLEEPER, reports: list | None = None, on_step=None) -> ExecutorManager:
