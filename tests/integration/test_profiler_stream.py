@@ -35,6 +35,19 @@ async def until(cond, timeout: float = 15.0, what: str = "condition"):
     return await eventually(cond, timeout, what, interval=0.01)
 
 
+async def until_sent(prof, n: int, what: str) -> None:
+    """Wait until profilerd ``prof`` has had ``n`` measurements acknowledged."""
+    async def all_sent():
+        return (await prof.GetStats(profiler_pb2.GetStatsRequest())).sent == n
+
+    await until(all_sent, what=what)
+
+
+def data_records(state_dir: Path) -> list:
+    """The measurement records (meta records left out) of the estimator log in ``state_dir``."""
+    return [r for r in read_log(state_dir / LOG_NAME)[0] if not is_meta(r)]
+
+
 class Estimator:
     """An in-process estimator that can be stopped and restarted on the same port."""
 
@@ -139,11 +152,8 @@ async def test_overflow_drops_oldest_and_counts(tmp_path, free_port):
 
         est = await Estimator(tmp_path / "est", port=port).start()
 
-        async def all_sent():
-            return (await prof.GetStats(profiler_pb2.GetStatsRequest())).sent == 10
-
-        await until(all_sent, what="the buffered 10 to be acknowledged")
-        records = [r for r in read_log(tmp_path / "est" / LOG_NAME)[0] if not is_meta(r)]
+        await until_sent(prof, 10, "the buffered 10 to be acknowledged")
+        records = data_records(tmp_path / "est")
         assert [r.seq for r in records] == list(range(16, 26))  # the newest 10 survive
         assert [r.step for r in records] == list(range(15, 25))
     finally:
@@ -175,11 +185,8 @@ async def test_byte_bound_drops_oldest_and_counts(tmp_path, free_port):
 
         est = await Estimator(tmp_path / "est", port=port).start()
 
-        async def all_sent():
-            return (await prof.GetStats(profiler_pb2.GetStatsRequest())).sent == 5
-
-        await until(all_sent, what="the buffered 5 to be acknowledged")
-        records = [r for r in read_log(tmp_path / "est" / LOG_NAME)[0] if not is_meta(r)]
+        await until_sent(prof, 5, "the buffered 5 to be acknowledged")
+        records = data_records(tmp_path / "est")
         assert [r.seq for r in records] == list(range(8, 13))  # the newest 5 survive
     finally:
         await stop_profilerd(d, prun, pch)
@@ -205,7 +212,7 @@ async def test_a_measurement_the_estimator_refuses_is_dropped_and_the_stream_goe
     finally:
         await stop_profilerd(d, prun, pch)
         await est.stop()
-    records = [r for r in read_log(tmp_path / "est" / LOG_NAME)[0] if not is_meta(r)]
+    records = data_records(tmp_path / "est")
     assert [r.seq for r in records] == [q for q in seqs if q != seqs[1]]
 
 
@@ -256,7 +263,7 @@ async def test_a_measurement_the_store_cannot_index_is_dropped_and_the_stream_go
     finally:
         await stop_profilerd(d, prun, pch)
         await est.stop()
-    records = [r for r in read_log(tmp_path / "est" / LOG_NAME)[0] if not is_meta(r)]
+    records = data_records(tmp_path / "est")
     assert [r.seq for r in records] == [q for q in seqs if q != seqs[1]]
 
 
@@ -274,10 +281,7 @@ async def test_large_measurements_after_an_outage_arrive_in_batches_under_the_re
             await prof.ReportStep(m)
         est = await Estimator(tmp_path / "est", port=port).start()
 
-        async def all_sent():
-            return (await prof.GetStats(profiler_pb2.GetStatsRequest())).sent == 25
-
-        await until(all_sent, what="the 25 large steps to be acknowledged")
+        await until_sent(prof, 25, "the 25 large steps to be acknowledged")
         assert (await prof.GetStats(profiler_pb2.GetStatsRequest())).dropped == 0
     finally:
         await stop_profilerd(d, prun, pch)
@@ -434,10 +438,7 @@ async def test_ack_lost_after_persist_resends_without_duplicates(tmp_path):
     try:
         seqs = [(await prof.ReportStep(step("job-4", i, 0.1))).seq for i in range(20)]
 
-        async def all_sent():
-            return (await prof.GetStats(profiler_pb2.GetStatsRequest())).sent == 20
-
-        await until(all_sent, what="every step acknowledged")
+        await until_sent(prof, 20, "every step acknowledged")
         assert not flaky.fail_next_ack and flaky.duplicates > 0
     finally:
         await stop_profilerd(d, prun, pch)
