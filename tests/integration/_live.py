@@ -14,6 +14,9 @@ executor subprocesses.
   a truthy value, which is returned; fails with ``what`` after ``timeout``.
 - ``cpus(pid[, tid])`` / ``thread_cpus(pid)``: the CPU affinity /proc shows.
 - ``running_executors(agent_stub)``: the agent's running executors by job id.
+- ``etcd_client(addr)``: a connected ``aetcd.Client`` of ``host:port``;
+  ``take_leadership(client, store)``: write ``store``'s leader key as this test's and
+  give the store its fencing token (a controller built on it may then write).
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ import os
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import aetcd
 import grpc
 
 from agent.config import AgentConfig
 from agent.main import serve as agent_serve
 from controller import main as cmain
 from controller.config import ControllerConfig
+from controller.store import Store
 from tessera.api.v1 import agent_pb2
 from tessera.api.v1 import controller_pb2 as cpb
 from tessera.api.v1 import controller_pb2_grpc as cgrpc
@@ -159,3 +164,18 @@ def thread_cpus(pid: int) -> list[set[int]]:
 async def running_executors(stub) -> dict[str, agent_pb2.ExecutorStatus]:
     st = await stub.GetStatus(agent_pb2.GetStatusRequest())
     return {e.job_id: e for e in st.executors if e.running}
+
+
+async def etcd_client(addr: str) -> aetcd.Client:
+    """A connected etcd client of ``host:port`` (close it with ``await client.close()``)."""
+    host, port = addr.rsplit(":", 1)
+    c = aetcd.Client(host=host, port=int(port))
+    await c.connect()
+    return c
+
+
+async def take_leadership(c: aetcd.Client, store: Store) -> None:
+    """Make this test the leader of ``store``'s prefix: its leader key, value ``me``, and the
+    key's create revision as the store's fencing token."""
+    await c.put(store.leader_key(), b"me")
+    store.fencing_token = (await c.get(store.leader_key())).create_revision

@@ -6,9 +6,9 @@ the jobs as read at its start, which do not show the guests fused earlier in it.
 
 from __future__ import annotations
 
-import aetcd
 import pytest
 
+from _live import etcd_client, take_leadership
 from controller import fusion
 from controller.config import ControllerConfig
 from controller.core import Controller
@@ -62,12 +62,9 @@ class _Agents:
 
 @pytest.fixture
 async def ctl(etcd_server, request):
-    host, port = etcd_server.rsplit(":", 1)
-    c = aetcd.Client(host=host, port=int(port))
-    await c.connect()
+    c = await etcd_client(etcd_server)
     store = Store(c, f"/fcap-{request.node.name[:40]}")
-    await c.put(store.leader_key(), b"me")
-    store.fencing_token = (await c.get(store.leader_key())).create_revision
+    await take_leadership(c, store)
     ctl = Controller(store, ControllerConfig(grace_s=1e9), TesseraPolicy(), clock=lambda: NOW)
     ctl.agents = _Agents()
     await ctl.on_elected()

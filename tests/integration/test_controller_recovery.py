@@ -13,6 +13,7 @@ import socket
 import grpc
 import pytest
 
+from _live import etcd_client, take_leadership
 from controller.config import ControllerConfig
 from controller.core import Controller
 from controller.policy import FirstFit
@@ -23,15 +24,6 @@ from tessera.api.v1 import types_pb2 as tpb
 P = tpb.JobPhase
 K = controller_pb2.ExecutorReport
 GRACE = 3.0
-
-
-async def _client(addr: str):
-    import aetcd
-
-    host, port = addr.rsplit(":", 1)
-    c = aetcd.Client(host=host, port=int(port))
-    await c.connect()
-    return c
 
 
 def node(name: str, ready: bool = True, address: str = "127.0.0.1:1") -> tpb.Node:
@@ -56,10 +48,9 @@ def job(jid: str, phase: int, node_name: str, alloc: str, at: float, ranks: int 
 
 @pytest.fixture
 async def ctl(etcd_server, request):
-    c = await _client(etcd_server)
+    c = await etcd_client(etcd_server)
     store = Store(c, f"/rec-{request.node.name[:40]}")
-    await c.put(store.leader_key(), b"me")
-    store.fencing_token = (await c.get(store.leader_key())).create_revision
+    await take_leadership(c, store)
     now = [1000.0]
     ctl = Controller(store, ControllerConfig(grace_s=GRACE), FirstFit(), clock=lambda: now[0])
     await ctl.on_elected()

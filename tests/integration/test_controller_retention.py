@@ -21,6 +21,7 @@ import aetcd
 import grpc
 import pytest
 
+from _live import etcd_client, take_leadership
 from controller.config import ControllerConfig
 from controller.core import Controller, NotFound, NotLeader
 from controller.policy import FirstFit
@@ -37,13 +38,6 @@ DOC = {"apiVersion": "tessera/v1", "name": "r1", "tenant": "t",
        "workload": {"type": "gpt", "steps": 5, "model": {"layers": 1, "hidden": 16, "heads": 2, "seq_len": 8}},
        # No gpu anywhere: pending jobs stay pending (infeasible), nothing is launched.
        "resources": {"devices": 1, "device_kind": "gpu"}}
-
-
-async def _client(addr: str) -> aetcd.Client:
-    host, port = addr.rsplit(":", 1)
-    c = aetcd.Client(host=host, port=int(port))
-    await c.connect()
-    return c
 
 
 def node(name: str) -> tpb.Node:
@@ -75,10 +69,9 @@ def job(jid: str, phase: int, at: float, *, alloc: str = "", fused_into: str = "
 
 @pytest.fixture
 async def ctl(etcd_server, request):
-    c = await _client(etcd_server)
+    c = await etcd_client(etcd_server)
     store = Store(c, f"/ret-{request.node.name[:40]}")
-    await c.put(store.leader_key(), b"me")
-    store.fencing_token = (await c.get(store.leader_key())).create_revision
+    await take_leadership(c, store)
     now = [T0]
     ctl = Controller(store, ControllerConfig(grace_s=3.0, finished_job_ttl_s=TTL), FirstFit(), clock=lambda: now[0])
     await ctl.on_elected()
@@ -191,8 +184,7 @@ async def test_a_deposed_leader_removes_nothing(ctl):
     assert await store.get_job("j-000000000301") is not None and await store.get_idem("t", "k3") == "j-000000000301"
     # Deposed by its own leadership loop (the flag): refused before any transaction.
     await c.delete(store.leader_key())
-    await c.put(store.leader_key(), b"me")
-    store.fencing_token = (await c.get(store.leader_key())).create_revision
+    await take_leadership(c, store)
     store.deposed = True
     with pytest.raises(Fenced):
         await ctl.remove_finished((await store.list_jobs())[0], T0 + TTL + 1)
@@ -343,7 +335,7 @@ async def test_the_daemon_removes_an_expired_job_get_is_not_found_and_watch_filt
     cfg = ControllerConfig(listen=f"127.0.0.1:{_free_port()}", etcd=etcd_server, prefix=f"/ret-d{os.getpid()}",
                            grace_s=3.0, heartbeat_interval_s=0.3, reconcile_interval_s=0.2,
                            finished_job_ttl_s=3600)
-    c = await _client(etcd_server)
+    c = await etcd_client(etcd_server)
     writer = Store(c, cfg.prefix)  # no fencing token: a plain writer seeding records
     now = time.time()
     await writer.create_job(job("j-000000000401", P.SUCCEEDED, now - 7300, tenant="bob"), "")

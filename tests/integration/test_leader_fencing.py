@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import asyncio
 
-import aetcd
 import pytest
 
+from _live import etcd_client
 from controller.leader import Leadership
 from controller.store import Fenced, Store
 from tessera.api.v1 import types_pb2
 
 
-async def client(addr: str) -> aetcd.Client:
-    host, port = addr.rsplit(":", 1)
-    c = aetcd.Client(host=host, port=int(port))
-    await c.connect()
-    return c
-
-
 async def test_deposed_leader_write_is_fenced(etcd_server):
-    c = await client(etcd_server)
+    c = await etcd_client(etcd_server)
     store = Store(c, "/fence")
     events: list[str] = []
     elected = asyncio.Event()
@@ -61,7 +54,7 @@ async def test_leadership_lost_to_an_expired_lease_fences_in_flight_writes(etcd_
     """Leadership lost without resigning (the lease revoked under us, another controller
     elected): the keepalive notices, and the deposed store refuses every write until it is
     elected again — then it writes again."""
-    c = await client(etcd_server)
+    c = await etcd_client(etcd_server)
     store = Store(c, "/fence2")
     elected, lost = asyncio.Event(), asyncio.Event()
 
@@ -91,7 +84,7 @@ async def test_leadership_lost_to_an_expired_lease_fences_in_flight_writes(etcd_
 
 
 async def test_one_leader_among_two_and_takeover_on_resign(etcd_server):
-    c1, c2 = await client(etcd_server), await client(etcd_server)
+    c1, c2 = await etcd_client(etcd_server), await etcd_client(etcd_server)
     s1, s2 = Store(c1, "/el"), Store(c2, "/el")
     got = {"a": asyncio.Event(), "b": asyncio.Event()}
 
@@ -131,7 +124,7 @@ async def test_controller_health_follows_its_leadership(controller, etcd_server)
     S, N = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     cfg = controller
     name = "tessera.api.v1.JobService"
-    c = await client(etcd_server)
+    c = await etcd_client(etcd_server)
     async with grpc.aio.insecure_channel(cfg.listen) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
 
