@@ -26,6 +26,10 @@ class ControllerConfig:
     checkpoint_root: str = field(default=".tessera/checkpoints", metadata={"help": "checkpoint root shared by all nodes (a shared filesystem in a real cluster)"})
     estimator: str = field(default="", metadata={"help": "estimator address HOST:PORT (optional; enables profiling jobs and estimates)"})
     profile_steps: int = field(default=8, metadata={"help": "steps of a profiling job (the estimator drops the first 2 as warm-up)"})
+    profile_grace_s: float = field(default=60.0, metadata={
+        "help": "a profiling job that SUCCEEDED this many seconds ago without its profile reaching the estimator "
+                "(profilerd down or not streaming) marks the jobs waiting on it insufficient_data, naming it; a "
+                "profile arriving later still gives them estimates"})
     policy: str = field(default="tessera", metadata={"help": "scheduling policy: tessera (packing, elastic resize, preemption) | firstfit (whole partitions, submission order)"})
     identity: str = field(default="", metadata={"help": "this controller's identity in the election (default: host:pid)"})
     finished_job_ttl_s: float = field(default=604800.0, metadata={
@@ -40,6 +44,9 @@ class ControllerConfig:
             raise SpecError("profile_steps", f"must be an integer >= {least} (the estimator drops the first "
                                              f"{PROFILE_WARMUP_STEPS} as warm-up and needs {PROFILE_MIN_MEASURED} "
                                              f"measured), got {self.profile_steps!r}")
+        grace = self.profile_grace_s
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (math.isfinite(grace) and grace > 0):
+            raise SpecError("profile_grace_s", f"must be a finite number > 0 seconds, got {grace!r}")
         # Checked here too, not only by the loader (which refuses a non-finite float): a
         # config built in code must not slip NaN (compares false: kept forever) or inf in.
         ttl = self.finished_job_ttl_s

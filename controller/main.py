@@ -81,7 +81,8 @@ async def serve(cfg: ControllerConfig, ready: asyncio.Event | None = None, stop:
     reconcile = asyncio.create_task(ctl.run(loop_stop))
     loops = [campaign, reconcile]
     if cfg.estimator:  # profiling jobs and estimates (controller/profiling.py)
-        prof = Profiling(ctl, cfg.estimator, steps=cfg.profile_steps, interval_s=cfg.reconcile_interval_s)
+        prof = Profiling(ctl, cfg.estimator, steps=cfg.profile_steps, interval_s=cfg.reconcile_interval_s,
+                         grace_s=cfg.profile_grace_s)
         # The policy's live estimator evaluates the snapshot this loop keeps fresh.
         ctl.snapshot = lambda: prof.link.model
         loops.append(asyncio.create_task(prof.run(loop_stop)))

@@ -10,7 +10,9 @@ Each cycle (while leading) for every job of a ``gpt``, ``peft`` or ``multimodal`
    ``profile_steps`` steps; a real short run through the agents whose step timings
    reach the estimator via profilerd; the job's ``status.estimate`` says ``profiling``
    and names it (never for a finished job: it keeps the estimate it has, see
-   ``Profiling._ended``);
+   ``Profiling._ended``); a profiling job that FAILED, was CANCELLED, or SUCCEEDED
+   ``grace_s`` ago with no profile arrived turns that into ``insufficient_data`` naming
+   it (``Profiling._settled``);
 2. otherwise -> evaluate the cached model snapshot (GetModelSnapshot, polled with
    ``if_newer_than``) *locally* with ``tessera.perfmodel`` for the job's plan and write
    ``status.estimate`` (ok with seconds and confidence, or insufficient_data with the
@@ -159,10 +161,11 @@ class Profiling:
     """The profiling/estimate loop over a ``controller.core.Controller`` (see module doc)."""
 
     def __init__(self, ctl, address: str, *, steps: int = 8, interval_s: float = 1.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, grace_s: float = 60.0) -> None:
         self.ctl = ctl
         self.link = EstimatorLink(address)
         self.steps = steps
+        self.grace_s = grace_s
         self.interval_s = interval_s
         self.clock = clock
         self.log = log.get(component="controller.profiling")
@@ -244,14 +247,33 @@ class Profiling:
             requested += created
             self.log.info("profiling job requested", job_id=job.id, profile_job=pj.id, module=module,
                           rows=rows, micro_batches=mb)
-        if pj.status.phase in (P.FAILED, P.CANCELLED):
-            new = types_pb2.JobEstimate(status="insufficient_data", profile_job_id=pj.id, time=self.clock(),
-                                        reason=f"profiling job {pj.id} ended {P.Name(pj.status.phase)}")
-        else:
-            new = types_pb2.JobEstimate(status="profiling", profile_job_id=pj.id, time=self.clock(),
-                                        reason=f"no profile of {module} at batch {rows} yet; profiling job {pj.id}")
+        new = self._settled(pj, module) or types_pb2.JobEstimate(
+            status="profiling", profile_job_id=pj.id, time=self.clock(),
+            reason=f"no profile of {module} at batch {rows} yet; profiling job {pj.id}")
         estimated += await self._write(job.id, new)
         return requested, estimated
+
+    def _settled(self, pj: types_pb2.Job, module: str) -> types_pb2.JobEstimate | None:
+        """``insufficient_data`` naming ``pj`` when it can no longer bring a profile: it
+        FAILED or was CANCELLED, or it SUCCEEDED at least ``grace_s`` ago and its profile
+        still has not reached the estimator (profilerd down, not streaming, or its steps
+        dropped); else None (still coming). A profile that arrives later still wins: the
+        next cycle finds it and writes the estimate."""
+        if pj.status.phase in (P.FAILED, P.CANCELLED):
+            return types_pb2.JobEstimate(status="insufficient_data", profile_job_id=pj.id, time=self.clock(),
+                                         reason=f"profiling job {pj.id} ended {P.Name(pj.status.phase)}")
+        if pj.status.phase != P.SUCCEEDED:
+            return None
+        ended = max((h.time for h in pj.status.history if h.phase == P.SUCCEEDED), default=0.0)
+        if self.clock() - ended < self.grace_s:
+            return None
+        node = pj.status.placement[0].node if pj.status.placement else "?"
+        at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ended))
+        # The reason is stable across cycles (no "N s ago"): it is written once, not every cycle.
+        return types_pb2.JobEstimate(
+            status="insufficient_data", profile_job_id=pj.id, time=self.clock(),
+            reason=f"profiling job {pj.id} succeeded at {at} but no profile of {module} reached the estimator "
+                   f"within {self.grace_s:g} s (is profilerd running on node {node} and streaming to the estimator?)")
 
     async def _ended(self, job: types_pb2.Job, by_id: dict) -> int:
         """A finished job without a usable estimate: never a profiling run on its behalf (it
@@ -270,12 +292,10 @@ class Profiling:
                                         time=self.clock(),
                                         reason=f"profiling job {cur.profile_job_id} was removed before a profile "
                                                f"arrived; none is requested for a finished job")
-        elif pj.status.phase in (P.FAILED, P.CANCELLED):
-            new = types_pb2.JobEstimate(status="insufficient_data", profile_job_id=pj.id, time=self.clock(),
-                                        reason=f"profiling job {pj.id} ended {P.Name(pj.status.phase)}")
         else:
-            new = types_pb2.JobEstimate(status="profiling", profile_job_id=pj.id, time=self.clock(),
-                                        reason=cur.reason or f"profiling job {pj.id}")
+            new = self._settled(pj, module_of(manifest.validate(manifest.from_proto(job.spec)))) \
+                or types_pb2.JobEstimate(status="profiling", profile_job_id=pj.id, time=self.clock(),
+                                         reason=cur.reason or f"profiling job {pj.id}")
         return await self._write(job.id, new)
 
     @staticmethod
