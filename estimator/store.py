@@ -3,8 +3,11 @@ with bounded retention and crash-safe compaction.
 
 File ``<state_dir>/measurements.log``: records of ``u32 length | u32 crc32 | Measurement``
 (little endian). On open the log is replayed to rebuild the per-source watermarks and the
-in-memory windows; a torn or corrupt tail (a crash mid-write) is truncated away, which
-loses only measurements that were never acknowledged.
+in-memory windows; a torn or corrupt tail (a crash mid-write: nothing intact after it) is
+truncated away, which loses only measurements that were never acknowledged. A corrupt
+record with intact records after it is skipped instead (``scan_log`` resynchronises on
+the next intact header + crc): the original file is copied to ``<log>.corrupt-<time>``,
+the log rewritten to its intact records, and an error logged; nothing intact is lost.
 
 Retention (``Retention``, the rule itself in ``Windows``): memory keeps the most recent
 ``step_window`` step samples per job, per model key and per (job, model key); per
@@ -134,24 +137,74 @@ def is_meta(m: profiler_pb2.Measurement) -> bool:
     return not m.source and m.kind in META_KINDS
 
 
-def read_log(path: Path) -> tuple[list[profiler_pb2.Measurement], int]:
-    """Every intact record of the log and the byte offset where the intact prefix ends."""
-    out: list[profiler_pb2.Measurement] = []
-    data = path.read_bytes() if path.exists() else b""
+def _record_at(data: bytes, off: int) -> profiler_pb2.Measurement | None:
+    """The record that starts at ``off`` if one is intact there (a non-empty payload that
+    fits, matches its crc and parses; the store never writes an empty record), else None."""
+    if off + _HEADER.size > len(data):
+        return None
+    n, crc = _HEADER.unpack_from(data, off)
+    end = off + _HEADER.size + n
+    if n == 0 or end > len(data):
+        return None
+    payload = data[off + _HEADER.size: end]
+    if zlib.crc32(payload) != crc:
+        return None
+    m = profiler_pb2.Measurement()
+    try:
+        m.ParseFromString(payload)
+    except Exception:  # a corrupt record that happens to match its crc
+        return None
+    return m
+
+
+@dataclass
+class LogScan:
+    """What ``scan_log`` found: every intact record (``records``) with its bytes
+    (``spans``: (start, end) offsets), the corrupt regions skipped because intact records
+    follow them (``skipped``: (start, end) offsets), and ``end``, the offset just past the
+    last intact record (what follows it is a torn tail: nothing intact after it)."""
+
+    records: list[profiler_pb2.Measurement]
+    spans: list[tuple[int, int]]
+    skipped: list[tuple[int, int]]
+    end: int
+
+
+def scan_log(data: bytes) -> LogScan:
+    """Scan a log's bytes. At a record that is not intact, resynchronise: the next offset
+    where an intact record starts (first the offset its own length field names, then byte
+    by byte) ends a corrupt region, and scanning goes on from there; when no intact record
+    follows, the rest is a torn tail (``end``)."""
+    out = LogScan([], [], [], 0)
     off = 0
-    while off + _HEADER.size <= len(data):
-        n, crc = _HEADER.unpack_from(data, off)
-        payload = data[off + _HEADER.size: off + _HEADER.size + n]
-        if len(payload) < n or zlib.crc32(payload) != crc:
-            break
-        m = profiler_pb2.Measurement()
-        try:
-            m.ParseFromString(payload)
-        except Exception:  # a corrupt record that happens to match its crc: stop here
-            break
-        out.append(m)
-        off += _HEADER.size + n
-    return out, off
+    while off < len(data):
+        m = _record_at(data, off)
+        if m is None:
+            nxt = None
+            if off + _HEADER.size <= len(data):  # the length field may be intact (a flipped payload byte)
+                guess = off + _HEADER.size + _HEADER.unpack_from(data, off)[0]
+                if guess < len(data) and _record_at(data, guess) is not None:
+                    nxt = guess
+            if nxt is None:
+                nxt = next((j for j in range(off + 1, len(data) - _HEADER.size + 1)
+                            if _record_at(data, j) is not None), None)
+            if nxt is None:
+                break  # nothing intact follows: a torn tail
+            out.skipped.append((off, nxt))
+            off = nxt
+            continue
+        end = off + _HEADER.size + _HEADER.unpack_from(data, off)[0]
+        out.records.append(m)
+        out.spans.append((off, end))
+        off = out.end = end
+    return out
+
+
+def read_log(path: Path) -> tuple[list[profiler_pb2.Measurement], int]:
+    """Every intact record of the log and the byte offset just past the last of them
+    (corrupt regions followed by intact records are skipped, see ``scan_log``)."""
+    scan = scan_log(path.read_bytes() if path.exists() else b"")
+    return scan.records, scan.end
 
 
 @dataclass(frozen=True)
@@ -479,14 +532,7 @@ class MeasurementStore:
         if tmp.exists():  # a compaction that crashed before its replace: the log is the old one
             self.log.warning("removing an interrupted compaction", path=str(tmp), bytes=tmp.stat().st_size)
             tmp.unlink()
-        records, good = read_log(self.path)
-        size = self.path.stat().st_size if self.path.exists() else 0
-        if good < size:
-            self.log.warning("truncating torn tail of the measurement log", path=str(self.path), kept_bytes=good, dropped_bytes=size - good)
-            with open(self.path, "r+b") as f:
-                f.truncate(good)
-                f.flush()
-                os.fsync(f.fileno())
+        records, good = self._recover()
         rx = self.opened_at  # the receipt time of records logged before receipt markers existed
         for m in records:
             if is_meta(m):
@@ -523,6 +569,44 @@ class MeasurementStore:
         self.log.info("measurement store opened", path=str(self.path), measurements=self.count,
                       retained=self.retained, sources=len(self.watermarks), bytes=good,
                       replay_duplicates=self.replay_duplicates, keys=self.keys, key_ttl_s=key_ttl_s)
+
+    def _recover(self) -> tuple[list[profiler_pb2.Measurement], int]:
+        """Read the log for replay (at open). A torn tail (nothing intact after it: a crash
+        mid-write, never acknowledged) is truncated away. Corrupt records followed by intact
+        ones (a flipped byte, bad media) are never a reason to lose what follows: the
+        original file is copied aside first (``<log>.corrupt-<unix time in ns>``), the log is
+        rewritten atomically to its intact records only, and an error names the bytes and
+        regions skipped. Returns the intact records and the log's size afterwards."""
+        data = self.path.read_bytes() if self.path.exists() else b""
+        scan = scan_log(data)
+        if scan.skipped:
+            aside = self.path.with_name(f"{LOG_NAME}.corrupt-{time.time_ns()}")
+            with open(aside, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            blob = b"".join(data[a:b] for a, b in scan.spans)
+            tmp = self.dir / TMP_NAME
+            with open(tmp, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            fsync_dir(self.dir)
+            self.log.error("measurement log has corrupt records followed by intact ones; skipped the corrupt "
+                           "bytes, kept every intact record, original copied aside", path=str(self.path),
+                           copy=str(aside), corrupt_regions=len(scan.skipped),
+                           skipped_bytes=sum(b - a for a, b in scan.skipped),
+                           torn_tail_bytes=len(data) - scan.end, records_kept=len(scan.records))
+            return scan.records, len(blob)
+        if scan.end < len(data):
+            self.log.warning("truncating torn tail of the measurement log", path=str(self.path),
+                             kept_bytes=scan.end, dropped_bytes=len(data) - scan.end)
+            with open(self.path, "r+b") as f:
+                f.truncate(scan.end)
+                f.flush()
+                os.fsync(f.fileno())
+        return scan.records, scan.end
 
     def receipt_time(self) -> float:
         """Now on the receipt clock: the wall clock at open (or at the last rebase) plus the

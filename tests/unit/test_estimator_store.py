@@ -77,3 +77,47 @@ async def test_unindexable_refusal_names_the_seq_last_and_persists_nothing(tmp_p
     assert "'step'" in msg and "'a'" in msg and "cannot be indexed" in msg and "KeyError" in msg
     assert s.watermark("a") == 0 and s.count == 0  # nothing of the batch
     s.close()
+
+
+async def test_corrupt_record_mid_log_is_skipped_not_truncated(tmp_path):
+    """One flipped byte inside an early record: every intact record after it is kept (no
+    truncation), the original is copied aside, and later appends continue normally."""
+    s = MeasurementStore(tmp_path)
+    for b in range(5):
+        await s.append([step("a", b * 10 + i, job=f"j{b}") for i in range(1, 11)])
+    s.close()
+    path = tmp_path / LOG_NAME
+    data = bytearray(path.read_bytes())
+    original = bytes(data)
+    data[200] ^= 0xFF
+    path.write_bytes(bytes(data))
+    s2 = MeasurementStore(tmp_path)
+    assert s2.count == 49 and s2.watermark("a") == 50
+    assert [len(s2.steps(job_id=f"j{b}")) for b in range(1, 5)] == [10, 10, 10, 10]
+    aside = list(tmp_path.glob(LOG_NAME + ".corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_bytes() == bytes(data) and len(original) == len(data)
+    await s2.append([step("a", 51)])
+    s2.close()
+    records, end = read_log(path)
+    assert end == path.stat().st_size
+    seqs = [r.seq for r in records if not is_meta(r)]
+    assert len(seqs) == 50 and seqs[-1] == 51
+    s3 = MeasurementStore(tmp_path)  # the rewritten log is clean: nothing more set aside
+    assert s3.count == 50 and len(list(tmp_path.glob(LOG_NAME + ".corrupt-*"))) == 1
+    s3.close()
+
+
+async def test_corrupt_length_field_resynchronises(tmp_path):
+    """A flipped byte in a record's length field: the scan finds the next intact header."""
+    s = MeasurementStore(tmp_path)
+    await s.append([step("a", i) for i in range(1, 6)])
+    await s.append([step("a", i) for i in range(6, 11)])
+    s.close()
+    path = tmp_path / LOG_NAME
+    records, _ = read_log(path)
+    data = bytearray(path.read_bytes())
+    data[2] ^= 0x10  # the first record's length (a receipt marker)
+    path.write_bytes(bytes(data))
+    s2 = MeasurementStore(tmp_path)
+    assert s2.count == 10 and s2.watermark("a") == 10
+    s2.close()
