@@ -213,7 +213,9 @@ class ExecutorManager:
         parts: Partitions | None = None,
         reap_grace_s: float = REAP_GRACE_S,
     ) -> None:
-        self.state_dir = Path(state_dir)
+        # Absolute, once: executors run with it as their cwd and are handed paths under it
+        # (their spec file), so a relative one would resolve twice.
+        self.state_dir = Path(state_dir).resolve()
         self.reap_grace_s = reap_grace_s
         self.devices = {d.id: d for d in devices}
         self.on_report = on_report

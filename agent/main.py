@@ -70,9 +70,11 @@ class Agent:
         self.node = NodeState(cfg.name, self.devices)
         # One partition backend per device (cpuset on CPUs; MIG, MPS or time slicing on GPUs);
         # ValueError when an explicit --partition-mode cannot apply to a device.
-        self.parts = Partitions.for_devices(self.devices, mode=cfg.partition_mode, state_dir=cfg.state_dir,
+        # Absolute once for all: executors (and MPS clients) run with other working dirs.
+        state_dir = Path(cfg.state_dir).resolve()
+        self.parts = Partitions.for_devices(self.devices, mode=cfg.partition_mode, state_dir=state_dir,
                                             mig_allow_changes=False, timeslice_slots=cfg.timeslice_slots)
-        self.mgr = ExecutorManager(Path(cfg.state_dir), self.devices, self._on_report, self._on_step, cfg.report_interval_s,
+        self.mgr = ExecutorManager(state_dir, self.devices, self._on_report, self._on_step, cfg.report_interval_s,
                                    parts=self.parts)
         self.channel = grpc.aio.insecure_channel(cfg.controller)
         self.nodes = controller_pb2_grpc.NodeServiceStub(self.channel)

@@ -394,3 +394,41 @@ async def test_an_over_long_line_is_dropped_whole_however_the_pipe_splits_it(n, 
     r.feed_eof()
     got = [x async for x in executors.output_lines(r, chunk=chunk * 13 + 1)]
     assert got == [b"first\n", None, b"after\n", b"last-without-newline"]
+
+
+# Reads its spec file (as the real runtime does) and says whether it could.
+OPEN_SPEC = """#!{python}
+import sys
+spec = sys.argv[sys.argv.index("--spec") + 1]
+try:
+    open(spec).read()
+except OSError as e:
+    print("cannot read spec", spec, e, flush=True)
+    sys.exit(2)
+print("spec ok", flush=True)
+"""
+
+
+async def test_a_relative_state_dir_is_resolved_once(tmp_path, monkeypatch):
+    # The agent's default --state-dir (".tessera/agent") is relative, and executors run
+    # with the state dir as their cwd: before the fix the spec path handed to them was
+    # relative too, so every executor looked for .tessera/agent/.tessera/agent/specs/...
+    monkeypatch.chdir(tmp_path)
+    rt = tmp_path / "fake-python"
+    rt.write_text(OPEN_SPEC.format(python=sys.executable))
+    rt.chmod(0o755)
+    devs = discover(1, use_nvml=False)
+    state = Path(".tessera/agent")
+    mgr = ExecutorManager(state, devs, _no_report, python=str(rt),
+                          parts=Partitions.for_devices(devs, state_dir=str(state)), reap_grace_s=0.5)
+    assert mgr.state_dir == tmp_path / ".tessera" / "agent"
+    ex, _ = await mgr.launch(allocation_id="a-1", job_id="j-1", rank=0, world_size=1, device_ids=["cpu0"],
+                             master_addr="127.0.0.1", master_port=1, runtime_spec={"workload": {"type": "gpt"}},
+                             checkpoint_dir="")
+    SPAWNED.append(ex.proc.pid)
+    await asyncio.wait_for(ex.done.wait(), 30)
+    assert ex.exit_code == 0, mgr.log_path("j-1").read_text()
+
+
+async def _no_report(ex, r):
+    pass
