@@ -321,7 +321,7 @@ class ExecutorManager:
             raise
         if self.stopping:
             # Shutdown began while it was starting: stop_all may not have seen it.
-            await self.stop(allocation_id, 0.0, by_agent=True)
+            await self._stop(allocation_id, 0.0, by_agent=True)  # holding the launch lock: not stop()
             raise ShuttingDown("agent is shutting down; not launching new executors")
         return ex, already
 
@@ -782,7 +782,21 @@ class ExecutorManager:
         """SIGTERM every running rank of ``allocation_id``, SIGKILL after ``grace_s``;
         returns how many were signalled. Waits until they are gone. ``by_agent``: the
         agent's own decision (shutdown, self-fencing), not the controller's: their EXITED
-        reports carry ``stopped_by_agent`` (the job is requeued, not failed)."""
+        reports carry ``stopped_by_agent`` (the job is requeued, not failed).
+
+        A launch of the allocation already in progress when the stop arrives (granted,
+        spawning) is waited for first (its launch lock), so the executor it starts is
+        stopped too, never left running after the stop answered. A launch that arrives
+        after the stop is a later request: it is not stopped."""
+        for key, entry in list(self._launch_locks.items()):
+            if key[0] == allocation_id:
+                async with entry[0]:
+                    pass  # that launch has now registered its executor (or failed)
+        return await self._stop(allocation_id, grace_s, by_agent)
+
+    async def _stop(self, allocation_id: str, grace_s: float, by_agent: bool) -> int:
+        """``stop`` without waiting for launches in progress (a launch holding its lock
+        calls this)."""
         targets = [e for e in self.executors.values() if e.allocation_id == allocation_id and e.running]
         deadline = time.monotonic() + grace_s
         for e in targets:

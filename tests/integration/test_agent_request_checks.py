@@ -432,3 +432,30 @@ async def test_a_relative_state_dir_is_resolved_once(tmp_path, monkeypatch):
 
 async def _no_report(ex, r):
     pass
+
+
+async def test_a_stop_during_a_launch_stops_what_it_starts(tmp_path, monkeypatch):
+    mgr = make_mgr(tmp_path)
+    svc = service(mgr)
+    loop = asyncio.get_running_loop()
+    spawning, go = asyncio.Event(), asyncio.Event()
+    real_exec = loop.subprocess_exec
+
+    async def held_exec(*a, **kw):  # the launch holds its grant and lock, the spawn not yet done
+        spawning.set()
+        await go.wait()
+        return await real_exec(*a, **kw)
+
+    monkeypatch.setattr(loop, "subprocess_exec", held_exec)
+    launch = asyncio.create_task(svc.LaunchExecutor(launch_req(mgr), Ctx()))
+    await spawning.wait()
+    stop = asyncio.create_task(svc.StopExecutor(
+        agent_pb2.StopExecutorRequest(allocation_id="a-0123456789ab", fencing_token=5, grace_s=2), Ctx()))
+    loop.call_soon(go.set)  # after the stop's first step (the ready queue is FIFO)
+    async with asyncio.timeout(30):
+        r = await launch
+        SPAWNED.append(r.pid)
+        s = await stop
+    # Before the fix: stopped=0 (nothing registered yet) and the executor ran on, its grant held.
+    assert s.stopped == 1
+    assert mgr.running_allocations() == [] and mgr.parts.grants() == []
