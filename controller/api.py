@@ -2,8 +2,13 @@
 
 Error mapping: SpecError -> INVALID_ARGUMENT (message names the field); NotFound ->
 NOT_FOUND (for a job id: says how long finished jobs are kept, ``finished_job_ttl_s``); AlreadyExists -> ALREADY_EXISTS; PreconditionFailed -> FAILED_PRECONDITION;
-NotLeader / Conflict / etcd unreachable -> UNAVAILABLE (retry); anything else ->
-INTERNAL, logged.
+NotLeader / Conflict / etcd unreachable -> UNAVAILABLE (retry); AgentRefused (an agent's
+refusal of a forwarded request) -> the agent's code; anything else -> INTERNAL, logged.
+
+Ids a client names (``job_id``, ``allocation_id``, a node's ``name``) longer than
+MAX_ID_CHARS are INVALID_ARGUMENT naming the field, before anything is read; echoed
+input is cut short in messages, and every status message is capped at
+MAX_MESSAGE_BYTES (UTF-8) so that it always fits gRPC's metadata limit.
 """
 
 from __future__ import annotations
@@ -17,13 +22,37 @@ from tessera import log
 from tessera.api.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from tessera.errors import SpecError
 
-from .core import AlreadyExists, Controller, NotFound, NotLeader, PreconditionFailed
+from . import tasks as peft_tasks
+from .core import AgentRefused, AlreadyExists, Controller, NotFound, NotLeader, PreconditionFailed
 from .store import Conflict
 
 _log = log.get(component="api")
 
+MAX_ID_CHARS = 256
+# The status message travels percent-encoded in a trailer (at most 3 bytes per byte);
+# gRPC's default metadata limit is 8 KiB.
+MAX_MESSAGE_BYTES = 2048
+
+
+def check_id(field: str, value: str, required: bool = True) -> None:
+    """SpecError(field) for an empty (when ``required``) or over-long id."""
+    if required and not value:
+        raise SpecError(field, "is required")
+    if len(value) > MAX_ID_CHARS:
+        raise SpecError(field, f"must be at most {MAX_ID_CHARS} characters, got {len(value)}")
+
+
+def cap_message(text: str) -> str:
+    """``text`` cut to at most MAX_MESSAGE_BYTES of UTF-8 (then "…")."""
+    raw = text.encode()
+    if len(raw) <= MAX_MESSAGE_BYTES:
+        return text
+    return raw[:MAX_MESSAGE_BYTES - 3].decode(errors="ignore") + "…"
+
 
 def _code(e: Exception) -> grpc.StatusCode:
+    if isinstance(e, AgentRefused):
+        return e.code
     if isinstance(e, SpecError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(e, NotFound):
@@ -48,7 +77,7 @@ def rpc(fn):
             code = _code(e)
             if code == grpc.StatusCode.INTERNAL:
                 _log.exception("internal error", rpc=fn.__name__)
-            await context.abort(code, str(e))
+            await context.abort(code, cap_message(str(e)))
     return wrapper
 
 
@@ -65,8 +94,7 @@ class JobService(controller_pb2_grpc.JobServiceServicer):
 
     @rpc
     async def GetJob(self, request, context):
-        if not request.job_id:
-            raise SpecError("job_id", "is required")
+        check_id("job_id", request.job_id)
         return await self.ctl.get(request.job_id)
 
     @rpc
@@ -80,14 +108,12 @@ class JobService(controller_pb2_grpc.JobServiceServicer):
 
     @rpc
     async def CancelJob(self, request, context):
-        if not request.job_id:
-            raise SpecError("job_id", "is required")
+        check_id("job_id", request.job_id)
         return await self.ctl.cancel(request.job_id, request.reason)
 
     @rpc
     async def GetJobLogs(self, request, context):
-        if not request.job_id:
-            raise SpecError("job_id", "is required")
+        check_id("job_id", request.job_id)
         text, truncated = await self.ctl.logs(request.job_id, request.tail_bytes or 64 << 10)
         return controller_pb2.GetJobLogsResponse(text=text, truncated=truncated)
 
@@ -95,17 +121,41 @@ class JobService(controller_pb2_grpc.JobServiceServicer):
         if request.start_revision < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start_revision: must be >= 0")
         try:
+            check_id("job_id", request.job_id, required=False)
+            if "/" in request.job_id:
+                await self.ctl.get(request.job_id)  # NotFound for an unknown job or task, as GetJob
+        except (SpecError, NotFound) as e:
+            await context.abort(_code(e), cap_message(str(e)))
+        try:
             async for ev in watch_jobs(self.ctl, request):
                 yield ev
         except aetcd.RevisionCompactedError as e:
-            await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"start_revision: compacted ({e}); list again and watch from its revision")
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                                cap_message(f"start_revision: compacted ({e}); list again and watch from its revision"))
         except aetcd.ClientError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd: {e}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, cap_message(f"etcd: {e}"))
 
 
 async def watch_jobs(ctl: Controller, request):
     """Yield JobEvents for matching jobs: a snapshot first when start_revision is 0,
-    then every change after the start revision, in revision order."""
+    then every change after the start revision, in revision order.
+
+    A ``job_id`` naming a peft task (``<job id>/<task>``) watches its job and yields the
+    task's view (``tasks.view``, as GetJob returns it) for every change of the job, and
+    DELETED with the task's id when the job is removed; like a job's watch, the stream
+    goes on until the client ends it."""
+    parent_id, task = peft_tasks.split_id(request.job_id)
+    if task is not None:
+        async for ev in watch_jobs(ctl, type(request)(tenant=request.tenant, job_id=parent_id,
+                                                      start_revision=request.start_revision)):
+            if ev.type == controller_pb2.JobEvent.DELETED:
+                ev.job.id = request.job_id
+                yield ev
+                continue
+            tv = peft_tasks.view(ev.job, task)
+            if tv is not None:
+                yield controller_pb2.JobEvent(type=ev.type, job=tv, revision=ev.revision)
+        return
     store = ctl.store
 
     def match(j: types_pb2.Job) -> bool:
@@ -149,6 +199,7 @@ class NodeService(controller_pb2_grpc.NodeServiceServicer):
 
     @rpc
     async def RegisterNode(self, request, context):
+        check_id("name", request.name, required=False)  # the rest is checked by Controller.register
         node = await self.ctl.register(request)
         return controller_pb2.RegisterNodeResponse(
             incarnation=node.incarnation,
@@ -158,8 +209,7 @@ class NodeService(controller_pb2_grpc.NodeServiceServicer):
 
     @rpc
     async def Heartbeat(self, request, context):
-        if not request.name:
-            raise SpecError("name", "is required")
+        check_id("name", request.name)
         stop = await self.ctl.heartbeat(request)
         return controller_pb2.HeartbeatResponse(stop_allocations=stop)
 
@@ -169,9 +219,8 @@ class NodeService(controller_pb2_grpc.NodeServiceServicer):
 
     @rpc
     async def ReportExecutor(self, request, context):
-        if not request.job_id:
-            raise SpecError("job_id", "is required")
-        if not request.allocation_id:
-            raise SpecError("allocation_id", "is required")
+        check_id("job_id", request.job_id)
+        check_id("allocation_id", request.allocation_id)
+        check_id("task", request.task, required=False)
         stale = await self.ctl.report(request)
         return controller_pb2.ReportExecutorResponse(stale=stale)

@@ -58,6 +58,25 @@ class NotLeader(Exception):
     pass
 
 
+class AgentRefused(Exception):
+    """An agent answered a forwarded request with a status that retrying cannot change
+    (e.g. INVALID_ARGUMENT): the API passes ``code`` on to the client unchanged."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# Client input echoed in an error message is cut to this many characters (a long id or
+# token would otherwise make the status trailer exceed gRPC's metadata limit).
+ECHO_CHARS = 64
+
+
+def short(text: str) -> str:
+    """``text`` as echoed in an error message: at most ECHO_CHARS characters, then "…"."""
+    return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + "…"
+
+
 def new_job_id() -> str:
     return "j-" + secrets.token_hex(6)
 
@@ -115,7 +134,7 @@ def _decode_page_token(token: str) -> tuple[float, str] | None:
         created, job_id = json.loads(base64.urlsafe_b64decode(token.encode()))
         return float(created), str(job_id)
     except (ValueError, TypeError, binascii.Error):
-        raise SpecError("page_token", f"not a token this server issued: {token!r}") from None
+        raise SpecError("page_token", f"not a token this server issued: {short(token)!r}") from None
 
 
 # Finished jobs removed per reconcile round at most (retention): a backlog (the TTL just
@@ -248,6 +267,7 @@ class Controller:
     def not_found(self, job_id: str) -> NotFound:
         """The NOT_FOUND of a job id that is not (or no longer) stored."""
         ttl = self.cfg.finished_job_ttl_s
+        job_id = short(job_id)
         if not ttl > 0:
             return NotFound(f"job {job_id} not found (finished jobs are kept forever here: finished_job_ttl_s=0)")
         return NotFound(f"job {job_id} not found: finished jobs are kept for finished_job_ttl_s={ttl:g}s "
@@ -345,7 +365,7 @@ class Controller:
             return v.value
         tv = peft_tasks.view(v.value, task)
         if tv is None:
-            raise NotFound(f"job {parent_id} has no task {task!r}")
+            raise NotFound(f"job {parent_id} has no task {short(task)!r}")
         return tv
 
     async def list(self, tenant: str, phases: list[int], page_size: int, page_token: str, include_tasks: bool = False):
@@ -427,7 +447,7 @@ class Controller:
 
         def fn(job):
             if peft_tasks.view(job, task) is None:
-                raise NotFound(f"job {parent_id} has no task {task!r}")
+                raise NotFound(f"job {parent_id} has no task {short(task)!r}")
             t = peft_tasks.find(job, task)
             if t is not None and t.phase == P.CANCELLED:
                 return None
@@ -461,18 +481,18 @@ class Controller:
     # -- nodes ------------------------------------------------------------------------
     async def register(self, req: controller_pb2.RegisterNodeRequest) -> types_pb2.Node:
         if not req.name or not manifest.NAME_RE.match(req.name) or len(req.name) > 63:
-            raise SpecError("name", f"must match {manifest.NAME_RE.pattern}, got {req.name!r}")
+            raise SpecError("name", f"must match {manifest.NAME_RE.pattern}, got {short(req.name)!r}")
         if not req.agent_address or ":" not in req.agent_address:
-            raise SpecError("agent_address", f"must be HOST:PORT, got {req.agent_address!r}")
+            raise SpecError("agent_address", f"must be HOST:PORT, got {short(req.agent_address)!r}")
         if not req.devices:
             raise SpecError("devices", "at least one device is required")
         seen = set()
         for i, d in enumerate(req.devices):
             if not d.id or d.id in seen:
-                raise SpecError(f"devices[{i}].id", f"must be non-empty and unique, got {d.id!r}")
+                raise SpecError(f"devices[{i}].id", f"must be non-empty and unique, got {short(d.id)!r}")
             seen.add(d.id)
             if d.kind not in ("cpu", "gpu"):
-                raise SpecError(f"devices[{i}].kind", f"must be 'cpu' or 'gpu', got {d.kind!r}")
+                raise SpecError(f"devices[{i}].kind", f"must be 'cpu' or 'gpu', got {short(d.kind)!r}")
             if d.capacity < 0:
                 raise SpecError(f"devices[{i}].capacity", f"must be >= 0, got {d.capacity}")
             if d.memory_bytes < 0:
@@ -480,10 +500,10 @@ class Controller:
         pseen: set[str] = set()
         for i, p in enumerate(req.partitions):
             if not p.id or p.id in pseen or "/" in p.id:
-                raise SpecError(f"partitions[{i}].id", f"must be non-empty, unique and without '/', got {p.id!r}")
+                raise SpecError(f"partitions[{i}].id", f"must be non-empty, unique and without '/', got {short(p.id)!r}")
             pseen.add(p.id)
             if p.device_id not in seen:
-                raise SpecError(f"partitions[{i}].device_id", f"must be one of the devices, got {p.device_id!r}")
+                raise SpecError(f"partitions[{i}].device_id", f"must be one of the devices, got {short(p.device_id)!r}")
             if p.capacity_units <= 0:
                 raise SpecError(f"partitions[{i}].capacity_units", f"must be > 0, got {p.capacity_units}")
             if p.memory_bytes < 0:
@@ -510,7 +530,7 @@ class Controller:
         self._require_leader()
         v = await self.store.get_node(req.name)
         if v is None or v.value.incarnation != req.incarnation:
-            raise PreconditionFailed(f"node {req.name}: incarnation {req.incarnation!r} is not current; register again")
+            raise PreconditionFailed(f"node {req.name}: incarnation {short(req.incarnation)!r} is not current; register again")
         now = self.clock()
         self.heartbeats[req.name] = now
         self.node_allocs[req.name] = (now, frozenset(req.running_allocations))
@@ -1264,20 +1284,30 @@ class Controller:
                 self.log.warning("stop failed", node_id=s.node, allocation=alloc_id, error=e.details())
 
     async def logs(self, job_id: str, tail: int) -> tuple[str, bool]:
+        """The last ``tail`` bytes of a job's executor log from every READY node that has
+        one. A peft task (``<job id>/<task>``) shares its job's executor: its log is the
+        job's; a job fused into another's executor (``status.fused_into``; likewise its
+        tasks) reads its host's. NotFound for an unknown job or task; a node without the
+        log is skipped; an agent that cannot be reached (UNAVAILABLE, DEADLINE_EXCEEDED)
+        is ConnectionError (retry) when no node answered; any other refusal of an agent
+        is AgentRefused with the agent's code."""
         if tail < 0 or tail > 4 << 20:
             raise SpecError("tail_bytes", f"must be between 0 and {4 << 20}, got {tail}")
-        job = await self.get(job_id)
-        if job.status.fused_into:
-            job_id = job.status.fused_into  # its tasks' output is in its host's executor log
+        await self.get(job_id)  # NotFound for an unknown job or task
+        parent_id, _ = peft_tasks.split_id(job_id)
+        job = await self.get(parent_id)
+        log_id = job.status.fused_into or parent_id  # a guest's output is in its host's executor log
         parts, truncated, errors = [], False, []
         for n in await self.list_nodes():
             if n.state != types_pb2.READY:
                 continue
             try:
-                r = await self.agents.stub(n.agent_address).ReadLogs(agent_pb2.ReadLogsRequest(job_id=job_id, tail_bytes=tail), timeout=5)
+                r = await self.agents.stub(n.agent_address).ReadLogs(agent_pb2.ReadLogsRequest(job_id=log_id, tail_bytes=tail), timeout=5)
             except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.NOT_FOUND:
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     errors.append(f"{n.name}: {e.details()}")
+                elif e.code() != grpc.StatusCode.NOT_FOUND:
+                    raise AgentRefused(e.code(), f"agent of node {n.name}: {e.details()}") from None
                 continue
             parts.append(f"==> node {n.name} <==\n{r.text}")
             truncated |= r.truncated
