@@ -172,7 +172,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServiceServicer):
         if model.version <= request.if_newer_than:
             return estimator_pb2.ModelSnapshot(version=model.version, unchanged=True, format=FORMAT,
                                                fitted_at=k.fitted_at, measurements=k.measurements)
-        return estimator_pb2.ModelSnapshot(version=model.version, format=FORMAT, json=json.dumps(model.to_dict()),
+        return estimator_pb2.ModelSnapshot(version=model.version, format=FORMAT, json=json.dumps(model.to_dict(), allow_nan=False),
                                            fitted_at=k.fitted_at, measurements=k.measurements)
 
     async def ListProfiles(self, request, context):

@@ -164,6 +164,14 @@ def is_profile(steps: dict[int, float]) -> bool:
     return len(steps) - WARMUP_STEPS >= MIN_MEASURED
 
 
+def _median(values: list[float]) -> float:
+    """The median, overflow-safe (``np.median`` averages the middle pair as (a + b) / 2,
+    which is inf for two values near the float maximum)."""
+    v = sorted(values)
+    n = len(v)
+    return float(v[n // 2]) if n % 2 else float(v[n // 2 - 1] / 2 + v[n // 2] / 2)
+
+
 def profiles(runs: dict[tuple, dict[int, float]]) -> list[Profile]:
     """Profile points of the runs with at least ``MIN_MEASURED`` steps after warm-up
     (``is_profile``), sorted by (device type, module, job)."""
@@ -174,10 +182,13 @@ def profiles(runs: dict[tuple, dict[int, float]]) -> list[Profile]:
         ts = [steps[k] for k in sorted(steps)][WARMUP_STEPS:]
         job, dev, module = key[:3]
         layers, hidden, heads, vocab, seq_len, batch, mb = key[3:10]
-        med = float(np.median(ts))
+        med = _median(ts)
         p10, p90 = np.percentile(ts, [10, 90])
+        spread = float((p90 - p10) / med) if med > 0 else 0.0
+        if not (math.isfinite(med) and math.isfinite(spread)):  # never served, never a model input
+            continue
         out.append(Profile(job, dev, module, layers, hidden, heads, vocab, seq_len, batch, mb, key[10], len(ts), med,
-                           float((p90 - p10) / med) if med > 0 else 0.0))
+                           spread))
     return sorted(out, key=lambda p: (p.device_type, p.module, p.job_id))
 
 
@@ -218,7 +229,7 @@ def build_model(runs: dict, comm_rows: list[dict], colocation_rows: list[dict], 
 def _canonical(model: PerfModel) -> str:
     d = model.to_dict()
     d.pop("version")
-    return json.dumps(d, sort_keys=True, allow_nan=True)
+    return json.dumps(d, sort_keys=True, allow_nan=False)  # ValueError on NaN/inf: never published
 
 
 class ModelKeeper:
@@ -267,7 +278,12 @@ class ModelKeeper:
         t0 = time.perf_counter()
         new = await asyncio.to_thread(build_model, runs, comm, colo, self.model.version)
         self._last_fit = self.clock()
-        changed = _canonical(new) != _canonical(self.model)
+        try:
+            changed = _canonical(new) != _canonical(self.model)
+        except ValueError as e:  # a NaN/inf in the fit: keep serving the last good model, retry later
+            self.log.error("refit produced a snapshot that is not finite JSON; keeping the current model",
+                           version=self.model.version, revision=rev, error=str(e))
+            return
         model = self.model
         if changed:
             new.version = self.model.version + 1
@@ -286,5 +302,5 @@ class ModelKeeper:
 
     def _persist(self, model: PerfModel, revision: int, fitted_at: float, measurements: int) -> None:
         blob = json.dumps({"revision": revision, "fitted_at": fitted_at,
-                           "measurements": measurements, "snapshot": model.to_dict()})
+                           "measurements": measurements, "snapshot": model.to_dict()}, allow_nan=False)
         atomic_write(self.path, lambda f: f.write(blob.encode()))

@@ -41,22 +41,25 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 def summarize(samples: Iterable[StepSample]) -> Summary | None:
     """Mean, p50, p90 of the step time and the mean of each phase (over the samples
-    that report that phase); ``None`` when there are no samples."""
+    that report that phase); ``None`` when there are no samples. Overflow-safe (means are
+    sums of value/n, never above the largest value), and never NaN/inf out: a non-finite
+    phase value or time (only in a log written before ``tessera.measurement.malformed``
+    refused them) is left out of its mean / of ``last_time``."""
     samples = list(samples)
     if not samples:
         return None
     times = sorted(s.step_time_s for s in samples)
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
+    phases: dict[str, list[float]] = {}
     for s in samples:
         for k, v in s.phases.items():
-            sums[k] = sums.get(k, 0.0) + v
-            counts[k] = counts.get(k, 0) + 1
+            if math.isfinite(v):
+                phases.setdefault(k, []).append(v)
+    stamps = [s.time for s in samples if math.isfinite(s.time)]
     return Summary(
         samples=len(samples),
-        mean_step_time_s=math.fsum(times) / len(times),
+        mean_step_time_s=math.fsum(t / len(times) for t in times),
         p50_step_time_s=percentile(times, 0.5),
         p90_step_time_s=percentile(times, 0.9),
-        mean_phases={k: sums[k] / counts[k] for k in sorted(sums)},
-        last_time=max(s.time for s in samples),
+        mean_phases={k: math.fsum(v / len(vs) for v in vs) for k, vs in sorted(phases.items())},
+        last_time=max(stamps, default=0.0),
     )

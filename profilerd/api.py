@@ -1,8 +1,8 @@
 """ProfilerService: thin gRPC servicer over the daemon's ``Profilerd`` core.
 
 ReportStep refuses (INVALID_ARGUMENT, naming the field, nothing buffered) what the
-estimator would refuse (``tessera.measurement.malformed``: a NaN/inf or negative step
-time, a numeric label that does not parse) and a measurement over
+estimator would refuse (``tessera.measurement.malformed``: a NaN/inf, negative or
+implausibly large step time or phase, a NaN/inf time, a numeric label that does not parse) and a measurement over
 ``MAX_MEASUREMENT_BYTES``: buffered, either would block the stream to the estimator."""
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ PROFILE_MIN_MEASURED = 3
 RUN_INTS = ("layers", "hidden", "heads", "vocab", "seq_len", "batch", "micro_batches")
 # Labels a step measurement's run key parses as numbers (``malformed`` checks them).
 NUMERIC_LABELS = ("world_size",) + RUN_INTS + ("threads",)
+# Plausibility bound of a step time and of each phase (seconds: ~11.6 days). Anything
+# larger is a unit or clock bug, and would overflow the estimator's sums and medians.
+MAX_STEP_TIME_S = 1e6
 # Values of the row kinds that must be finite numbers when present.
 ROW_VALUES = {"comm": ("bytes", "world", "seconds", "compute_s"),
               "colocation": ("colocated", "oversubscription", "alone_s", "together_s")}
@@ -37,12 +40,19 @@ def number(x) -> float | None:
 
 
 def malformed(m) -> str | None:
-    """"<field>: why" for a measurement whose model inputs are not numbers (a label that
-    does not parse, a NaN/inf or negative step time, a NaN/inf value of a comm or
-    colocation row), else None."""
+    """"<field>: why" for a measurement whose model inputs are not numbers, else None:
+    a ``time`` that is NaN/inf (any kind); for a step, a ``step_time_s`` or a
+    ``phases.<name>`` that is NaN/inf, negative or above ``MAX_STEP_TIME_S``, or a numeric
+    label that does not parse; a NaN/inf value of a comm or colocation row."""
+    if not math.isfinite(m.time):
+        return f"time: must be a finite number, got {m.time}"
     if m.kind == "step":
-        if not math.isfinite(m.step_time_s) or m.step_time_s < 0:
-            return f"step_time_s: must be a finite number >= 0, got {m.step_time_s}"
+        if not (math.isfinite(m.step_time_s) and 0 <= m.step_time_s <= MAX_STEP_TIME_S):
+            return f"step_time_s: must be a finite number in [0, {MAX_STEP_TIME_S:g}] seconds, got {m.step_time_s}"
+        for k in sorted(m.phases):
+            v = m.phases[k]
+            if not (math.isfinite(v) and 0 <= v <= MAX_STEP_TIME_S):
+                return f"phases.{k}: must be a finite number in [0, {MAX_STEP_TIME_S:g}] seconds, got {v}"
         for k in NUMERIC_LABELS:
             if k in m.labels and m.labels[k] != "" and number(m.labels[k]) is None:
                 return f"labels.{k}: must be a finite number, got {m.labels[k]!r}"

@@ -276,4 +276,4 @@ def test_malformed_is_the_shared_check_profilerd_applies_too():
     assert estimator.models.malformed is tessera.measurement.malformed is estimator.api.malformed
     assert estimator.models.RUN_INTS == tessera.measurement.RUN_INTS
     m = profiler_pb2.Measurement(source="s", seq=4, kind="step", step_time_s=math.inf)
-    assert estimator.api.validate(m, 2) == "measurements[2].step_time_s: must be a finite number >= 0, got inf (seq 4)"
+    assert estimator.api.validate(m, 2) == "measurements[2].step_time_s: must be a finite number in [0, 1e+06] seconds, got inf (seq 4)"
