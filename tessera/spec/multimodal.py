@@ -24,6 +24,7 @@ Section (defaults in brackets)::
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 from tessera.errors import SpecError
@@ -96,7 +97,13 @@ def _typed(value: Any, kind: str, field: str) -> Any:
         return value
     if not isinstance(value, (int, float)):
         raise SpecError(field, f"must be a number, got {type(value).__name__}")
-    return float(value)
+    try:
+        f = float(value)
+    except OverflowError:  # an int too large for a double
+        raise SpecError(field, f"must be a finite number, got {value}") from None
+    if not math.isfinite(f):
+        raise SpecError(field, f"must be a finite number, got {value}")
+    return f
 
 
 def _mapping(value: Any, field: str) -> dict:

@@ -38,6 +38,7 @@ allocate in the executor); without it the rank is checked against ``INT_MAX`` on
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -47,6 +48,7 @@ MODES = ("spatial", "temporal")
 TARGETS = ("qkv", "proj", "fc", "out")
 KINDS = ("synthetic", "jsonl", "text")
 DISTRIBUTIONS = ("uniform", "longtail")
+# Matched with ``fullmatch``: ``$`` alone would also accept a name ending in "\n".
 NAME_RE = re.compile(r"^[a-z0-9]([-_a-z0-9]*[a-z0-9])?$")
 # ``<job id>_<task>``: the name of a task fused into another job's executor (the
 # controller's LoRA fusion, controller/fusion.py ``_FUSED_RE``). A job's own task named
@@ -100,9 +102,13 @@ def _pos_float(v: Any, path: str, nullable: bool = False) -> float | None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise SpecError(path, f"must be a number, got {type(v).__name__}")
-    if not v > 0 or v != v or v == float("inf"):
+    try:
+        f = float(v)
+    except OverflowError:  # an int too large for a double
+        raise SpecError(path, f"must be a finite number, got {v}") from None
+    if not f > 0 or not math.isfinite(f):
         raise SpecError(path, f"must be a positive finite number, got {v}")
-    return float(v)
+    return f
 
 
 def _choice(v: Any, path: str, choices: tuple[str, ...]) -> str:
@@ -160,7 +166,7 @@ def validate_task(t: Any, path: str, index: int = 0, defaults: dict | None = Non
     if "name" not in t:
         raise SpecError(f"{path}.name", "is required")
     name = t["name"]
-    if not isinstance(name, str) or not NAME_RE.match(name) or len(name) > 63:
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or len(name) > 63:
         raise SpecError(f"{path}.name", f"must be 1-63 of a-z, 0-9, '-', '_' (alphanumeric at both ends), got {name!r}")
     if not fused and FUSED_PREFIX_RE.match(name):
         raise SpecError(f"{path}.name", f"the prefix 'j-<12 hex digits>_' is reserved for fused tasks "
