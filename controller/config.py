@@ -11,6 +11,12 @@ from tessera.measurement import PROFILE_MIN_MEASURED, PROFILE_WARMUP_STEPS
 
 @dataclass(frozen=True)
 class ControllerConfig:
+    """The controller's settings; construction refuses a value it could not run with
+    (``SpecError`` naming the field): ``grace_s``, ``heartbeat_interval_s``,
+    ``reconcile_interval_s`` and ``profile_grace_s`` finite and > 0, ``lease_ttl_s`` and
+    ``max_attempts`` integers >= 1, ``profile_steps`` enough for a profile point,
+    ``finished_job_ttl_s`` finite and >= 0."""
+
     listen: str = field(default="127.0.0.1:50051", metadata={"help": "gRPC listen address HOST:PORT"})
     etcd: str = field(default="127.0.0.1:2379", metadata={"help": "etcd endpoint HOST:PORT"})
     prefix: str = field(default="/tessera", metadata={"help": "etcd key prefix of this cluster's state"})
@@ -44,6 +50,16 @@ class ControllerConfig:
             raise SpecError("profile_steps", f"must be an integer >= {least} (the estimator drops the first "
                                              f"{PROFILE_WARMUP_STEPS} as warm-up and needs {PROFILE_MIN_MEASURED} "
                                              f"measured), got {self.profile_steps!r}")
+        # Durations and counts the controller loops on: 0, negative or NaN would make nodes
+        # NOT_READY at once, a busy loop, a lease that never holds or jobs that never run.
+        for name in ("grace_s", "heartbeat_interval_s", "reconcile_interval_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                raise SpecError(name, f"must be a finite number > 0 seconds, got {v!r}")
+        for name in ("lease_ttl_s", "max_attempts"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SpecError(name, f"must be an integer >= 1, got {v!r}")
         grace = self.profile_grace_s
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (math.isfinite(grace) and grace > 0):
             raise SpecError("profile_grace_s", f"must be a finite number > 0 seconds, got {grace!r}")

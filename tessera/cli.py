@@ -538,6 +538,18 @@ def seconds(text: str) -> float:
     return v
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count: an integer >= 1 (else a usage error, exit 2, before
+    anything is started)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--controller", metavar="HOST:PORT",
@@ -583,9 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--dir", default=".tessera", help="testbed state directory (default .tessera)")
 
     p = sub.add_parser("up", parents=[output_only, tb], help="start a local testbed")
-    p.add_argument("--agents", type=int, default=2, metavar="N")
-    p.add_argument("--cpu-devices", type=int, default=2, metavar="K", help="CPU devices per agent")
-    p.add_argument("--grace-s", type=float, default=10.0, help="node grace period of the controller")
+    p.add_argument("--agents", type=positive_int, default=2, metavar="N")
+    p.add_argument("--cpu-devices", type=positive_int, default=2, metavar="K", help="CPU devices per agent")
+    p.add_argument("--grace-s", type=seconds, default=10.0, metavar="S", help="node grace period of the controller")
     p.add_argument("--detach", action="store_true", help="return once everything is ready; stop with `tessera down`")
     p.add_argument("--keep-state", action="store_true", help="reuse etcd data and state of a previous testbed")
     p.add_argument("--start-timeout", type=seconds, default=60.0, metavar="S", help="per-process readiness deadline")
@@ -600,9 +612,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--examples", default="examples", metavar="DIR")
     p.add_argument("--timeout", type=seconds, default=900.0, metavar="S", help="for all jobs together")
     p.add_argument("--keep", action="store_true", help="leave the testbed running")
-    p.add_argument("--agents", type=int, default=2, metavar="N")
-    p.add_argument("--cpu-devices", type=int, default=2, metavar="K")
-    p.add_argument("--grace-s", type=float, default=10.0)
+    p.add_argument("--agents", type=positive_int, default=2, metavar="N")
+    p.add_argument("--cpu-devices", type=positive_int, default=2, metavar="K")
+    p.add_argument("--grace-s", type=seconds, default=10.0, metavar="S")
     p.set_defaults(fn=cmd_demo)
     return ap
 

@@ -71,12 +71,16 @@ def phase_name(phase: int) -> str:
 
 
 def parse_phase(name: str) -> int:
-    """``"running"`` (any case) -> ``types_pb2.RUNNING``; ``ValueError`` listing the phases."""
+    """``"running"`` (any case) -> ``types_pb2.RUNNING``; ``ValueError`` listing the phases,
+    also for ``JOB_PHASE_UNSPECIFIED`` (value 0: no phase, which no job has)."""
     try:
-        return types_pb2.JobPhase.Value(name.upper())
+        value = types_pb2.JobPhase.Value(name.upper())
     except ValueError:
+        value = 0
+    if value == 0:
         names = [n for n in types_pb2.JobPhase.keys() if n != "JOB_PHASE_UNSPECIFIED"]
-        raise ValueError(f"unknown phase {name!r} (one of {', '.join(names)})") from None
+        raise ValueError(f"unknown phase {name!r} (one of {', '.join(names)})")
+    return value
 
 
 class NoControllerAddress(TesseraError):

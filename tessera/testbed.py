@@ -205,11 +205,15 @@ class Testbed:
         (after stopping whatever it started) if a process fails to become ready within
         ``timeout`` seconds, and too when etcd is not installed or fails to start or ``dir``
         cannot be used: never a traceback for the CLI to show.
-        ``with_estimator``/``with_profilerd``: None = when installed."""
+        ``with_estimator``/``with_profilerd``: None = when installed. ``agents`` and
+        ``cpu_devices`` must be >= 1 and ``grace_s`` finite and > 0 (else ``TestbedError``,
+        nothing started; the CLI refuses them earlier, as usage errors)."""
         if agents < 1:
             raise TestbedError(f"--agents must be >= 1, got {agents}")
         if cpu_devices < 1:
             raise TestbedError(f"--cpu-devices must be >= 1, got {cpu_devices}")
+        if not (isinstance(grace_s, (int, float)) and 0 < grace_s < float("inf")):
+            raise TestbedError(f"--grace-s must be a finite number of seconds > 0, got {grace_s}")
         if self.running():
             raise TestbedError(f"a testbed is already running in {self.dir} (see {self.file}); run `tessera down` first")
         try:
