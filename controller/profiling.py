@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import grpc
 
-from tessera import log, manifest
+from tessera import grpcserver, log, manifest
 from tessera.api.v1 import estimator_pb2, estimator_pb2_grpc, types_pb2
 from tessera.modelkey import arch_key, shape_key
 from tessera.perfmodel import Candidate, Estimate, PerfModel
@@ -136,7 +136,8 @@ class EstimatorLink:
     """gRPC client of the estimator with a cached model snapshot."""
 
     def __init__(self, address: str, timeout_s: float = 5.0) -> None:
-        self.channel = grpc.aio.insecure_channel(address)
+        # the estimator's message limits (EstimateBatch at MAX_BATCH, large snapshots)
+        self.channel = grpc.aio.insecure_channel(address, options=grpcserver.LARGE_MESSAGES)
         self.stub = estimator_pb2_grpc.EstimatorServiceStub(self.channel)
         self.timeout_s = timeout_s
         self.model = PerfModel(version=0)

@@ -36,13 +36,14 @@ def open_store(cfg: EstimatorConfig, clock: Callable[[], float] = time.time,
 async def start(cfg: EstimatorConfig,
                 clock: Callable[[], float] = time.time,
                 monotonic: Callable[[], float] = elapsed_clock) -> tuple[grpcserver.Running, MeasurementStore]:
-    """Open the store (``clock``, ``monotonic`` as in ``open_store``) and start serving; the
-    caller stops the server, then closes the store."""
+    """Open the store (``clock``, ``monotonic`` as in ``open_store``) and start serving
+    (messages up to ``grpcserver.MAX_MESSAGE_BYTES`` both ways: EstimateBatch at
+    ``api.MAX_BATCH``); the caller stops the server, then closes the store."""
     store = open_store(cfg, clock, monotonic)
     try:
         svc = EstimatorService(store, ModelKeeper(store, cfg.state_dir, min_refit_interval_s=cfg.min_refit_interval_s))
         running = await grpcserver.start([(estimator_pb2_grpc.add_EstimatorServiceServicer_to_server, svc)],
-                                         [SERVICE], cfg.listen)
+                                         [SERVICE], cfg.listen, grpcserver.LARGE_MESSAGES)
     except BaseException:
         store.close()
         raise
@@ -61,7 +62,8 @@ async def serve(cfg: EstimatorConfig, stop: asyncio.Event | None = None) -> None
     try:
         svc = EstimatorService(store, ModelKeeper(store, cfg.state_dir, min_refit_interval_s=cfg.min_refit_interval_s))
         await grpcserver.serve([(estimator_pb2_grpc.add_EstimatorServiceServicer_to_server, svc)],
-                               [SERVICE], cfg.listen, stop=stop, grace=cfg.grace_s, on_started=started)
+                               [SERVICE], cfg.listen, stop=stop, grace=cfg.grace_s, on_started=started,
+                               options=grpcserver.LARGE_MESSAGES)
     finally:
         store.close()
         logger.info("estimator stopped", measurements=store.count, duplicates=store.duplicates, retained=store.retained,

@@ -55,6 +55,14 @@ class Running:
         await self.server.stop(grace)
 
 
+# Message limits (both ways) for a service whose calls may carry large batches (the
+# estimator's EstimateBatch at its MAX_BATCH): gRPC's default receive limit is 4 MiB.
+# Servers pass it to ``start``/``serve``; their clients' channels take the same options.
+MAX_MESSAGE_BYTES = 64 << 20
+LARGE_MESSAGES = (("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES))
+
+
 async def start(servicers: Sequence[tuple[AddFn, Any]], service_names: Sequence[str], listen: str,
                 options: Sequence[tuple[str, Any]] | None = None) -> Running:
     """Build, bind (insecure) and start a server on ``listen``; raise ``OSError`` when the
@@ -84,16 +92,18 @@ async def start(servicers: Sequence[tuple[AddFn, Any]], service_names: Sequence[
 async def serve(servicers: Sequence[tuple[AddFn, Any]], service_names: Sequence[str], listen: str, *,
                 stop: asyncio.Event | None = None, grace: float = 3.0,
                 on_started: Callable[[Running], Awaitable[None] | None] | None = None,
-                on_stop: Callable[[], Awaitable[None] | None] | None = None) -> None:
+                on_stop: Callable[[], Awaitable[None] | None] | None = None,
+                options: Sequence[tuple[str, Any]] | None = None) -> None:
     """Run a server until ``stop`` is set; without ``stop``, until SIGTERM or SIGINT
     (handlers installed on the running loop, main thread only). ``on_started`` gets the
-    ``Running`` handle once serving; ``on_stop`` runs after the server has stopped."""
+    ``Running`` handle once serving; ``on_stop`` runs after the server has stopped;
+    ``options``: server options as in ``start`` (e.g. ``LARGE_MESSAGES``)."""
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    running = await start(servicers, service_names, listen)
+    running = await start(servicers, service_names, listen, options)
     try:
         if on_started is not None:
             r = on_started(running)

@@ -217,3 +217,26 @@ async def test_malformed_measurement_is_invalid_argument_and_never_persisted(tmp
         assert (await est.stub.GetWatermark(estimator_pb2.GetWatermarkRequest(source=SRC))).seq == 0
     async with Est(tmp_path / "est") as est:  # reopens fine
         assert (await est.stub.GetWatermark(estimator_pb2.GetWatermarkRequest(source=SRC))).seq == 0
+
+
+async def test_estimate_batch_at_max_batch_fits_the_message_limits(tmp_path):
+    """MAX_BATCH realistic candidates (over gRPC's default 4 MiB both ways) go through the
+    estimator's server and the controller's EstimatorLink channel; one more is refused."""
+    from controller.profiling import EstimatorLink
+    from estimator.api import MAX_BATCH
+
+    c = estimator_pb2.Candidate(device_type="cpu", layers=4, hidden=128, heads=4, vocab=256, seq_len=64, batch=16,
+                                dp=2, quota=1.0, link="loopback-gloo", module="gpt:l4-h128-a4-s64-v256")
+    req = estimator_pb2.EstimateBatchRequest(candidates=[c] * MAX_BATCH)
+    assert req.ByteSize() > 4 << 20
+    async with Est(tmp_path) as e:
+        link = EstimatorLink(f"127.0.0.1:{e.port}")
+        try:
+            r = await link.stub.EstimateBatch(req, timeout=60)
+            assert len(r.estimates) == MAX_BATCH and r.ByteSize() > 4 << 20
+            req.candidates.append(c)
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await link.stub.EstimateBatch(req, timeout=60)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "candidates" in ei.value.details()
+        finally:
+            await link.close()
