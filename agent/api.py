@@ -5,8 +5,10 @@ when the quota asked exceeds the partition's free capacity (the reason names the
 partition, the amounts and the holders), at launch and at a live UpdateGrant;
 FAILED_PRECONDITION also for an UpdateGrant on a partition that cannot change live
 (MPS, MIG: checkpoint and relaunch instead); INVALID_ARGUMENT for a bad request;
-NOT_FOUND for logs of a job this node never ran; UNAVAILABLE for a launch once the agent
-has begun shutting down; INTERNAL for a launch the node itself cannot carry out (its log or
+INVALID_ARGUMENT names the field (``world_size``, ``device_ids``, an absolute
+``checkpoint_dir``, ``runtime_spec_json.workload...``: ``spec_problem``); NOT_FOUND for
+logs of a job this node never ran; UNAVAILABLE for a launch once the agent has begun
+shutting down; INTERNAL for a launch the node itself cannot carry out (its log or
 spec file cannot be written; nothing is spawned, the grant is released).
 
 Ids: ``allocation_id`` and ``job_id`` name files under the state dir (specs, records,
@@ -23,13 +25,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import grpc
 
+from agent.runtime.__main__ import RUNNERS  # names only: the runners' modules are imported lazily, by the runtime
 from tessera.api.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 
 from .executors import BadRequest, CapacityError, ExecutorManager, NotRunning, ShuttingDown, id_problem
 from .partitions import NotLive
+
+
+# The workload types a runtime spec may name: the runtime's runners.
+WORKLOAD_TYPES = tuple(sorted(RUNNERS))
 
 
 class NodeState:
@@ -87,15 +95,23 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         if not request.runtime_spec_json:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "runtime_spec_json: is required")
-        if request.world_size < 1 or not 0 <= request.rank < request.world_size:
+        if request.world_size < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"world_size: must be >= 1, got {request.world_size}")
+        if not 0 <= request.rank < request.world_size:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"rank: must be in [0, world_size={request.world_size}), got {request.rank}")
+        if request.checkpoint_dir and not os.path.isabs(request.checkpoint_dir):
+            # The executor runs in the state dir, the agent (ControlTask) elsewhere: a
+            # relative path would name two different places.
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"checkpoint_dir: must be an absolute path, got {request.checkpoint_dir!r}")
         try:
             spec = json.loads(request.runtime_spec_json)
-            if not isinstance(spec, dict) or "workload" not in spec:
-                raise ValueError("no workload")
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"runtime_spec_json: not a runtime spec ({e})")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"runtime_spec_json: not JSON ({e})")
+        why = spec_problem(spec)
+        if why:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         try:
             ex, already = await self.mgr.launch(
                 allocation_id=request.allocation_id, job_id=request.job_id, rank=request.rank,
@@ -210,6 +226,41 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         self.node.accept_token(request.fencing_token)  # only an accepted request (see LaunchExecutor)
         return agent_pb2.UpdateGrantResponse(partition_id=g.partition_id, units=g.units, cores=list(g.cores),
                                              pid=ex.proc.pid, old_units=old)
+
+
+def _kind(v) -> str:
+    """The JSON name of ``v``'s type, for messages."""
+    return ("null" if v is None else "a boolean" if isinstance(v, bool) else "a number" if isinstance(v, (int, float))
+            else "a string" if isinstance(v, str) else "an array" if isinstance(v, list) else "an object")
+
+
+def spec_problem(spec) -> str | None:
+    """Why ``spec`` (a LaunchExecutor's parsed ``runtime_spec_json``) is no runtime spec the
+    agent can launch, naming the field (``runtime_spec_json.workload...``); None when it is
+    one. Checked: a JSON object with a ``workload`` object whose ``type`` is one of the
+    runtime's runners (``WORKLOAD_TYPES``), and whose ``model``, ``plan``, ``peft``,
+    ``multimodal`` sections, ``peft.tasks`` and each task's ``dataset``, when present, have
+    the shape the agent reads (its profile labels) — the runtime validates the rest."""
+    if not isinstance(spec, dict):
+        return f"runtime_spec_json: must be a JSON object (a runtime spec), got {_kind(spec)}"
+    w = spec.get("workload")
+    if not isinstance(w, dict):
+        return f"runtime_spec_json.workload: must be an object, got {_kind(w) if 'workload' in spec else 'none'}"
+    if w.get("type") not in WORKLOAD_TYPES:
+        return f"runtime_spec_json.workload.type: must be one of {', '.join(WORKLOAD_TYPES)}, got {w.get('type')!r}"
+    for k in ("model", "plan", "peft", "multimodal"):
+        if k in w and not isinstance(w[k], dict):
+            return f"runtime_spec_json.workload.{k}: must be an object, got {_kind(w[k])}"
+    tasks = (w.get("peft") or {}).get("tasks")
+    if tasks is not None:
+        if not isinstance(tasks, list):
+            return f"runtime_spec_json.workload.peft.tasks: must be an array, got {_kind(tasks)}"
+        for i, t in enumerate(tasks):
+            if not isinstance(t, dict):
+                return f"runtime_spec_json.workload.peft.tasks[{i}]: must be an object, got {_kind(t)}"
+            if t.get("dataset") is not None and not isinstance(t["dataset"], dict):
+                return f"runtime_spec_json.workload.peft.tasks[{i}].dataset: must be an object, got {_kind(t['dataset'])}"
+    return None
 
 
 def add_command(request: agent_pb2.ControlTaskRequest) -> tuple[str, dict]:

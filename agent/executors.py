@@ -254,7 +254,7 @@ class ExecutorManager:
                       key=lambda e: e.rank)
         if not live:
             raise KeyError(f"no running executor of allocation {allocation_id} on this node")
-        spec = json.loads((self.state_dir / "specs" / f"{allocation_id}-r{live[0].rank}.json").read_text())
+        spec = json.loads(self._spec_path(allocation_id, live[0].rank).read_text())
         path = control_file(spec)
         for e in live:  # its steps now run tasks its spec does not name: no profile of that spec's step
             e.labels.pop("module", None)
@@ -308,6 +308,12 @@ class ExecutorManager:
             return self.executors[key], True
         if not device_ids and not partition_id:
             raise BadRequest("device_ids: at least one device (or a partition_id) is required")
+        for d in device_ids:  # before the grant: an unknown device is the device_ids' fault
+            if d not in self.devices:
+                raise BadRequest(f"device_ids: unknown device {d!r} (this node has {', '.join(self.devices)})")
+        if checkpoint_dir and not os.path.isabs(checkpoint_dir):
+            # The executor runs in the state dir, the agent (append_control) elsewhere.
+            raise BadRequest(f"checkpoint_dir: must be an absolute path, got {checkpoint_dir!r}")
         grant = None
         if self.parts is not None:
             grant = self._grant(allocation_id, rank, device_ids, partition_id, units, memory_bytes)
@@ -368,8 +374,14 @@ class ExecutorManager:
         spec["allocation_id"] = allocation_id  # a peft runner applies only its own allocation's fused adds
         spec["checkpoint_dir"] = checkpoint_dir or str((self.state_dir / "checkpoints" / job_id).resolve())
         spec["threads"] = (grant.threads if grant is not None and grant.threads else max(1, len(cores)) if cores else 1)
-        spec_path = self.state_dir / "specs" / f"{allocation_id}-r{rank}.json"
-        spec_path.write_text(json.dumps(spec, indent=1))
+        try:
+            labels = profile_labels(spec, devs[0].kind)
+            key_ = model_key(spec.get("workload", {}))
+        except (AttributeError, TypeError, ValueError, KeyError) as e:
+            # A workload section of the wrong shape (the servicer checks the usual ones).
+            raise BadRequest(f"runtime_spec_json.workload: malformed ({e!r})") from None
+        if _has_control(spec):  # a relaunch re-applies earlier adds/cancels: not the spec's step shape
+            labels.pop("module", None)
         env = dict(os.environ)
         env.pop(FAILPOINT_ENV, None)
         env["OMP_NUM_THREADS"] = str(spec["threads"])
@@ -383,16 +395,19 @@ class ExecutorManager:
         env["TESSERA_CPU_CORES"] = ",".join(map(str, cores))
         if grant is not None:
             env = grant.apply_env(env)  # the partition's quota wins (MPS percentages, core sets)
-        labels = profile_labels(spec, devs[0].kind)
-        if _has_control(spec):  # a relaunch re-applies earlier adds/cancels: not the spec's step shape
-            labels.pop("module", None)
         ex = Executor(allocation_id, job_id, rank, list(device_ids), self.log_path(job_id),
-                      model_key=model_key(spec.get("workload", {})), labels=labels,
-                      grant=grant, token=secrets.token_hex(16))
+                      model_key=key_, labels=labels, grant=grant, token=secrets.token_hex(16))
         env[TOKEN_ENV] = ex.token
+        # Written once nothing can refuse the request any more (removed if the spawn fails).
+        spec_path = self._spec_path(allocation_id, rank)
+        spec_path.write_text(json.dumps(spec, indent=1))
         # Opened before the spawn: an executor whose output cannot be kept is never started
         # (the OSError goes to the caller, which releases the grant).
-        log_file = open(ex.log_path, "ab", buffering=0)
+        try:
+            log_file = open(ex.log_path, "ab", buffering=0)
+        except BaseException:
+            spec_path.unlink(missing_ok=True)
+            raise
         # Recorded before it exists (an intent: its token, no pid yet), so that a crash of
         # this agent at any point after the spawn leaves a record to find it by.
         self._write_record(ex)
@@ -411,6 +426,7 @@ class ExecutorManager:
         except BaseException:
             log_file.close()
             self._remove_record(ex)
+            spec_path.unlink(missing_ok=True)
             raise
         _failpoint("executor-spawned")
         ex.start_ticks = process_start_ticks(ex_proc.pid)
@@ -426,6 +442,7 @@ class ExecutorManager:
                 # Not pinned (e.g. cores outside this agent's own affinity): it must not run
                 # unconfined once the caller releases its grant. Killed, reaped, unrecorded.
                 await self._discard_spawned(ex, log_file)
+                spec_path.unlink(missing_ok=True)
                 raise BadRequest(f"cannot pin the executor to cores {sorted(cores)}: {e.strerror or e}") from None
         if devs[0].kind == "cpu" and cores:
             ex.cores = len(cores)
@@ -865,6 +882,9 @@ class ExecutorManager:
         return sum(counts)
 
     # -- executors of a previous agent process ----------------------------------------
+    def _spec_path(self, allocation_id: str, rank: int) -> Path:
+        return self.state_dir / "specs" / f"{allocation_id}-r{rank}.json"
+
     def _record_path(self, allocation_id: str, rank: int) -> Path:
         return self.state_dir / "executors" / f"{allocation_id}-r{rank}.json"
 

@@ -459,3 +459,64 @@ async def test_a_stop_during_a_launch_stops_what_it_starts(tmp_path, monkeypatch
     # Before the fix: stopped=0 (nothing registered yet) and the executor ran on, its grant held.
     assert s.stopped == 1
     assert mgr.running_allocations() == [] and mgr.parts.grants() == []
+
+
+@pytest.mark.parametrize("spec_json, field", [
+    ('{"workload": "gpt"}', "runtime_spec_json.workload:"),
+    ('{"workload": null}', "runtime_spec_json.workload:"),
+    ('{"workload": ["gpt"]}', "runtime_spec_json.workload:"),
+    ('[1]', "runtime_spec_json:"),
+    ('{"workload": {"type": "gpt", "model": "x"}}', "runtime_spec_json.workload.model:"),
+    ('{"workload": {"type": "gpt", "plan": [1]}}', "runtime_spec_json.workload.plan:"),
+    ('{"workload": {"type": "peft", "peft": 3}}', "runtime_spec_json.workload.peft:"),
+    ('{"workload": {"type": "peft", "peft": {"tasks": [1]}}, "profiling": true}',
+     "runtime_spec_json.workload.peft.tasks[0]:"),
+    # An unknown (or missing) type: before the fix it was granted and spawned, and failed later.
+    ('{"workload": {"type": "nope"}}', "runtime_spec_json.workload.type: must be one of gpt, multimodal, peft"),
+    ('{"workload": {}}', "runtime_spec_json.workload.type:"),
+])
+async def test_launch_refuses_a_malformed_runtime_spec_before_anything_happens(tmp_path, spec_json, field):
+    reports: list = []
+    mgr = make_mgr(tmp_path, reports=reports)
+    svc = service(mgr)
+    before = files_under(tmp_path)
+    # Before the fix: AttributeError (gRPC UNKNOWN) after the spec file was written.
+    ctx = await refused(svc.LaunchExecutor, launch_req(mgr, runtime_spec_json=spec_json))
+    assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and ctx.details.startswith(field), ctx.details
+    assert mgr.executors == {} and mgr.parts.grants() == [] and reports == []
+    assert files_under(tmp_path) == before
+
+
+async def test_the_manager_refuses_a_workload_of_the_wrong_shape_without_writing(tmp_path):
+    mgr = make_mgr(tmp_path)
+    before = files_under(tmp_path)
+    with pytest.raises(BadRequest, match=r"^runtime_spec_json\.workload"):
+        await mgr.launch(allocation_id="a-1", job_id="j-1", rank=0, world_size=1, device_ids=["cpu0"],
+                         master_addr="127.0.0.1", master_port=1, runtime_spec={"workload": {"type": "gpt", "model": [1]}},
+                         checkpoint_dir="")
+    assert mgr.executors == {} and mgr.parts.grants() == [] and files_under(tmp_path) == before
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(world_size=0, rank=0), "world_size: must be >= 1"),
+    (dict(device_ids=["cpu9"]), "device_ids: unknown device 'cpu9' (this node has cpu0)"),
+    (dict(checkpoint_dir="ckpt/j1"), "checkpoint_dir: must be an absolute path"),
+])
+async def test_launch_refusals_name_the_field_at_fault(tmp_path, kw, field):
+    # Before the fix: world_size=0 was blamed on rank, an unknown device on a partition_id
+    # the request never carried, and a relative checkpoint_dir was accepted (the executor,
+    # running in the state dir, and ControlTask then named two different files).
+    mgr = make_mgr(tmp_path)
+    svc = service(mgr)
+    before = files_under(tmp_path)
+    ctx = await refused(svc.LaunchExecutor, launch_req(mgr, **kw))
+    assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and ctx.details.startswith(field), ctx.details
+    assert mgr.executors == {} and mgr.parts.grants() == [] and files_under(tmp_path) == before
+    if "world_size" not in kw:  # the manager refuses the same way
+        args = dict(allocation_id="a-1", job_id="j-1", rank=0, world_size=1, device_ids=["cpu0"],
+                    master_addr="127.0.0.1", master_port=1, runtime_spec={"workload": {"type": "gpt"}},
+                    checkpoint_dir="")
+        args.update(kw)
+        with pytest.raises(BadRequest, match="^" + field.split(":")[0] + ":"):
+            await mgr.launch(**args)
+        assert mgr.parts.grants() == [] and files_under(tmp_path) == before
