@@ -143,7 +143,8 @@ class EstimatorLink:
         self.model = PerfModel(version=0)
 
     async def snapshot(self) -> PerfModel:
-        """The newest model (fetched only when the estimator has a newer version)."""
+        """The estimator's current model (fetched only when its version differs from the
+        cached one: a lower version, after the estimator lost its state, replaces the cache)."""
         r = await self.stub.GetModelSnapshot(estimator_pb2.GetModelSnapshotRequest(if_newer_than=self.model.version),
                                              timeout=self.timeout_s)
         if not r.unchanged and r.json:

@@ -167,9 +167,12 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServiceServicer):
                                                 model_version=model.version)
 
     async def GetModelSnapshot(self, request, context):
+        """The current snapshot; ``unchanged`` (no JSON) only when the caller holds exactly
+        this version. A caller *ahead* of it (a model of another lineage: this estimator's
+        state was lost or replaced) gets the full snapshot and must replace its cache."""
         model = await self.keeper.current()
         k = self.keeper
-        if model.version <= request.if_newer_than:
+        if model.version == request.if_newer_than:
             return estimator_pb2.ModelSnapshot(version=model.version, unchanged=True, format=FORMAT,
                                                fitted_at=k.fitted_at, measurements=k.measurements)
         return estimator_pb2.ModelSnapshot(version=model.version, format=FORMAT, json=json.dumps(model.to_dict(), allow_nan=False),

@@ -240,3 +240,26 @@ async def test_estimate_batch_at_max_batch_fits_the_message_limits(tmp_path):
             assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "candidates" in ei.value.details()
         finally:
             await link.close()
+
+
+async def test_snapshot_to_a_caller_ahead_is_the_full_snapshot(tmp_path):
+    """A caller holding a higher version (another lineage: the estimator lost its state) is
+    not told 'unchanged': it gets the snapshot, and EstimatorLink replaces its cache."""
+    from controller.profiling import EstimatorLink
+
+    async with Est(tmp_path) as e:
+        await e.stub.ReportMeasurements(iter([estimator_pb2.MeasurementBatch(
+            measurements=run_measurements(samples()[0], "j1", 1))]))
+        cur = await e.stub.GetModelSnapshot(estimator_pb2.GetModelSnapshotRequest())
+        assert cur.version >= 1 and cur.json
+        same = await e.stub.GetModelSnapshot(estimator_pb2.GetModelSnapshotRequest(if_newer_than=cur.version))
+        assert same.unchanged and not same.json
+        ahead = await e.stub.GetModelSnapshot(estimator_pb2.GetModelSnapshotRequest(if_newer_than=cur.version + 4))
+        assert not ahead.unchanged and ahead.version == cur.version and json.loads(ahead.json)
+        link = EstimatorLink(f"127.0.0.1:{e.port}")
+        try:
+            link.model = PerfModel(version=cur.version + 4)
+            m = await link.snapshot()
+            assert m.version == cur.version and link.model is m
+        finally:
+            await link.close()
