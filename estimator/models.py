@@ -27,6 +27,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -249,13 +250,41 @@ class ModelKeeper:
         self._last_fit = -math.inf
         self._lock = asyncio.Lock()
         if self.path.exists():
-            d = json.loads(self.path.read_text())
-            self.model = PerfModel.from_dict(d["snapshot"])
-            self.fitted_revision = int(d["revision"])
-            self.fitted_at = float(d.get("fitted_at", 0.0))
-            self.measurements = int(d.get("measurements", 0))
-            self.log.info("model loaded", version=self.model.version, revision=self.fitted_revision,
-                          store_revision=store.model_revision)
+            self._load()
+
+    def _load(self) -> None:
+        """Load ``model.json``. One that cannot be read (truncated, corrupt, not a
+        snapshot) is never a reason not to start: it is moved aside
+        (``model.json.corrupt-<ns>``), a warning logged, and the model refitted from the
+        measurement log (the source of truth) at the next ``current()``. Its version
+        numbering resumes above the highest ``"version": N`` still legible in the file (a
+        version number is never reissued with other content); when none is legible it
+        restarts from 0 (a controller holding a higher one gets the new snapshot anyway:
+        GetModelSnapshot answers ``unchanged`` only for an equal version)."""
+        raw = b""
+        try:
+            raw = self.path.read_bytes()
+            d = json.loads(raw)
+            model = PerfModel.from_dict(d["snapshot"])
+            revision = int(d["revision"])
+            fitted_at = float(d.get("fitted_at", 0.0))
+            measurements = int(d.get("measurements", 0))
+        except Exception as e:
+            floor = max((int(v) for v in re.findall(rb'"version"\s*:\s*(\d{1,18})', raw)), default=0)
+            aside = self.path.with_name(f"{MODEL_NAME}.corrupt-{time.time_ns()}")
+            try:
+                os.replace(self.path, aside)
+            except OSError as m:
+                self.log.warning("cannot move the unreadable model file aside", path=str(self.path), error=str(m))
+            self.model = PerfModel(version=floor)
+            self.fitted_revision = -1  # stale: refit from the log
+            self.log.warning("model file unreadable; refitting from the measurement log", path=str(self.path),
+                             moved_to=str(aside), error=repr(e), resume_after_version=floor)
+            return
+        self.model = model
+        self.fitted_revision, self.fitted_at, self.measurements = revision, fitted_at, measurements
+        self.log.info("model loaded", version=self.model.version, revision=self.fitted_revision,
+                      store_revision=self.store.model_revision)
 
     @property
     def stale(self) -> bool:

@@ -263,3 +263,22 @@ async def test_snapshot_to_a_caller_ahead_is_the_full_snapshot(tmp_path):
             assert m.version == cur.version and link.model is m
         finally:
             await link.close()
+
+
+@pytest.mark.parametrize("cut", ["half", "garbage"])
+async def test_unreadable_model_file_is_refitted_from_the_log(tmp_path, cut):
+    """A truncated or garbage model.json does not stop the estimator: it is moved aside and
+    the model refitted from the log; a version still legible in it is never reissued."""
+    async with Est(tmp_path) as e:
+        await e.stub.ReportMeasurements(iter([estimator_pb2.MeasurementBatch(
+            measurements=run_measurements(samples()[0], "j1", 1))]))
+        before = await e.stub.GetModelSnapshot(estimator_pb2.GetModelSnapshotRequest())
+    path = tmp_path / MODEL_NAME
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if cut == "half" else b"\x00not json")
+    async with Est(tmp_path) as e:
+        after = await e.stub.GetModelSnapshot(estimator_pb2.GetModelSnapshotRequest())
+        assert json.loads(after.json)["profiles"] == json.loads(before.json)["profiles"]
+        assert after.version > before.version if cut == "half" else after.version >= 1
+        assert len(list(tmp_path.glob(MODEL_NAME + ".corrupt-*"))) == 1
+        assert json.loads(path.read_text())["snapshot"]["version"] == after.version
