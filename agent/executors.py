@@ -27,6 +27,7 @@ Environment variables (read here):
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 import os
@@ -52,6 +53,7 @@ from .partitions import BadGrant, CapacityRefused, Grant, MpsBackend, NotLive, P
 
 
 KILL_WAIT_S = 5.0  # after SIGKILL of a group, how long stop waits for the executor's output to close
+KEEP_EXITED = 64  # exited executors kept for GetStatus (ExecutorManager.keep_exited), with their spec files
 REAP_GRACE_S = 2.0  # default SIGTERM->SIGKILL delay for what an exited leader left (ExecutorManager.reap_grace_s)
 # While reaping, /proc is scanned (off the event loop) for newcomers and stragglers at these
 # intervals, doubling from the first to the last; the exit of every process already found
@@ -200,7 +202,10 @@ def _has_control(spec: dict) -> bool:
 
 class ExecutorManager:
     """The executors of this node. ``reap_grace_s``: once an executor's leader has exited,
-    how long the rest of its processes get between SIGTERM and SIGKILL."""
+    how long the rest of its processes get between SIGTERM and SIGKILL. ``keep_exited``:
+    how many exited executors stay in ``executors`` (GetStatus shows them) with their spec
+    files once their EXITED report was made; older ones are dropped and their spec files
+    deleted, so a long-lived node does not grow without bound."""
 
     def __init__(
         self,
@@ -212,6 +217,7 @@ class ExecutorManager:
         python: str = sys.executable,
         parts: Partitions | None = None,
         reap_grace_s: float = REAP_GRACE_S,
+        keep_exited: int = KEEP_EXITED,
     ) -> None:
         # Absolute, once: executors run with it as their cwd and are handed paths under it
         # (their spec file), so a relative one would resolve twice.
@@ -226,6 +232,8 @@ class ExecutorManager:
         # without (older callers), a device is held whole by one allocation.
         self.parts = parts
         self.executors: dict[tuple[str, int], Executor] = {}
+        self.keep_exited = keep_exited
+        self._exited: collections.deque[Executor] = collections.deque()  # oldest first (see _retire)
         # Per (allocation, rank): [lock, launches using it]; see launch.
         self._launch_locks: dict[tuple[str, int], list] = {}
         # Set (for good) when the agent shuts down, before stop_all: launches are refused.
@@ -509,11 +517,32 @@ class ExecutorManager:
         finally:
             f.close()
         self._finish(ex, last_error)
-        await self.on_report(ex, {"kind": "EXITED", "exit_code": ex.exit_code,
-                                  "message": ex.fault[:400] if ex.fault else
-                                  "" if ex.exit_code == 0 else last_error[-400:],
-                                  # A rank that finished (0) or faulted is reported as such.
-                                  "stopped_by_agent": ex.stopped_by_agent and ex.exit_code != 0 and not ex.fault})
+        try:
+            await self.on_report(ex, {"kind": "EXITED", "exit_code": ex.exit_code,
+                                      "message": ex.fault[:400] if ex.fault else
+                                      "" if ex.exit_code == 0 else last_error[-400:],
+                                      # A rank that finished (0) or faulted is reported as such.
+                                      "stopped_by_agent": ex.stopped_by_agent and ex.exit_code != 0 and not ex.fault})
+        finally:
+            self._retire(ex)
+
+    def _retire(self, ex: Executor) -> None:
+        """``ex`` exited and its EXITED report was made: it joins the recent history; the
+        exited executors beyond the last ``keep_exited`` leave ``executors`` and their spec
+        files are deleted — unless a later launch of the same allocation and rank took
+        their place (its spec file is the new one's)."""
+        self._exited.append(ex)
+        while len(self._exited) > self.keep_exited:
+            old = self._exited.popleft()
+            key = (old.allocation_id, old.rank)
+            if self.executors.get(key) is not old:
+                continue
+            del self.executors[key]
+            try:
+                self._spec_path(*key).unlink(missing_ok=True)
+            except OSError as e:
+                self.log.warning("cannot remove the spec file of an exited executor", allocation=old.allocation_id,
+                                 rank=old.rank, error=str(e))
 
     async def _follow(self, ex: Executor, f) -> str:
         """``_pump``'s normal path, up to the exit code: returns the executor's last error."""

@@ -520,3 +520,46 @@ async def test_launch_refusals_name_the_field_at_fault(tmp_path, kw, field):
         with pytest.raises(BadRequest, match="^" + field.split(":")[0] + ":"):
             await mgr.launch(**args)
         assert mgr.parts.grants() == [] and files_under(tmp_path) == before
+
+
+QUICK = """#!{python}
+print("bye", flush=True)
+"""
+
+
+async def test_exited_executors_and_their_specs_are_not_kept_for_ever(tmp_path):
+    reports: list = []
+    mgr = make_mgr(tmp_path, QUICK, reports)
+    mgr = ExecutorManager(mgr.state_dir, list(mgr.devices.values()), mgr.on_report, python=mgr.python,
+                          parts=mgr.parts, reap_grace_s=0.5, keep_exited=2)
+    svc = service(mgr)
+    for i in range(5):
+        ex, _ = await mgr.launch(allocation_id=f"a-{i}", job_id=f"j-{i}", rank=0, world_size=1, device_ids=["cpu0"],
+                                 master_addr="127.0.0.1", master_port=1, runtime_spec={"workload": {"type": "gpt"}},
+                                 checkpoint_dir="")
+        SPAWNED.append(ex.proc.pid)
+        await asyncio.wait_for(ex.pump, 30)  # its EXITED report made
+    # Before the fix: all five kept (and listed by GetStatus), and their five spec files.
+    assert sorted(mgr.executors) == [("a-3", 0), ("a-4", 0)]
+    assert sorted(p.name for p in (mgr.state_dir / "specs").iterdir()) == ["a-3-r0.json", "a-4-r0.json"]
+    st = await svc.GetStatus(agent_pb2.GetStatusRequest(), Ctx())
+    assert [(e.allocation_id, e.running, e.exit_code) for e in st.executors] == [("a-3", False, 0), ("a-4", False, 0)]
+    assert [r["kind"] for _, r in reports].count("EXITED") == 5
+
+
+async def test_a_relaunch_keeps_its_spec_when_the_old_executor_leaves_the_history(tmp_path):
+    mgr = make_mgr(tmp_path, QUICK)
+    mgr.keep_exited = 1
+    exs = []
+    for alloc in ("a-1", "a-1", "a-2"):  # a-1 rank 0 launched twice (a relaunch), then another
+        ex, _ = await mgr.launch(allocation_id=alloc, job_id="j-1", rank=0, world_size=1, device_ids=["cpu0"],
+                                 master_addr="127.0.0.1", master_port=1, runtime_spec={"workload": {"type": "gpt"}},
+                                 checkpoint_dir="")
+        SPAWNED.append(ex.proc.pid)
+        await asyncio.wait_for(ex.pump, 30)
+        exs.append(ex)
+        if len(exs) == 2:  # the first a-1 left the history; the relaunch (same key) kept its place and spec
+            assert mgr.executors == {("a-1", 0): exs[1]}
+            assert (mgr.state_dir / "specs" / "a-1-r0.json").exists()
+    assert mgr.executors == {("a-2", 0): exs[2]}
+    assert [p.name for p in (mgr.state_dir / "specs").iterdir()] == ["a-2-r0.json"]
