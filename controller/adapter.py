@@ -17,14 +17,15 @@ writes and the agent RPCs around it.
 - :func:`replan` — the parallelism plan of a job moved to another device count.
 - :func:`quota_units` — a quota in (0, 1] of a partition -> whole units.
 - :func:`job_shape` / :func:`device_classes` — what the live estimator
-  (``controller.policy.snapshot_estimator``) needs: a ``gpt`` job's model, batch and plan
-  (its policy model key is ``job_key`` of that), and per device type the perf model's
-  kind, per-partition quota and memory.
+  (``controller.policy.snapshot_estimator``) needs: a ``gpt`` job's model, batch and plan,
+  a ``peft`` / ``multimodal`` job's step shape (its policy model key is ``job_key`` of
+  that), and per device type the perf model's kind, per-partition quota and memory.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 
 from controller import fusion, measured
 from controller.policy import DeviceView, JobView, NodeView, Placement, RunningJob, ScheduleRequest, Shard
@@ -32,7 +33,8 @@ from controller.policy.multiplex import quota_units  # the one rounding rule, po
 from controller.policy.types import ColocationGroup, Plan
 from controller.policy.snapshot_estimator import DeviceClass, JobShape, job_key, plan_for
 from tessera import manifest
-from tessera.modelkey import arch_key
+from tessera.errors import SpecError
+from tessera.modelkey import arch_key, shape_key
 from tessera.api.v1 import types_pb2
 
 P = types_pb2.JobPhase
@@ -94,11 +96,15 @@ def _job_kind(job: types_pb2.Job, types_by_kind: dict[str, set[str]]) -> str:
 
 
 def job_shape(job: types_pb2.Job) -> JobShape | None:
-    """The perf model's view of a ``gpt`` job (module key ``tessera.modelkey.arch_key``,
-    global batch, asked plan and device count); None for other workloads or an
-    incomplete model."""
+    """The perf model's view of a job: for ``gpt`` its module key
+    (``tessera.modelkey.arch_key``), global batch, asked plan and device count; for
+    ``peft`` / ``multimodal`` its step shape over its devices (``shape_key``, the key its
+    profiling job files steps under; ``JobShape.fixed``). None for an incomplete model or
+    a spec that does not validate."""
     w = job.spec.workload
     m = w.model
+    if w.type in ("peft", "multimodal"):
+        return _workload_shape(job.spec.SerializeToString(deterministic=True))
     if w.type != "gpt" or min(m.layers, m.hidden, m.heads, m.vocab, m.seq_len, w.batch_size) <= 0:
         return None
     module = arch_key({"type": "gpt", "model": {"layers": m.layers, "hidden": m.hidden, "heads": m.heads,
@@ -108,9 +114,24 @@ def job_shape(job: types_pb2.Job) -> JobShape | None:
                     max(p.tp, 1), max(p.pp, 1), max(job.spec.resources.devices, 1))
 
 
+@lru_cache(maxsize=4096)
+def _workload_shape(spec_bytes: bytes) -> JobShape | None:
+    """``job_shape`` of a peft / multimodal spec (memoised on the serialised spec: a job's
+    spec never changes, and the shape key validates the manifest, which every policy
+    round would otherwise repeat per job)."""
+    spec = types_pb2.JobSpec.FromString(spec_bytes)
+    try:
+        doc = manifest.validate(manifest.from_proto(spec))
+    except SpecError:
+        return None
+    w, md, devices = doc["workload"], doc["workload"]["model"], doc["resources"]["devices"]
+    return JobShape(shape_key(w, devices), md["layers"], md["hidden"], md["heads"], md["vocab"], md["seq_len"],
+                    w["batch_size"], w["plan"]["micro_batches"], 1, 1, devices, fixed=True)
+
+
 def model_key(job: types_pb2.Job) -> str:
-    """The policy's model key: ``job_key`` of a gpt job's shape (grids and estimates are
-    per model, batch and plan), else the workload type."""
+    """The policy's model key: ``job_key`` of the job's shape (grids and estimates are per
+    model, batch and plan; for peft / multimodal per step shape), else the workload type."""
     s = job_shape(job)
     return job_key(s) if s is not None else (job.spec.workload.type or "gpt")
 

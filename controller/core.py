@@ -830,7 +830,8 @@ class Controller:
         """The estimator of this round: ``self.estimator`` when set; else a
         ``SnapshotEstimator`` over the newest cached snapshot (kept across rounds while the
         snapshot and the device classes are the same, so the policy's grids stay cached)
-        with every gpt job of ``jobs`` registered; None without a fitted snapshot."""
+        with every job of ``jobs`` that has a shape registered (``adapter.job_shape``: gpt,
+        and peft / multimodal by their step shape); None without a fitted snapshot."""
         if self.estimator is not None:
             return self.estimator
         model = self.snapshot() if self.snapshot is not None else None

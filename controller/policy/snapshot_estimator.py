@@ -20,7 +20,10 @@ and grid use when present):
   device type. When it does not, the engine uses the requested shapes only (as with no
   estimator), so a job with too little data is scheduled as asked, never dropped.
 - ``stages(key, ...)``: the pipeline degree of that plan (the grid records it; the
-  controller's ``replan`` takes it first).
+  controller's ``replan`` takes it first); 0 for a ``fixed`` shape (no gpt plan).
+- A ``peft`` / ``multimodal`` job (``JobShape.fixed``) is answered at its requested
+  count only, from its step shape's profiles (``tessera.perfmodel.workload``): its
+  remaining work orders it among the others, and it is never resized by an estimate.
 - ``describe(key, ...)``: the estimate behind a cell (seconds, confidence, its reason),
   for decision reasons and logs.
 
@@ -41,8 +44,11 @@ from .estimator import SharingModel
 
 @dataclass(frozen=True)
 class JobShape:
-    """What the perf model needs of a ``gpt`` job: its model, global batch and the plan it
-    asked for (``devices`` = its requested rank count)."""
+    """What the perf model needs of a job: its model, global batch and the plan it asked
+    for (``devices`` = its requested rank count). ``fixed``: a ``peft`` / ``multimodal``
+    job, whose module is its step shape over exactly ``devices`` ranks
+    (``tessera.modelkey.shape_key``): estimated only at that count, from its own profiles
+    (those runtimes take no gpt plan, so no other count or plan is composed for them)."""
 
     module: str
     layers: int
@@ -55,6 +61,7 @@ class JobShape:
     tp: int = 1
     pp: int = 1
     devices: int = 1
+    fixed: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,7 +139,13 @@ class SnapshotEstimator(SharingModel):
             return got
         s, cls = self._jobs.get(key), self.classes.get(gpu_type)
         out: tuple[Estimate | None, int] = (None, 0)
-        if s is not None and cls is not None and n_nodes >= 1 and per_node >= 1:
+        if s is not None and cls is not None and s.fixed:
+            if n_nodes >= 1 and per_node >= 1 and n_nodes * per_node == s.devices:
+                c = Candidate(device_type=cls.kind, layers=s.layers, hidden=s.hidden, heads=s.heads, vocab=s.vocab,
+                              seq_len=s.seq_len, batch=s.batch, micro_batches=s.micro_batches, quota=cls.quota,
+                              link=link_for(cls.kind, n_nodes), module=s.module)
+                out = (self.model.estimate(c), 0)
+        elif s is not None and cls is not None and n_nodes >= 1 and per_node >= 1:
             plan = plan_for(s.tp, s.pp, s.micro_batches, s.heads, s.hidden, s.layers, s.batch, n_nodes * per_node)
             if plan is not None:
                 dp, tp, pp, mb = plan

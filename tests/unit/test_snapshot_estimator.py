@@ -126,3 +126,60 @@ def test_job_the_snapshot_cannot_estimate_is_placed_as_requested():
     reply = TesseraPolicy().schedule(adapter.build_request(nodes, [unknown], 0.0, est))
     (p,) = reply.placements
     assert p.num_devices == 1 and not reply.infeasible
+
+
+def peft_job(jid: str, steps: int = 400, created: float = 0.0) -> tpb.Job:
+    """A pending one-device cpu peft job of two LoRA tasks on SMALL, batch 4."""
+    from tessera import manifest
+
+    doc = {"apiVersion": "tessera/v1", "name": jid, "tenant": "t",
+           "workload": {"type": "peft", "steps": steps, "batch_size": 4, "model": dict(SMALL),
+                        "peft": {"tasks": [{"name": "a", "rank": 4, "steps": steps},
+                                           {"name": "b", "rank": 8, "steps": steps}]}},
+           "resources": {"devices": 1, "device_kind": "cpu"}}
+    j = tpb.Job(id=jid, created=created, spec=manifest.to_proto(manifest.validate(doc)))
+    j.status.phase = P.PENDING
+    return j
+
+
+def peft_model(module: str, seconds: float, version: int = 4) -> PerfModel:
+    """A snapshot holding one profile point of the peft step shape ``module`` (batch 4, quota 1)."""
+    return PerfModel(version=version, profiles={"cpu": [ProfilePoint(module, 4, 32, 1, 1.0, seconds, 20, 0.05)]})
+
+
+def test_a_peft_job_is_priced_by_its_step_shape_at_its_requested_count_only():
+    from tessera import manifest
+    from tessera.modelkey import shape_key
+
+    j = peft_job("p")
+    s = adapter.job_shape(j)
+    doc = manifest.validate(manifest.from_proto(j.spec))
+    assert s is not None and s.fixed and s.module == shape_key(doc["workload"], 1) and s.devices == 1
+    k = adapter.model_key(j)
+    assert k == job_key(s) and k.startswith("peft:")
+    est = live([node("n1")], [j], peft_model(s.module, 0.25))
+    assert abs(est.iter_time(k, "cpu", 1, 1) - 0.25) < 1e-9 and est.knows(k)
+    assert "this workload's step" in est.describe(k, "cpu", 1, 1).reason
+    # Another count is another step shape: never composed from this one.
+    assert est.iter_time(k, "cpu", 1, 2) is None and est.iter_time(k, "cpu", 2, 1) is None
+    assert est.stages(k, "cpu", 1, 1) == 0
+    # No profile of the shape: unknown, so the policy schedules it as requested.
+    assert not live([node("n1")], [j], peft_model("peft:other", 0.25)).knows(k)
+
+
+def test_srpt_orders_peft_jobs_by_their_estimated_remaining_time():
+    """One free device, two pending peft jobs of different step shapes: the one submitted
+    later but estimated to finish sooner is placed first; without estimates, submission
+    order decides."""
+    slow = peft_job("slow", created=0.0)
+    quick = peft_job("quick", created=1.0)
+    quick.spec.workload.batch_size = 8  # another step shape (batch 8), its own profile
+    ks, kq = adapter.job_shape(slow), adapter.job_shape(quick)
+    assert ks.module != kq.module
+    model = PerfModel(version=4, profiles={"cpu": [ProfilePoint(ks.module, 4, 32, 1, 1.0, 2.0, 20, 0.05),
+                                                   ProfilePoint(kq.module, 8, 32, 1, 1.0, 0.1, 20, 0.05)]})
+    nodes, jobs = [node("n1", parts=1)], [slow, quick]
+    placed = TesseraPolicy().schedule(adapter.build_request(nodes, jobs, 0.0, live(nodes, jobs, model))).placements
+    assert [p.job_id for p in placed] == ["quick"], placed
+    placed = TesseraPolicy().schedule(adapter.build_request(nodes, jobs, 0.0)).placements
+    assert [p.job_id for p in placed] == ["slow"], placed
