@@ -4,7 +4,9 @@ Each daemon declares one frozen dataclass; ``load(cls, argv, env_prefix)`` build
 argparse parser from its fields (``field(metadata={"help": ...})``), reads the YAML
 file named by ``--config`` (or ``<PREFIX>CONFIG``), then the environment variables
 ``<PREFIX><FIELD>`` (upper case), then the flags. Unknown file keys and values of the
-wrong type are errors naming the key, raised as ``SpecError``; so are a config file that
+wrong type are errors naming the key, raised as ``SpecError``: a file value must already
+have its field's type (YAML ``null``, a list or a mapping is no string, ``true`` no
+number), while environment and flag strings are converted; so are a config file that
 cannot be read or is not valid YAML (naming the file), and a float that is not finite
 (``nan``, ``inf``) from any source.
 """
@@ -26,7 +28,37 @@ from .errors import SpecError
 T = TypeVar("T")
 
 
-def _coerce(name: str, typ: Any, raw: Any) -> Any:
+def _file_type_problem(typ: Any, raw: Any) -> str | None:
+    """Why a value parsed from the YAML config file is not of field type ``typ``, or None:
+    a file value must already be of its type (a str for str, an int but not a bool for
+    int, an int or float but not a bool for float, a bool for bool); only the strings of
+    the environment and flags are converted."""
+    if typ is bool:
+        ok = isinstance(raw, bool)
+    elif typ is int:
+        ok = isinstance(raw, int) and not isinstance(raw, bool)
+    elif typ is float:
+        ok = isinstance(raw, (int, float)) and not isinstance(raw, bool)
+    elif typ is str:
+        ok = isinstance(raw, str)
+    else:
+        return None
+    if ok:
+        return None
+    want = {bool: "a boolean", int: "an integer", float: "a finite number", str: "a string"}[typ]
+    got = ("null" if raw is None else "a boolean" if isinstance(raw, bool) else "a list" if isinstance(raw, list)
+           else "a mapping" if isinstance(raw, dict) else type(raw).__name__)
+    return f"expected {want}, got {got} ({raw!r})"
+
+
+def _coerce(name: str, typ: Any, raw: Any, from_file: bool = False) -> Any:
+    """``raw`` as a value of field type ``typ``; SpecError naming ``name`` when it is none.
+    ``from_file``: ``raw`` was parsed from the YAML file, and must already have the type
+    (``_file_type_problem``); otherwise it is a string (environment, flag), converted."""
+    if from_file:
+        why = _file_type_problem(typ, raw)
+        if why:
+            raise SpecError(name, why)
     if typ is bool:
         if isinstance(raw, bool):
             return raw
@@ -49,8 +81,12 @@ def _coerce(name: str, typ: Any, raw: Any) -> Any:
     return raw
 
 
-def load(cls: type[T], argv: list[str] | None, env_prefix: str, description: str = "") -> T:
-    """Build ``cls`` from defaults, file, environment and flags (in rising precedence)."""
+def load(cls: type[T], argv: list[str] | None, env_prefix: str, description: str = "",
+         sources: dict[str, str] | None = None) -> T:
+    """Build ``cls`` from defaults, file, environment and flags (in rising precedence).
+    ``sources``, when given, is filled with where each field's value came from, as a
+    daemon's later range checks should name it: ``--flag-name``, ``<PREFIX>FIELD`` or the
+    file's key (fields left at their default are absent)."""
     hints = typing.get_type_hints(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init]
     ap = argparse.ArgumentParser(description=description)
@@ -82,12 +118,18 @@ def load(cls: type[T], argv: list[str] | None, env_prefix: str, description: str
             key = str(k).replace("-", "_")
             if key not in names:
                 raise SpecError(str(k), f"unknown config key in {cfg_path}")
-            values[key] = _coerce(str(k), hints[key], v)
+            values[key] = _coerce(str(k), hints[key], v, from_file=True)
+            if sources is not None:
+                sources[key] = str(k)
     for f in fields:
         env = os.environ.get(env_prefix + f.name.upper())
         if env is not None:
             values[f.name] = _coerce(env_prefix + f.name.upper(), hints[f.name], env)
+            if sources is not None:
+                sources[f.name] = env_prefix + f.name.upper()
         flag_val = getattr(ns, f.name)
         if flag_val is not None:
             values[f.name] = _coerce("--" + f.name.replace("_", "-"), hints[f.name], flag_val)
+            if sources is not None:
+                sources[f.name] = "--" + f.name.replace("_", "-")
     return cls(**values)

@@ -1,0 +1,69 @@
+"""Values from a --config YAML file must already have their field's type (tessera.config):
+before the fix ``null`` became the string "None", a list or mapping its repr, and a boolean
+the number 1 or 0. Environment and flag strings are still converted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from tessera import config
+from tessera.errors import SpecError
+
+
+@dataclass(frozen=True)
+class Cfg:
+    name: str = "n"
+    count: int = 1
+    grace_s: float = 1.0
+    debug: bool = False
+
+
+@pytest.mark.parametrize("line, key", [
+    ("name: null", "name"),
+    ("name: [a, b]", "name"),
+    ("name: {x: 1}", "name"),
+    ("name: 123", "name"),
+    ("count: true", "count"),
+    ("count: '3'", "count"),
+    ("count: 1.5", "count"),
+    ("count: 4.0", "count"),
+    ("count: null", "count"),
+    ("grace_s: false", "grace_s"),
+    ("grace_s: '2.5'", "grace_s"),
+    ("grace_s: [1]", "grace_s"),
+    ("debug: 1", "debug"),
+    ("debug: 'yes'", "debug"),
+    ("debug: null", "debug"),
+])
+def test_a_file_value_of_the_wrong_type_is_refused_naming_the_key(tmp_path, line, key):
+    f = tmp_path / "c.yaml"
+    f.write_text(line + "\n")
+    with pytest.raises(SpecError) as e:
+        config.load(Cfg, ["--config", str(f)], "T_")
+    assert e.value.field == key and e.value.message.startswith("expected "), str(e.value)
+
+
+def test_file_values_of_the_right_type_load(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("name: x\ncount: 3\ngrace_s: 2\ndebug: true\n")
+    assert config.load(Cfg, ["--config", str(f)], "T_") == Cfg(name="x", count=3, grace_s=2.0, debug=True)
+    f.write_text("grace_s: 2.5\n")
+    assert config.load(Cfg, ["--config", str(f)], "T_").grace_s == 2.5
+
+
+def test_environment_and_flag_strings_are_still_converted(tmp_path, monkeypatch):
+    monkeypatch.setenv("T_COUNT", "7")
+    monkeypatch.setenv("T_DEBUG", "yes")
+    cfg = config.load(Cfg, ["--grace-s", "0.5", "--name", "123"], "T_")
+    assert cfg == Cfg(name="123", count=7, grace_s=0.5, debug=True)
+
+
+def test_sources_say_where_each_value_came_from(tmp_path, monkeypatch):
+    f = tmp_path / "c.yaml"
+    f.write_text("name: x\ncount: 2\n")
+    monkeypatch.setenv("T_COUNT", "3")
+    src: dict[str, str] = {}
+    config.load(Cfg, ["--config", str(f), "--grace-s", "2"], "T_", sources=src)
+    assert src == {"name": "name", "count": "T_COUNT", "grace_s": "--grace-s"}
