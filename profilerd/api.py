@@ -3,7 +3,9 @@
 ReportStep refuses (INVALID_ARGUMENT, naming the field, nothing buffered) what the
 estimator would refuse (``tessera.measurement.malformed``: a NaN/inf, negative or
 implausibly large step time or phase, a NaN/inf time, a numeric label that does not parse) and a measurement over
-``MAX_MEASUREMENT_BYTES``: buffered, either would block the stream to the estimator."""
+``MAX_MEASUREMENT_BYTES`` as it would be buffered (stamped and numbered): buffered, either
+would block the stream to the estimator. One the buffer cannot hold is RESOURCE_EXHAUSTED:
+OK only for a measurement that was buffered."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import grpc
 from tessera.api.v1 import profiler_pb2, profiler_pb2_grpc
 from tessera.measurement import malformed
 
+from .buffer import MeasurementTooLarge
 from .config import MAX_MEASUREMENT_BYTES  # serialized; a batch to the estimator is cut at 1 MiB (stream.MAX_BATCH_BYTES)
 
 
@@ -28,11 +31,19 @@ class ProfilerService(profiler_pb2_grpc.ProfilerServiceServicer):
         bad = malformed(m)
         if bad:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad)
+        # the size as buffered and streamed: stamped (source, node, time) and numbered
+        self.core.stamp(m)
+        m.seq = self.core.buffer.next_seq
         size = m.ByteSize()
         if size > MAX_MEASUREMENT_BYTES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"measurement: at most {MAX_MEASUREMENT_BYTES} bytes serialized, got {size}")
-        return profiler_pb2.ReportStepResponse(seq=self.core.add(m))
+                                f"measurement: at most {MAX_MEASUREMENT_BYTES} bytes serialized "
+                                f"(with source, node, time and seq), got {size}")
+        try:
+            seq = self.core.add(m)
+        except MeasurementTooLarge as e:  # never OK for what was not buffered
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e} (the whole buffer); nothing buffered")
+        return profiler_pb2.ReportStepResponse(seq=seq)
 
     async def GetStats(self, request, context):
         c = self.core.buffer.counters()

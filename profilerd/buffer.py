@@ -7,7 +7,9 @@ by count (``capacity`` measurements) and by size (``max_bytes``, the sum of thei
 serialized sizes, as measured on entry). When either bound is exceeded the oldest are
 dropped and counted until both hold again, so an outage during which fewer than
 ``capacity`` measurements of at most ``max_bytes`` in all are produced loses nothing.
-A single measurement larger than ``max_bytes`` cannot be kept: it is dropped itself.
+A single measurement larger than ``max_bytes`` (with its seq) cannot be kept: ``add``
+refuses it (``MeasurementTooLarge``, counted in ``oversized``), takes no number for it
+and evicts nothing for it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,14 @@ from dataclasses import dataclass
 from tessera.api.v1 import profiler_pb2
 
 
+class MeasurementTooLarge(ValueError):
+    """A measurement larger (serialized, with its seq) than the buffer's ``max_bytes``."""
+
+    def __init__(self, size: int, max_bytes: int) -> None:
+        super().__init__(f"measurement: at most {max_bytes} bytes serialized, got {size}")
+        self.size, self.max_bytes = size, max_bytes
+
+
 @dataclass
 class Counters:
     buffered: int
@@ -25,6 +35,7 @@ class Counters:
     dropped: int
     next_seq: int
     buffered_bytes: int = 0
+    oversized: int = 0
 
 
 class SeqBuffer:
@@ -41,6 +52,7 @@ class SeqBuffer:
         self.sent = 0      # acknowledged by the estimator (trimmed by a watermark)
         self.dropped = 0   # lost: to a full buffer, or refused by the estimator (``discard``)
         self.refused = 0   # of ``dropped``: discarded because the estimator refused them
+        self.oversized = 0  # refused by ``add`` (over ``max_bytes`` alone): never numbered, never buffered
         self._items: deque[profiler_pb2.Measurement] = deque()
         self._sizes: deque[int] = deque()  # serialized size of each item on entry, in step with _items
         self.bytes = 0                     # sum of _sizes
@@ -50,11 +62,16 @@ class SeqBuffer:
 
     def add(self, m: profiler_pb2.Measurement) -> tuple[int, int]:
         """Number ``m`` (sets ``m.seq`` in place), append it, then drop the oldest while
-        either bound is exceeded (``m`` itself when it alone is over ``max_bytes``).
-        Returns (seq, how many were dropped)."""
+        either bound is exceeded. Returns (seq, how many were dropped). A measurement that
+        alone is over ``max_bytes`` raises ``MeasurementTooLarge`` instead: nothing is
+        evicted for it, no number is used (``m.seq`` left 0), ``oversized`` counts it."""
         m.seq = self.next_seq
-        self.next_seq += 1
         size = m.ByteSize()
+        if self.max_bytes is not None and size > self.max_bytes:
+            m.seq = 0
+            self.oversized += 1
+            raise MeasurementTooLarge(size, self.max_bytes)
+        self.next_seq += 1
         self._items.append(m)
         self._sizes.append(size)
         self.bytes += size
@@ -122,4 +139,4 @@ class SeqBuffer:
 
     def counters(self) -> Counters:
         return Counters(buffered=len(self._items), sent=self.sent, dropped=self.dropped, next_seq=self.next_seq,
-                        buffered_bytes=self.bytes)
+                        buffered_bytes=self.bytes, oversized=self.oversized)

@@ -16,7 +16,7 @@ from tessera.api.v1 import profiler_pb2, profiler_pb2_grpc
 from tessera.errors import SpecError
 
 from .api import ProfilerService
-from .buffer import SeqBuffer
+from .buffer import MeasurementTooLarge, SeqBuffer
 from .config import ProfilerdConfig
 from .samplers import CpuSampler, NvmlSampler, Sampler
 from .seqstate import SeqReservation
@@ -64,15 +64,26 @@ class Profilerd:
         """Streaming sessions that ended by an unexpected (non-gRPC) error so far."""
         return self.streamer.errors if self.streamer is not None else 0
 
-    def add(self, m: profiler_pb2.Measurement) -> int:
-        """Stamp (source, node, time when unset), number and buffer ``m``; returns its seq."""
+    def stamp(self, m: profiler_pb2.Measurement) -> None:
+        """Set ``m``'s source, and its node and time when unset (what ``add`` buffers)."""
         m.source = self.source
         if not m.node:
             m.node = self.cfg.node
         if not m.time:
             m.time = time.time()
+
+    def add(self, m: profiler_pb2.Measurement) -> int:
+        """Stamp (``stamp``), number and buffer ``m``; returns its seq. Raises
+        ``buffer.MeasurementTooLarge`` (nothing buffered, nothing evicted) for one that
+        alone is over the buffer's byte bound."""
+        self.stamp(m)
         self.reservation.ensure(self.buffer.next_seq)  # the number is durable before it is used
-        seq, dropped = self.buffer.add(m)
+        try:
+            seq, dropped = self.buffer.add(m)
+        except MeasurementTooLarge as e:
+            self.log.warning("measurement larger than the whole buffer refused", kind=m.kind, error=str(e),
+                             oversized_total=self.buffer.oversized)
+            raise
         if dropped:  # either bound (count or bytes) exceeded
             self._drops_unlogged += dropped
             now = time.monotonic()

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from profilerd.buffer import SeqBuffer
+from profilerd.buffer import MeasurementTooLarge, SeqBuffer
 from profilerd.seqstate import SeqReservation
 from tessera.api.v1 import profiler_pb2
 
@@ -135,12 +135,18 @@ def test_byte_bound_drops_oldest_until_both_bounds_hold():
     assert b.bytes <= b.max_bytes
 
 
-def test_byte_bound_a_measurement_over_the_bound_alone_is_dropped_itself():
+def test_byte_bound_a_measurement_over_the_bound_alone_is_refused_and_evicts_nothing():
     b = SeqBuffer(10, max_bytes=500)
-    b.add(big(0, 10))
-    seq, dropped = b.add(big(1, 1000))
-    assert (seq, dropped) == (2, 2) and len(b) == 0 and b.bytes == 0
-    assert b.counters().dropped == 2 and b.next_seq == 3
+    for i in range(3):
+        b.add(big(i, 10))
+    before = [x.seq for x in b.pending()], b.bytes
+    huge = big(9, 1000)
+    with pytest.raises(MeasurementTooLarge, match="at most 500 bytes"):
+        b.add(huge)
+    assert ([x.seq for x in b.pending()], b.bytes) == before and huge.seq == 0
+    c = b.counters()
+    assert (c.dropped, c.oversized, c.next_seq) == (0, 1, 4)
+    assert b.add(big(3, 10)) == (4, 0)  # no number was used for the refused one
 
 
 def test_bytes_follow_trim_and_discard():
@@ -172,10 +178,17 @@ def test_invariants_with_a_byte_bound(cap, max_bytes, ops):
     b = SeqBuffer(cap, max_bytes=max_bytes)
     acked = 0
     for op in ops:
-        if op is None:
-            b.add(m())
-        elif op < 0:
-            b.add(big(0, -op - 1))
+        if op is None or op < 0:
+            x = m() if op is None else big(0, -op - 1)
+            x.seq = b.next_seq
+            alone = x.ByteSize()
+            if alone > max_bytes:
+                before = [y.seq for y in b.pending()]
+                with pytest.raises(MeasurementTooLarge):
+                    b.add(x)
+                assert [y.seq for y in b.pending()] == before  # nothing evicted for it
+            else:
+                b.add(x)
         else:
             acked = max(acked, min(op, b.next_seq - 1))
             b.trim(acked)
