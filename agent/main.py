@@ -318,17 +318,33 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event | None = None) -> None:
         raise SystemExit(f"tessera-agent: {agent.failure}")
 
 
+def check_config(cfg: AgentConfig, sources: dict[str, str] | None = None) -> None:
+    """SpecError for a setting out of range, named as ``sources`` says it was given
+    (``config.load``'s; else the flag): cpu_devices, cpu_units_per_core and
+    timeslice_slots >= 1, a known partition_mode, stop_grace_s >= 0 (0: SIGKILL at once),
+    report_interval_s >= 0 (0: every progress event reported), fault_poll_s > 0."""
+    def bad(name: str, why: str) -> SpecError:
+        return SpecError((sources or {}).get(name, "--" + name.replace("_", "-")), why)
+
+    for name in ("cpu_devices", "cpu_units_per_core", "timeslice_slots"):
+        if getattr(cfg, name) < 1:
+            raise bad(name, f"must be >= 1, got {getattr(cfg, name)}")
+    if cfg.partition_mode not in MODES:
+        raise bad("partition_mode", f"must be one of {', '.join(MODES)}, got {cfg.partition_mode!r}")
+    for name in ("stop_grace_s", "report_interval_s"):
+        if getattr(cfg, name) < 0:
+            raise bad(name, f"must be >= 0, got {getattr(cfg, name)}")
+    if cfg.fault_poll_s <= 0:
+        raise bad("fault_poll_s", f"must be > 0, got {cfg.fault_poll_s}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the agent; 2 (a message on stderr naming the setting as it was given: flag,
+    environment variable or file key) for a configuration it refuses."""
     try:
-        cfg = config.load(AgentConfig, argv, "TESSERA_AGENT_", __doc__)
-        if cfg.cpu_devices < 1:
-            raise SpecError("--cpu-devices", f"must be >= 1, got {cfg.cpu_devices}")
-        if cfg.cpu_units_per_core < 1:
-            raise SpecError("--cpu-units-per-core", f"must be >= 1, got {cfg.cpu_units_per_core}")
-        if cfg.partition_mode not in MODES:
-            raise SpecError("--partition-mode", f"must be one of {', '.join(MODES)}, got {cfg.partition_mode!r}")
-        if cfg.timeslice_slots < 1:
-            raise SpecError("--timeslice-slots", f"must be >= 1, got {cfg.timeslice_slots}")
+        src: dict[str, str] = {}
+        cfg = config.load(AgentConfig, argv, "TESSERA_AGENT_", __doc__, sources=src)
+        check_config(cfg, src)
     except SpecError as e:
         print(f"tessera-agent: {e}", file=sys.stderr)
         return 2
