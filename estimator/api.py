@@ -31,7 +31,10 @@ def validate(m: profiler_pb2.Measurement, i: int) -> str | None:
     not aggregated) rather than refused, so a newer profilerd cannot wedge its stream;
     and a known kind whose model inputs are not numbers (``tessera.measurement.malformed``, which
     profilerd's ReportStep applies too: a label that does not parse, a NaN/inf time or
-    value) is refused, naming the field."""
+    value) is refused, naming the field. (``ReportMeasurements`` also refuses a batch in
+    which a source's seq goes back: ``measurements[i].seq``; a repeat of the seq
+    before and seqs at or below the
+    source's persisted watermark at the head of a batch, a resend, are duplicates.)"""
     if not m.source:
         return f"measurements[{i}].source: required"
     if m.seq == 0:
@@ -105,8 +108,16 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServiceServicer):
         accepted = dups = 0
         sources: set[str] = set()
         async for batch in request_iterator:
+            last: dict[str, int] = {}  # per source, the seq before in this batch
             for i, m in enumerate(batch.measurements):
                 err = validate(m, i)
+                if not err and m.seq < last.get(m.source, 0):
+                    # a profilerd numbers in order: a seq that goes back would be silently
+                    # taken for a duplicate (an exact repeat of the seq before is one)
+                    err = (f"measurements[{i}].seq: must increase per source within a batch "
+                           f"({m.source!r}: {m.seq} after {last[m.source]}); nothing of this batch was persisted "
+                           f"(seq {m.seq})")
+                last[m.source] = m.seq
                 if err:
                     # earlier batches of this stream stay persisted; the client learns
                     # how far it got from GetWatermark

@@ -282,3 +282,30 @@ async def test_unreadable_model_file_is_refitted_from_the_log(tmp_path, cut):
         assert after.version > before.version if cut == "half" else after.version >= 1
         assert len(list(tmp_path.glob(MODEL_NAME + ".corrupt-*"))) == 1
         assert json.loads(path.read_text())["snapshot"]["version"] == after.version
+
+
+async def test_seq_going_backwards_in_a_batch_is_refused_but_a_resend_is_not(tmp_path):
+    """Seqs of one source must increase within a batch (else one would silently be taken for
+    a duplicate): INVALID_ARGUMENT naming measurements[i].seq, nothing persisted. A resend of
+    persisted seqs at the head of a batch (profilerd after a reconnect) is fine."""
+    ms = run_measurements(samples()[0], "j1", 1)  # seqs 1..6
+
+    def batch(*seqs):
+        out = []
+        for s in seqs:
+            m = profiler_pb2.Measurement()
+            m.CopyFrom(ms[s - 1])
+            out.append(m)
+        return iter([estimator_pb2.MeasurementBatch(measurements=out)])
+
+    async with Est(tmp_path) as e:
+        for bad in ((1, 2, 5, 3), (2, 1)):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await e.stub.ReportMeasurements(batch(*bad))
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert ei.value.details().startswith(f"measurements[{len(bad) - 1}].seq: must increase per source")
+            assert e.store.watermark(SRC) == 0 and e.store.count == 0
+        ack = await e.stub.ReportMeasurements(batch(1, 2, 2, 3))  # an exact repeat is a duplicate
+        assert (ack.accepted, ack.duplicates) == (3, 1)
+        ack = await e.stub.ReportMeasurements(batch(2, 3, 4, 5, 6))  # resent head, then new
+        assert (ack.accepted, ack.duplicates, e.store.count) == (3, 2, 6)
