@@ -19,7 +19,7 @@ from .api import ProfilerService
 from .buffer import MeasurementTooLarge, SeqBuffer
 from .config import ProfilerdConfig
 from .samplers import CpuSampler, NvmlSampler, Sampler
-from .seqstate import SeqReservation
+from .seqstate import SeqReservation, SeqStateError
 from .stream import Streamer, wait_any
 
 SERVICE = grpcserver.full_name(profiler_pb2, "ProfilerService")
@@ -183,7 +183,8 @@ async def serve(cfg: ProfilerdConfig, stop: asyncio.Event | None = None, sampler
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2: bad configuration, 1: cannot serve)."""
+    """Entry point; returns the process exit code (2: bad configuration or a corrupt seq
+    file, one line on stderr naming it; 1: cannot serve)."""
     try:
         cfg = config.load(ProfilerdConfig, argv, "TESSERA_PROFILERD_", __doc__)
     except SpecError as e:
@@ -193,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     structlog.contextvars.bind_contextvars(service="profilerd", node_id=cfg.node)  # on every line, not only this logger's
     try:
         asyncio.run(serve(cfg))
+    except SeqStateError as e:  # state that needs an operator, like a configuration error
+        print(f"tessera-profilerd: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         logger.error("profilerd failed", error=str(e))
         return 1

@@ -17,12 +17,17 @@ from tessera.fsutil import atomic_write
 SEQ_NAME = "seq"
 
 
+class SeqStateError(ValueError):
+    """The seq file exists but does not hold a non-negative integer (names the file and
+    what to do; the daemon exits 2 with it, like a configuration error)."""
+
+
 class SeqReservation:
     """The persisted high-water mark of reserved seq numbers of one profilerd.
 
     ``reserved``: every seq up to it may have been handed out by this or an earlier run,
     so a new run starts past it. A file that is not an integer is an error (ValueError)
-    rather than a silent restart at 1, which would reuse numbers."""
+    (``SeqStateError``) rather than a silent restart at 1, which would reuse numbers."""
 
     def __init__(self, state_dir: str | os.PathLike, block: int = 1000) -> None:
         if block < 1:
@@ -31,9 +36,19 @@ class SeqReservation:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.block = block
         try:
-            self.reserved = int(self.path.read_text().strip() or 0)
+            text = self.path.read_text(errors="replace").strip()
         except FileNotFoundError:
-            self.reserved = 0
+            text = ""
+        try:
+            self.reserved = int(text or 0)
+            if self.reserved < 0:
+                raise ValueError("negative")
+        except ValueError:
+            raise SeqStateError(
+                f"{self.path}: corrupt seq state {text[:40]!r} (must be an integer >= 0). Restarting at 1 could reuse "
+                f"numbers the estimator already holds: write a number at least the estimator's watermark for this "
+                f"source (GetWatermark) into it, or remove the file (profilerd then renumbers past the watermark it "
+                f"reads on connect)") from None
 
     def first_seq(self) -> int:
         """Where numbering starts for this run (reserves the first block)."""
