@@ -65,7 +65,12 @@ class NodeState:
         self.max_token = max(self.max_token, token)
 
 
+MAX_TAIL_BYTES = 4 << 20  # ReadLogs' largest tail (the controller's GetJobLogs has the same bound)
+
+
 def tail(path, n: int) -> tuple[str, bool]:
+    """The last ``n`` bytes of the file at ``path`` (decoded, invalid UTF-8 replaced) and
+    whether older bytes were cut off."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         if size > n:
@@ -171,9 +176,12 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         why = id_problem("job_id", request.job_id)
         if why:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
-        if request.tail_bytes < 0:
+        if not 0 <= request.tail_bytes <= MAX_TAIL_BYTES:
+            # Bounded like the controller's GetJobLogs: a huge tail would read a whole
+            # (possibly GiB) log into memory and exceed the reply's message limit.
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"tail_bytes: must be >= 0 (0: the last 64 KiB), got {request.tail_bytes}")
+                                f"tail_bytes: must be between 0 and {MAX_TAIL_BYTES} (0: the last 64 KiB), "
+                                f"got {request.tail_bytes}")
         p = self.mgr.log_path(request.job_id)
         if not p.exists():
             await context.abort(grpc.StatusCode.NOT_FOUND, f"job {request.job_id} has no logs on node {self.node.name}")

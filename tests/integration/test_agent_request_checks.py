@@ -7,7 +7,7 @@ a fake runtime (the manager's ``python``):
   anything is granted, spawned or written; the controller's own ids pass;
 - a refused request carrying a newer fencing token does not lock out the real leader; an
   accepted one still does;
-- ReadLogs ``tail_bytes`` < 0 and StopExecutor ``grace_s`` < 0 or non-finite are refused;
+- ReadLogs ``tail_bytes`` < 0 or > 4 MiB and StopExecutor ``grace_s`` < 0 or non-finite are refused;
 - an executor whose log cannot be opened is never spawned (its grant released); an
   output line over the stream limit, a failing ``on_step`` callback or a failing /proc
   scan still end in an EXITED report, the grant released and ``done`` set (``stop`` and
@@ -191,12 +191,15 @@ async def test_stop_refuses_a_negative_or_non_finite_grace(tmp_path, grace):
     await mgr.stop("a-0123456789ab", 2.0)
 
 
-async def test_read_logs_refuses_a_negative_tail(tmp_path):
+async def test_read_logs_refuses_a_negative_or_huge_tail(tmp_path):
     mgr = make_mgr(tmp_path)
     svc = service(mgr)
     mgr.log_path("j-1").write_text("some log\n")
-    ctx = await refused(svc.ReadLogs, agent_pb2.ReadLogsRequest(job_id="j-1", tail_bytes=-5))
-    assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and ctx.details.startswith("tail_bytes:")
+    for bad in (-5, (4 << 20) + 1, 1 << 62):  # a huge tail would read the whole log into one reply
+        ctx = await refused(svc.ReadLogs, agent_pb2.ReadLogsRequest(job_id="j-1", tail_bytes=bad))
+        assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and ctx.details.startswith("tail_bytes:"), bad
+    r = await svc.ReadLogs(agent_pb2.ReadLogsRequest(job_id="j-1", tail_bytes=4 << 20), Ctx())
+    assert (r.text, r.truncated) == ("some log\n", False)
     r = await svc.ReadLogs(agent_pb2.ReadLogsRequest(job_id="j-1", tail_bytes=4), Ctx())
     assert (r.text, r.truncated) == ("log\n", True)
 
