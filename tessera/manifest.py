@@ -165,7 +165,41 @@ def validate(doc: Any) -> dict:
                 "workload.batch_size",
                 f"must be divisible by plan.dp*plan.micro_batches = {p['dp'] * p['micro_batches']}",
             )
+        if w["data"]["kind"] == "file" and w["model"]["vocab"] < 256:
+            # agent/runtime/data.py make_source refuses it the same way (byte tokens).
+            raise SpecError("workload.model.vocab",
+                            f"byte-level file data (data.kind 'file') needs vocab >= 256, got {w['model']['vocab']}")
+    elif w["type"] == "peft" and r["devices"] != 1:
+        # The peft runtime trains every task on one process (agent/runtime/peft/workload.py).
+        raise SpecError("resources.devices",
+                        f"a peft job runs on one device (its tasks share one backbone), got {r['devices']}")
+    elif w["type"] == "multimodal":
+        _check_multimodal_effective(w, r)
     return out
+
+
+def _check_multimodal_effective(w: dict, r: dict) -> None:
+    """What the multimodal executor (agent/runtime/multimodal/workload.py) refuses as a
+    spec error, refused here with the field it names: colocated mode on more than one
+    device (``resources.devices``) and a largest sample (media tokens + ``data.min_text``)
+    longer than ``model.seq_len`` (``workload.multimodal.data.max_images``)."""
+    mm = w.get("multimodal") or {}
+    if mm.get("mode", "colocated") == "colocated" and r["devices"] != 1:
+        raise SpecError("resources.devices",
+                        f"colocated mode runs on one device (set multimodal.mode: disaggregated to use more), "
+                        f"got {r['devices']}")
+    try:
+        from tessera.spec.multimodal import media_tokens_max
+    except ImportError:  # validator not installed: the section was kept as given (see _section)
+        return
+    try:
+        need = media_tokens_max(mm) + mm["data"]["min_text"]
+    except (KeyError, TypeError):  # an unvalidated section: the executor checks it
+        return
+    seq_len = w["model"]["seq_len"]
+    if need > seq_len:
+        raise SpecError("workload.multimodal.data.max_images",
+                        f"largest sample needs {need} positions (media + data.min_text) > model.seq_len {seq_len}")
 
 
 def _workload(w: dict) -> dict:

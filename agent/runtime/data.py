@@ -16,6 +16,7 @@ Kinds:
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from typing import Protocol
@@ -82,10 +83,12 @@ class FileSource:
 
 
 def read_corpus(path: str) -> bytes:
-    """Bytes of a .txt file, or the ``text`` fields of a .jsonl file joined by newlines."""
+    """Bytes of a .txt file, or the ``text`` fields of a .jsonl file joined by newlines.
+    A leading UTF-8 byte order mark (as many editors write it) is not content: it is
+    skipped in both (as the peft datasets do)."""
     if path.endswith(".jsonl"):
         texts = []
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a leading BOM is not content
             for n, line in enumerate(f, 1):
                 line = line.strip()
                 if not line:
@@ -96,7 +99,8 @@ def read_corpus(path: str) -> bytes:
                 texts.append(obj["text"])
         return "\n".join(texts).encode("utf-8")
     with open(path, "rb") as f:
-        return f.read()
+        raw = f.read()
+    return raw[len(codecs.BOM_UTF8):] if raw.startswith(codecs.BOM_UTF8) else raw
 
 
 def make_source(data: dict | None, vocab: int, seed: int) -> TokenSource:

@@ -237,3 +237,44 @@ def test_submit_and_executor_agree_on_peft_specs(tasks, workload):
             parse(w)
         return
     parse(spec["workload"])
+
+
+# What an executor would refuse as a spec error (exit 2) after placement is refused here,
+# at submission, naming the field the executor names.
+PEFT = {"type": "peft", "steps": 2, "model": {"vocab": 64, "seq_len": 16, "layers": 1, "hidden": 16, "heads": 2},
+        "peft": {"tasks": [{"name": "a", "dataset": {"min_len": 4}}]}}
+MM = {"type": "multimodal", "steps": 1, "batch_size": 2,
+      "model": {"vocab": 64, "seq_len": 16, "layers": 1, "hidden": 32, "heads": 2}, "multimodal": {}}
+
+
+def test_peft_on_more_than_one_device_is_refused():
+    assert manifest.validate(doc(workload=PEFT))["resources"]["devices"] == 1
+    with pytest.raises(SpecError) as e:
+        manifest.validate(doc(workload=PEFT, resources__devices=2))
+    assert e.value.field == "resources.devices" and "one device" in str(e.value) and "got 2" in str(e.value)
+
+
+def test_colocated_multimodal_on_more_than_one_device_is_refused():
+    ok = {**MM, "model": {**MM["model"], "seq_len": 64}}
+    manifest.validate(doc(workload={**ok, "multimodal": {"mode": "disaggregated"}}, resources__devices=2))
+    for mm in ({}, {"mode": "colocated"}):
+        with pytest.raises(SpecError) as e:
+            manifest.validate(doc(workload={**ok, "multimodal": mm}, resources__devices=2))
+        assert e.value.field == "resources.devices" and "colocated" in str(e.value)
+
+
+def test_multimodal_sample_longer_than_seq_len_is_refused_like_the_runtime():
+    from agent.runtime.multimodal.workload import parse as mm_parse
+    with pytest.raises(SpecError) as e:
+        manifest.validate(doc(workload=MM))
+    with pytest.raises(SpecError) as rt:
+        mm_parse(MM)
+    assert e.value.field == rt.value.field == "workload.multimodal.data.max_images"
+    manifest.validate(doc(workload={**MM, "model": {**MM["model"], "seq_len": 64}}))
+
+
+def test_gpt_file_data_needs_a_byte_vocab():
+    with pytest.raises(SpecError) as e:
+        manifest.validate(doc(workload__data={"kind": "file", "path": "/x.txt"}, workload__model={"vocab": 64}))
+    assert e.value.field == "workload.model.vocab" and "256" in str(e.value)
+    manifest.validate(doc(workload__data={"kind": "file", "path": "/x.txt"}, workload__model={"vocab": 256}))

@@ -180,3 +180,22 @@ def test_resumed_task_already_at_its_steps_ends_without_training(tmp_path):
     assert [(e["phase"], e["step"]) for e in events(buf) if e["event"] == "task"] == [("succeeded", 4)]
     ad = torch.load(tmp_path / "peft" / "a" / "adapter.pt", weights_only=True)
     assert ad["step"] == 4
+
+
+@pytest.mark.parametrize("allocation", ["alloc-1", "alloc-2"])
+def test_an_added_tasks_data_seed_does_not_depend_on_which_lines_this_executor_applied(tmp_path, allocation):
+    # Line 0 belongs to allocation alloc-1 (a fused guest task); a relaunch under alloc-2 skips
+    # it. Task "e" (line 1, no dataset seed) must draw the same data either way: its seed is
+    # workload seed + spec tasks + its line index, not + the adds applied so far.
+    guest = tmp_path / "guest"
+    control(tmp_path,
+            {"op": "add", "allocation": "alloc-1", "dir": str(guest),
+             "task": {"name": "j-0123456789ab_g", "rank": 2, "steps": 3, "dataset": {"seed": 7}}},
+            {"op": "add", "task": {"name": "e", "rank": 3, "steps": 3}})
+    cfg, sec, p = parse(workload([{"name": "a", "steps": 3}], seed=5))
+    r = PeftRunner(cfg, sec, p, Reporter(io.StringIO()), str(tmp_path), allocation_id=allocation)
+    r.add_task(sec["tasks"][0])
+    r.poll_control()
+    assert ("j-0123456789ab_g" in r.engine.tasks) == (allocation == "alloc-1")
+    assert r.engine.tasks["a"].spec["dataset"]["seed"] == 5
+    assert r.engine.tasks["e"].spec["dataset"]["seed"] == 5 + 1 + 1

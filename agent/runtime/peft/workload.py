@@ -200,7 +200,7 @@ class PeftRunner:
         return os.path.join(self.ckpt_dir, "peft", name) if self.ckpt_dir else None
 
     def add_task(self, task: dict, path: str | None = None, task_dir: str | None = None,
-                 fused: bool = False) -> TaskState | None:
+                 fused: bool = False, index: int | None = None) -> TaskState | None:
         """Validate, resolve and start a task (resuming its state.pt if any); None if it
         already ended in an earlier run (its adapter.pt: succeeded; its outcome.json:
         cancelled), reported as such. ``task_dir``: where its files live (default
@@ -208,15 +208,22 @@ class PeftRunner:
         by the controller, so its name may (must) have the reserved ``<job id>_`` form.
         ``SpecError`` (nothing changed) for a bad task, a name already running, or a
         dataset file that is missing or unreadable (field ``<path>.dataset.path``);
-        :class:`EngineError` if the engine failed while admitting it."""
-        return self._commit_add(self._prepare_add(task, path, task_dir, fused))
+        :class:`EngineError` if the engine failed while admitting it. A task without a
+        ``dataset.seed`` draws ``workload.seed + index`` (``index``: the spec task's
+        position; default, the number of tasks added so far). A control-file add uses
+        ``len(spec tasks) + its line index`` (see :meth:`poll_control`)."""
+        return self._commit_add(self._prepare_add(task, path, task_dir, fused, index))
 
-    def _prepare_add(self, task: Any, path: str | None, task_dir: Any, fused: bool) -> dict:
+    def _prepare_add(self, task: Any, path: str | None, task_dir: Any, fused: bool,
+                     index: int | None = None) -> dict:
         """Everything of an add that can fail without changing the runner or the engine:
-        validation, the dataset (files read), the task's earlier files (state.pt read)."""
-        path = path or f"tasks[{self._added}]"
+        validation, the dataset (files read), the task's earlier files (state.pt read).
+        ``index``: the task's seed index (dataset seed = workload seed + index when the task
+        gives none); None: the number of tasks added so far."""
+        index = self._added if index is None else index
+        path = path or f"tasks[{index}]"
         p = self.params
-        t = validate_task(task, path, self._added, defaults=p, fused=fused, hidden=self.cfg.hidden)
+        t = validate_task(task, path, index, defaults=p, fused=fused, hidden=self.cfg.hidden)
         t = resolve_task(t, self.section["chunk_size"], path)
         running = self.engine.tasks.get(t["name"])
         if running is not None and running.status == "running":
@@ -224,7 +231,7 @@ class PeftRunner:
         if task_dir is not None and (not isinstance(task_dir, str) or not os.path.isabs(task_dir)):
             raise SpecError(f"{path.rsplit('.', 1)[0]}.dir", f"must be an absolute path, got {task_dir!r}")
         if t["dataset"]["seed"] is None:
-            t["dataset"]["seed"] = p["seed"] + self._added
+            t["dataset"]["seed"] = p["seed"] + index
         tdir = task_dir if task_dir is not None else self.task_dir(t["name"])
         prep: dict[str, Any] = {"t": t, "task_dir": task_dir, "tdir": tdir, "ended": None, "ds": None, "state": None}
         prep["ended"] = self._ended_in_earlier_run(tdir, t["steps"]) if tdir else None
@@ -316,7 +323,7 @@ class PeftRunner:
                 continue
             field = f"control[{n}]"
             try:
-                action = self._parse_control(raw, field)
+                action = self._parse_control(raw, field, n)
             except SpecError as e:
                 self._reject(key, e.field, str(e))
                 continue
@@ -333,7 +340,7 @@ class PeftRunner:
                     self.log.warning("checkpoint after engine failure failed", error=repr(ce))
                 raise
 
-    def _parse_control(self, raw: bytes, field: str):
+    def _parse_control(self, raw: bytes, field: str, line: int = 0):
         """The action of one control line (a no-arg callable, or a no-op), after every check
         that can fail without changing anything; raises for a line to reject."""
         try:
@@ -347,7 +354,12 @@ class PeftRunner:
             if alloc and self.allocation_id and alloc != self.allocation_id:
                 return lambda: None  # another allocation's fused task (an earlier executor of this dir)
             # Only the controller's fused adds carry "dir" (the guest's own directory).
-            prep = self._prepare_add(cmd.get("task"), f"{field}.task", cmd.get("dir"), fused=cmd.get("dir") is not None)
+            # Seed index from the line's position in the file (every line counts, skipped
+            # ones too), not from how many adds this executor applied: a relaunch that skips
+            # another allocation's lines draws the same data for the same task.
+            index = len(self.section["tasks"]) + line
+            prep = self._prepare_add(cmd.get("task"), f"{field}.task", cmd.get("dir"),
+                                     fused=cmd.get("dir") is not None, index=index)
             return lambda: self._commit_add(prep)
         name = cmd.get("task")
         if not isinstance(name, str):
@@ -481,6 +493,14 @@ def _run(spec: dict, reporter: Reporter) -> int:
 
     wl = spec.get("workload") or {}
     cfg, sec, params = parse(wl)
+    try:
+        world = int((spec.get("dist") or {}).get("world_size", 1))
+    except (TypeError, ValueError):
+        raise SpecError("dist.world_size", f"must be an integer, got {(spec.get('dist') or {}).get('world_size')!r}") from None
+    if world != 1:
+        # Every rank would train every task and write the same files (nothing is sharded).
+        raise SpecError("resources.devices",
+                        f"a peft job runs on one device (its tasks share one backbone), got world_size {world}")
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     runner = PeftRunner(cfg, sec, params, reporter, spec.get("checkpoint_dir"), spec.get("control_file"),
@@ -490,7 +510,7 @@ def _run(spec: dict, reporter: Reporter) -> int:
                    chunk_size=sec["chunk_size"], tasks=[t["name"] for t in sec["tasks"]],
                    backbone_params=sum(p.numel() for p in runner.model.parameters() if not p.requires_grad))
     for i, t in enumerate(sec["tasks"]):
-        runner.add_task(t, f"workload.peft.tasks[{i}]")
+        runner.add_task(t, f"workload.peft.tasks[{i}]", index=i)
     follower = ThreadFollower(int(spec.get("threads") or 0))
     while True:
         threads = follower.poll()  # the agent may have changed our cores live (UpdateGrant)
