@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from agent.runtime.multimodal.data import SampleMeta, SyntheticData
-from agent.runtime.multimodal.engine import StepStats
+from agent.runtime.multimodal.engine import StepStats, check_finite
 from agent.runtime.multimodal.models import MMModel, n_targets
 from agent.runtime.multimodal.reshard import Item, StepPlan
 
@@ -285,6 +285,10 @@ class DistEngine:
             off += n
         ex = buf[n_grad + had.numel():].tolist()
         stats.add("sync", "communication", time.perf_counter() - t0)
+        # Every rank holds the same reduced loss and gradients (a NaN/inf anywhere is in the
+        # sum), so every rank takes the same decision here: all fail together, before the
+        # update, and no collective is left waiting.
+        check_finite(ex[0], [p for p in self.params if p.grad is not None])
         t1 = time.perf_counter()
         self.opt.step()
         stats.add("optimizer", "step", time.perf_counter() - t1)

@@ -19,6 +19,7 @@ encoder's backward is driven by exactly the gradient the LLM produced for its ou
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -56,6 +57,16 @@ def plain_step(model: MMModel, opt: torch.optim.Optimizer, samples: list[Sample]
     loss.backward()
     opt.step()
     return StepStats(float(loss.detach()), time.perf_counter() - t0)
+
+
+def check_finite(loss: float, params) -> None:
+    """Raise ``FloatingPointError`` when ``loss`` or a gradient of ``params`` is not finite.
+    Called before ``opt.step``, so a diverged step never reaches the weights (as the gpt
+    workload): the model and its last checkpoint stay finite."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"loss is {loss}")
+    if not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None):
+        raise FloatingPointError(f"gradients are not finite (loss {loss})")
 
 
 def split_micro(samples: list[Sample], micro_batches: int, media_cost: float = 4.0) -> list[list[Sample]]:
@@ -272,6 +283,7 @@ class ColocatedEngine:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         stats.loss = sum(float(v) for v in losses)
+        check_finite(stats.loss, self.model.parameters())  # before the update: weights stay finite
         t1 = time.perf_counter()
         if self.llm is not None:
             # On a quota'd worker, not the caller: the caller's intra-op pool may be the
@@ -286,4 +298,4 @@ class ColocatedEngine:
         return stats
 
 
-__all__ = ["ColocatedEngine", "StepStats", "plain_step", "split_micro", "split_cpus", "threading"]
+__all__ = ["ColocatedEngine", "StepStats", "check_finite", "plain_step", "split_micro", "split_cpus", "threading"]

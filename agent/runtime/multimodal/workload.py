@@ -22,7 +22,11 @@ checkpoint written before that field existed resumes as if its world size were t
 one (exact only when the world size is unchanged or it stopped on a group boundary). On
 SIGTERM (``agent.runtime.train.STOP``) every rank leaves after the same step, rank 0
 checkpoints, an ``error`` event says so and the exit code is 143 (the controller's
-resize / reshard / preempt path relaunches from that checkpoint).
+resize / reshard / preempt path relaunches from that checkpoint). A step whose loss or a
+gradient is not finite fails before its update (as the gpt workload): ``FloatingPointError``
+naming the step, an ``error`` event, exit 1; no checkpoint is written for it, so the last one
+stays finite. In disaggregated mode every rank sees the same all-reduced loss and gradients,
+so all ranks fail at the same step.
 """
 
 from __future__ import annotations
@@ -64,6 +68,15 @@ def _stop_agreed(distributed: bool) -> bool:
     t = torch.tensor([1.0 if stop else 0.0])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t[0] > 0)
+
+
+def _checked(step: int, fn, *args):
+    """``fn(*args)`` (one engine step); its ``FloatingPointError`` (a non-finite loss or
+    gradient, raised before the update) names the 1-based step."""
+    try:
+        return fn(*args)
+    except FloatingPointError as e:
+        raise FloatingPointError(f"{e} at step {step + 1}") from None
 
 
 def _int(wl: dict, name: str, default: int, minimum: int = 1) -> int:
@@ -209,7 +222,7 @@ def _run(spec: dict, reporter: Reporter) -> int:
                 if split is not None:
                     reporter.event("threads", job_id=spec.get("job_id"), threads=len(split[0]) + len(split[1]),
                                    cores=len(colo.cpus), encoder_cores=split[0], llm_cores=split[1], step=step)
-                st = colo.step([data.sample(i) for i in ids])
+                st = _checked(step, colo.step, [data.sample(i) for i in ids])
                 extra["encoder_quota"] = mm["colocated"]["encoder_quota"]
             else:
                 threads = follower.poll()  # the agent may have changed our cores live (UpdateGrant)
@@ -219,7 +232,7 @@ def _run(spec: dict, reporter: Reporter) -> int:
                 if dg["adaptive"] or step == start or pinned is not None:
                     layout = choose_layout(sum(i.enc for i in items), sum(i.llm for i in items), world,
                                            mm["micro_batches"], dg["allow_shared"], pinned)
-                st = dist_eng.step(ids, decoupled_plan(items, layout, mm["micro_batches"]), cost)
+                st = _checked(step, dist_eng.step, ids, decoupled_plan(items, layout, mm["micro_batches"]), cost)
                 w = st.modules["work"]
                 cost.observe(w["enc_s"], w["enc_units"], w["llm_s"], w["llm_tokens"], first=(step == start))
                 extra.update(layout=layout.ratio, encoder_ranks=list(layout.enc_ranks), llm_ranks=list(layout.llm_ranks))
