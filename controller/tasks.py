@@ -23,7 +23,9 @@ from tessera.api.v1 import types_pb2
 
 P = types_pb2.JobPhase
 TERMINAL = (P.SUCCEEDED, P.FAILED, P.CANCELLED)
-PHASE_OF = {"running": P.RUNNING, "succeeded": P.SUCCEEDED, "cancelled": P.CANCELLED}
+# The executor's task phases (agent/runtime/peft/workload.py ``task`` event); "failed": the
+# task diverged (non-finite loss or gradient) and ended without an adapter.
+PHASE_OF = {"running": P.RUNNING, "succeeded": P.SUCCEEDED, "cancelled": P.CANCELLED, "failed": P.FAILED}
 
 
 def split_id(job_id: str) -> tuple[str, str | None]:
@@ -72,7 +74,8 @@ def apply_report(job: types_pb2.Job, task: str, phase: str, step: int, total_ste
     if tokens_per_s:
         t.tokens_per_s = tokens_per_s
     if new_phase in TERMINAL:
-        t.reason = now_reason or {P.SUCCEEDED: "finished its steps", P.CANCELLED: "cancelled"}[new_phase]
+        t.reason = now_reason or {P.SUCCEEDED: "finished its steps", P.CANCELLED: "cancelled",
+                                   P.FAILED: "failed: its loss or gradients became non-finite"}[new_phase]
     elif not t.reason:
         t.reason = "training on the shared backbone"
     return t.SerializeToString(deterministic=True) != before

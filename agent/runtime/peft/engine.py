@@ -4,8 +4,11 @@ Contract: :class:`MuxEngine` owns the backbone (frozen, wrapped once by
 :func:`lora.inject`), the adapter banks and one :class:`lora.BankAdam`. Tasks are added
 (:meth:`MuxEngine.add_task`) and cancelled (:meth:`MuxEngine.cancel`) between steps
 without touching the others; a task that reaches its step count finishes by itself and
-its slot is freed (its final adapter kept on the :class:`TaskState`). Each
-:meth:`MuxEngine.step`:
+its slot is freed (its final adapter kept on the :class:`TaskState`). A stepping task
+whose step loss or any of its adapter gradients is not finite gets no update that step:
+it ends ``failed`` (``TaskState.error`` says why, ``TaskState.failed_state`` is its
+:meth:`MuxEngine.task_state` from before the step, still finite) and the others step on
+untouched. Each :meth:`MuxEngine.step`:
 
 * ``spatial``: takes one micro-batch from *every* running task, packs all of them into
   chunks (:mod:`packing`) and runs ONE forward/backward on the backbone; each chunk uses
@@ -45,6 +48,7 @@ Pure compute: no files, no events (the workload runner does I/O).
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -71,7 +75,7 @@ class TaskState:
     slot: int
     steps: int
     step: int = 0
-    status: str = "running"  # running | succeeded | cancelled
+    status: str = "running"  # running | succeeded | cancelled | failed
     tokens: int = 0
     loss: float = float("nan")
     first_loss: float = float("nan")
@@ -80,6 +84,8 @@ class TaskState:
     tokens_at_add: int = 0  # tokens already trained when it joined this engine (a resumed task's)
     pack: PackStats = field(default_factory=PackStats)
     final_adapter: dict | None = None
+    error: str | None = None  # why it failed (a non-finite loss or gradient)
+    failed_state: dict | None = None  # its task_state() when it failed: the last finite one
 
     def tokens_per_s(self, now: float | None = None) -> float:
         """Effective (non-padding) tokens per second since the task joined the engine:
@@ -99,6 +105,7 @@ class StepReport:
     wall_s: float
     pack: PackStats
     finished: list[TaskState]
+    failed: list[TaskState] = field(default_factory=list)  # ended "failed" by this step (no update)
 
 
 class MuxEngine:
@@ -263,15 +270,26 @@ class MuxEngine:
             for mb in mbs:
                 sums += run_mb(mb)
         self.processed_tokens += sum(len(idx) * w for idx, w in mbs)
+        ok = self._finite_slots(sums / denom)
         active = torch.zeros(s, dtype=torch.bool, device=dev)
         active[[t.slot for t in tasks]] = True
+        active &= ok  # a task with a non-finite loss or gradient gets no update
         self.opt.step(active)
         losses = (sums / denom).cpu().tolist()
+        ok_l = ok.cpu().tolist()
         wall = time.perf_counter() - t0
         self.steps_done += 1
         self.pack_total.add(p.stats)
         rep = StepReport(tasks=[t.name for t in tasks], losses={}, tokens={}, wall_s=wall, pack=p.stats, finished=[])
         for t, (_, seqs) in zip(tasks, batches):
+            if not ok_l[t.slot]:
+                loss = losses[t.slot]
+                t.error = (f"loss is {loss} at step {t.step + 1}" if not math.isfinite(loss)
+                           else f"gradients are not finite at step {t.step + 1} (loss {loss})")
+                t.failed_state = self.task_state(t)  # before the update: still finite
+                self._end(t, "failed")
+                rep.failed.append(t)
+                continue
             n = sum(int(s.numel()) for s in seqs)
             t.tokens += n
             t.step += 1
@@ -286,6 +304,15 @@ class MuxEngine:
                 self._end(t, "succeeded")
                 rep.finished.append(t)
         return rep
+
+    def _finite_slots(self, losses: torch.Tensor) -> torch.Tensor:
+        """(S,) bool: the slot's step loss and every one of its adapter gradients are finite."""
+        ok = torch.isfinite(losses)
+        for bank in self.banks.values():
+            for p in (bank.A, bank.B):
+                if p.grad is not None:
+                    ok &= torch.isfinite(p.grad).flatten(1).all(1)
+        return ok
 
     def _run_threaded(self, fn, mbs: list) -> list[torch.Tensor]:
         """``fn`` over ``mbs`` on the worker pool (one intra-op thread each), results in

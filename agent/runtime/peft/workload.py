@@ -2,7 +2,8 @@
 
 Contract: ``run(spec, reporter) -> int`` trains every task of ``workload.peft`` on ONE
 frozen GPT backbone (``workload.model``, initialised from ``workload.seed``) and returns
-0 when no task is left running, 2 on a bad spec (``error`` event naming the field; the
+0 when no task is left running (1 instead when some task failed and none succeeded: an
+``error`` event lists them), 2 on a bad spec (``error`` event naming the field; the
 limits are :mod:`tessera.spec.peft`'s: at most 256 tasks, rank 1..model.hidden, batch size
 1..65536 — a manifest breaking them, inherited values included, is refused at submission), 143
 when :data:`agent.runtime.train.STOP` is set (every running task checkpointed first), 1
@@ -15,7 +16,7 @@ worker count follow at the next step boundary (:class:`agent.runtime.threads.Thr
 a ``threads`` event says so).
 
 Events: ``start``; ``task`` per task (``task``, ``phase``: running | succeeded |
-cancelled, ``step``, ``steps``, ``loss``, ``tokens_per_s``) when it starts, every
+cancelled | failed, ``step``, ``steps``, ``loss``, ``tokens_per_s``) when it starts, every
 ``report_every`` steps of it and when it ends; ``progress`` per engine step (``step`` and
 ``total`` from the tasks' own counts, so they continue across a relaunch: spatial, the
 furthest task's step of the longest task's steps; temporal, the tasks' steps summed; a
@@ -23,7 +24,8 @@ cancelled task counts the steps it made; ``loss`` = mean over the step's tasks,
 ``step_time_s``, ``tokens``, ``tasks``, ``pad_removed``, ``module`` = "peft"); ``threads``
 (``threads``, ``cores``, ``step``) after a live change of the executor's cores;
 ``checkpoint`` (``task``, ``path``, ``step``); ``error`` for a bad control command (the
-others keep training); ``done`` (``final_loss``, per-task summary, packing totals).
+others keep training) and for a failed task (``task``, ``fatal: false``, ``message``: e.g.
+``task 'x' failed: loss is nan at step 5``; the others keep training); ``done`` (``final_loss``, per-task summary, packing totals).
 
 Files under ``checkpoint_dir``: ``peft/<task>/adapter.pt`` (adapter only, written when
 the task succeeds: its existence means "succeeded") and ``peft/<task>/state.pt`` (adapter
@@ -31,6 +33,11 @@ the task succeeds: its existence means "succeeded") and ``peft/<task>/state.pt``
 resumes from it). A cancelled task leaves no ``adapter.pt``: its end writes ``state.pt``
 (its adapter so far is ``torch.load(state.pt)["adapter"]``; a ``checkpoint`` event says
 so) and then ``peft/<task>/outcome.json`` (``{"phase": "cancelled", "step", "steps"}``).
+A task whose step loss or adapter gradient is not finite gets no update that step and
+ends ``failed``: no ``adapter.pt``; its ``state.pt`` is rewritten with its state from
+before that step (finite; the engine never applied the update) and ``outcome.json`` says
+``{"phase": "failed", "step", "steps", "error"}``; a relaunch reports it failed and does
+not retrain it.
 A later executor (relaunch, requeued fused guest) reports a task with ``adapter.pt`` as
 succeeded and one with ``outcome.json`` as that phase at that step (``task`` event with
 ``resumed: true``), and retrains neither; a replayed ``cancel`` of such a task is a
@@ -158,6 +165,17 @@ def atomic_torch_save(obj: Any, path: str) -> None:
 def atomic_json_save(obj: Any, path: str) -> None:
     """:func:`atomic_torch_save` for a small JSON document."""
     atomic_write(path, lambda f: f.write(json.dumps(obj).encode() + b"\n"))
+
+
+def _finite(obj: Any) -> bool:
+    """Whether every floating tensor in ``obj`` (nested dicts/lists) is finite."""
+    if isinstance(obj, torch.Tensor):
+        return not obj.is_floating_point() or bool(torch.isfinite(obj).all())
+    if isinstance(obj, dict):
+        return all(_finite(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(_finite(v) for v in obj)
+    return True
 
 
 def load_adapter(path: str) -> dict:
@@ -416,12 +434,13 @@ class PeftRunner:
         if rep is None:
             return False
         now = time.perf_counter()
-        mean = sum(rep.losses.values()) / len(rep.losses)
-        self.losses.append(mean)
-        step, total = self.progress()
-        self.rep.event("progress", step=step, total=total, loss=mean,
-                       step_time_s=rep.wall_s, tokens=sum(rep.tokens.values()), tasks=rep.tasks,
-                       pad_removed=rep.pack.pad_removed, module="peft")
+        if rep.losses:  # else every stepping task failed: nothing trained, no progress
+            mean = sum(rep.losses.values()) / len(rep.losses)
+            self.losses.append(mean)
+            step, total = self.progress()
+            self.rep.event("progress", step=step, total=total, loss=mean,
+                           step_time_s=rep.wall_s, tokens=sum(rep.tokens.values()), tasks=list(rep.losses),
+                           pad_removed=rep.pack.pad_removed, module="peft")
         every = self.params["checkpoint_every"]
         for name in rep.tasks:
             t = self.engine.tasks[name]
@@ -457,6 +476,19 @@ class PeftRunner:
             path = os.path.join(self.task_dir(t.name), "adapter.pt")
             atomic_torch_save(t.final_adapter, path)
             self.rep.event("checkpoint", task=t.name, path=path, step=t.step, adapter_only=True)
+        elif t.status == "failed":
+            # Not adapter.pt (that means "succeeded"): its state from before the failed
+            # step (finite: the engine never applied that update), then the outcome.
+            if self.ckpt_dir:
+                tdir = self.task_dir(t.name)
+                if t.failed_state is not None and _finite(t.failed_state):
+                    path = os.path.join(tdir, "state.pt")
+                    atomic_torch_save(t.failed_state, path)
+                    self.rep.event("checkpoint", task=t.name, path=path, step=t.step)
+                atomic_json_save({"phase": "failed", "step": t.step, "steps": t.steps, "error": t.error},
+                                 os.path.join(tdir, "outcome.json"))
+            self.log.warning("task_failed", task=t.name, step=t.step, error=t.error)
+            self.rep.event("error", message=f"task {t.name!r} failed: {t.error}", task=t.name, fatal=False)
         elif self.ckpt_dir and state is not None:
             # Not adapter.pt (that means "succeeded"): the state so far, then the outcome.
             tdir = self.task_dir(t.name)
@@ -526,6 +558,14 @@ def _run(spec: dict, reporter: Reporter) -> int:
         if not runner.step():
             break
     s = runner.summary()
+    phases = [v["phase"] for v in s["tasks"].values()] + list(runner.ended_before.values())
+    failed = sorted([n for n, v in s["tasks"].items() if v["phase"] == "failed"]
+                    + [n for n, ph in runner.ended_before.items() if ph == "failed"])
+    if failed and "succeeded" not in phases:
+        # No task produced an adapter and some diverged: the job failed (as a gpt job whose
+        # loss is not finite).
+        reporter.event("error", message=f"no task succeeded; failed: {', '.join(failed)}")
+        return EXIT_FAIL
     finals = [v["loss"] for v in s["tasks"].values() if v["phase"] == "succeeded"]
     reporter.event("done", final_loss=sum(finals) / len(finals) if finals else None, **s)
     return EXIT_OK
