@@ -204,15 +204,20 @@ def guest_tasks(guest: types_pb2.Job, checkpoint_dir: str) -> list[tuple[str, di
 
 
 def guest_outcome(guest: types_pb2.Job) -> tuple[int, str] | None:
-    """(SUCCEEDED, reason) once every task of ``guest`` (its spec's and any added) has ended;
-    None while one is still to run."""
+    """(phase, reason) once every task of ``guest`` (its spec's and any added) has ended;
+    None while one is still to run. The phase is the one the guest's own executor would
+    have ended with (agent/runtime/peft: exit 1 when some task failed and none
+    succeeded): FAILED when no task succeeded and one failed (its loss or gradients went
+    non-finite), else SUCCEEDED."""
     names = peft_tasks.all_task_names(guest)
     ended = [peft_tasks.find(guest, n) for n in names]
     if not names or any(t is None or t.phase not in TERMINAL for t in ended):
         return None
     ok = sum(t.phase == P.SUCCEEDED for t in ended)
-    return P.SUCCEEDED, (f"all {len(names)} tasks ended in the fused executor of job {guest.status.fused_into}: "
-                         f"{ok} succeeded, {len(names) - ok} cancelled")
+    failed = sum(t.phase == P.FAILED for t in ended)
+    why = (f"all {len(names)} tasks ended in the fused executor of job {guest.status.fused_into}: "
+           f"{ok} succeeded, {failed} failed, {len(names) - ok - failed} cancelled")
+    return (P.FAILED if failed and not ok else P.SUCCEEDED), why
 
 
 def fold_progress(guest: types_pb2.Job) -> None:

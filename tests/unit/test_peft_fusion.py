@@ -162,7 +162,15 @@ def test_guest_outcome_and_progress_follow_its_tasks():
     assert fusion.guest_outcome(g) is None
     g.status.tasks[1].phase = P.CANCELLED
     ph, why = fusion.guest_outcome(g)
-    assert ph == P.SUCCEEDED and "1 succeeded, 1 cancelled" in why and H in why
+    assert ph == P.SUCCEEDED and "1 succeeded, 0 failed, 1 cancelled" in why and H in why
+    # A task that failed (non-finite loss) is counted as failed; with none succeeded the
+    # guest fails, as its own executor would have (exit 1).
+    g.status.tasks[1].phase = P.FAILED
+    ph, why = fusion.guest_outcome(g)
+    assert ph == P.SUCCEEDED and "1 succeeded, 1 failed, 0 cancelled" in why
+    g.status.tasks[0].phase = P.CANCELLED
+    ph, why = fusion.guest_outcome(g)
+    assert ph == P.FAILED and "0 succeeded, 1 failed, 1 cancelled" in why
 
 
 def test_host_stays_running_serving_guests_once_its_own_tasks_ended():
