@@ -48,7 +48,8 @@ def test_regrant_on_a_backend_that_cannot_change_live_is_refused():
 
 
 def _job(jid: str, typ: str = "gpt", units: int = 1, devices: int = 1, mm: dict | None = None) -> tpb.Job:
-    wl = {"type": typ, "model": {"vocab": 64, "seq_len": 16, "layers": 1, "hidden": 32, "heads": 2}, "steps": 10,
+    # seq_len 32: a multimodal sample of the default section needs 24 positions (validated at submission)
+    wl = {"type": typ, "model": {"vocab": 64, "seq_len": 32, "layers": 1, "hidden": 32, "heads": 2}, "steps": 10,
           "batch_size": 4}
     if mm is not None:
         wl["multimodal"] = mm

@@ -56,12 +56,14 @@ def mm_job(jid: str, share: float, encoder_ranks: int = 0, pinned="auto", mode: 
           "multimodal": {"mode": mode, "disaggregated": {"encoder_ranks": pinned}}}
     j = tpb.Job(id=jid, spec=manifest.to_proto(manifest.validate({
         "apiVersion": "tessera/v1", "name": jid, "tenant": "t", "workload": wl,
-        "resources": {"devices": 2, "device_kind": "cpu"}})))
+        # colocated mode runs on one device (refused at submission otherwise)
+        "resources": {"devices": 1 if mode == "colocated" else 2, "device_kind": "cpu"}})))
     j.status.phase = tpb.RUNNING
     j.status.step = 10
     j.status.encoder_share = share
     j.status.encoder_ranks = encoder_ranks
-    j.status.placement.add(node="n1", device_ids=["cpu0", "cpu1"], partition_ids=["cpu0", "cpu1"])
+    devs = ["cpu0"] if mode == "colocated" else ["cpu0", "cpu1"]
+    j.status.placement.add(node="n1", device_ids=devs, partition_ids=devs)
     return j
 
 
