@@ -4,6 +4,8 @@ are the controller's own profiling jobs (profiling, fusion)."""
 
 from __future__ import annotations
 
+import re
+
 from tessera.api.v1 import types_pb2
 
 PROFILE_TENANT = "tessera-system"
@@ -15,12 +17,37 @@ def is_profile_job(job: types_pb2.Job) -> bool:
     return job.spec.tenant == PROFILE_TENANT and job.spec.name.startswith(PROFILE_PREFIX)
 
 
+# status.history keeps its first entry (the submission) and the last HISTORY_KEEP entries:
+# a job requeued over and over (transient launch refusals, preemptions, relaunches) would
+# otherwise grow its record until etcd refuses every write of it (max request size).
+HISTORY_KEEP = 50
+_DROPPED_RE = re.compile(r" \[(\d+) later transitions dropped from this history\]$")
+
+
+def dropped_transitions(job: types_pb2.Job) -> int:
+    """How many transitions :func:`transition` dropped from ``job``'s history (counted in
+    the first entry's reason)."""
+    h = job.status.history
+    m = _DROPPED_RE.search(h[0].reason) if h else None
+    return int(m.group(1)) if m else 0
+
+
 def transition(job: types_pb2.Job, phase: int, reason: str, now: float) -> None:
-    """Move ``job`` to ``phase`` and record the transition (no-op history if unchanged)."""
+    """Move ``job`` to ``phase`` and record the transition (no-op history if unchanged).
+    The history stays bounded: its first entry and the last ``HISTORY_KEEP`` are kept;
+    the entries dropped in between are counted in the first entry's reason
+    (``"... [N later transitions dropped from this history]"``, :func:`dropped_transitions`)."""
     if job.status.phase != phase:
         job.status.history.add(phase=phase, time=now, reason=reason)
     job.status.phase = phase
     job.status.reason = reason
+    h = job.status.history
+    extra = len(h) - 1 - HISTORY_KEEP
+    if extra > 0:
+        n = dropped_transitions(job) + extra
+        first = _DROPPED_RE.sub("", h[0].reason)
+        del h[1:1 + extra]
+        h[0].reason = f"{first} [{n} later transitions dropped from this history]"
 
 
 def alloc_keys(shards) -> list[tuple[str, str]]:
