@@ -97,7 +97,8 @@ async def relaunch(ctl, job: types_pb2.Job, action: str, reason: str, nodes: dic
     partitions with ``units`` overriding the units per (node, partition id) — applies
     ``mutate`` (e.g. a new plan or encoder:LLM split) and records the decision; then
     SIGTERM to the old ranks and a launch of the new ones, which resume from the
-    checkpoint. ``where`` is appended to the history line. Returns False when nothing
+    checkpoint. ``where`` is appended to the history line. The measured ``status.busy``
+    follows the units in the same write (:func:`busy_to_units`). Returns False when nothing
     was moved (the job changed meanwhile, the partitions are full, or too many
     concurrent writers) or the launch failed (the job is then requeued by
     ``ctl._launch_or_requeue``)."""
@@ -126,6 +127,7 @@ async def relaunch(ctl, job: types_pb2.Job, action: str, reason: str, nodes: dic
         except CapacityExceeded as e:
             ctl.log.info(f"{action} skipped: partition full", job_id=j.id, error=str(e), decision_id=decision_id)
             return None
+        busy_to_units(j, adapter.shard_units(j.status.placement, nodes), want)
         del j.status.placement[:]
         j.status.placement.extend(shards)
         j.status.allocation_id = alloc_id
@@ -196,9 +198,9 @@ async def repartition(ctl, rp: Repartition, jobs: dict[str, types_pb2.Job], node
         reason = f"{rp.reason or 'repartition'}: {part.id} on {node} {old} -> {new} {part.unit}"
         quota = new / part.capacity_units
         if not live:
+            # relaunch rescales busy to the new units (busy_to_units)
             ok = await relaunch(ctl, jobs[jid], "repartition", f"{reason} ({part.kind}: not live)", nodes,
-                                decision_id, units={(node, part.id): new}, quota=quota,
-                                mutate=lambda j, o=old, n=new: rescale_busy(j, o, n))
+                                decision_id, units={(node, part.id): new}, quota=quota)
         else:
             ok = await _repartition_live(ctl, jobs[jid], node, part, old, new, f"{reason}, live", quota, decision_id)
         done += ok
@@ -217,6 +219,21 @@ def rescale_busy(job: types_pb2.Job, old: int, new: int) -> None:
     b = job.status.busy
     if b > 0.0 and old > 0 and new > 0 and old != new:
         job.status.busy = min(max(b * old / new, measured.MIN_BUSY), 1.0)
+
+
+def busy_to_units(job: types_pb2.Job, old: dict[tuple[str, str], int], new: dict[tuple[str, str], int]) -> None:
+    """A relaunch moves ``job`` from the units ``old`` to ``new`` ((node, partition id) ->
+    units, ``adapter.shard_units``): its ``status.busy`` follows. The same units per
+    partition everywhere before and after: :func:`rescale_busy` (same partitions and units:
+    unchanged); mixed units per partition on either side: reset to 0 (not measured; the
+    next PROGRESS reports measure it under the new quota)."""
+    ov, nv = set(old.values()), set(new.values())
+    if ov == nv:
+        return
+    if len(ov) == 1 and len(nv) == 1:
+        rescale_busy(job, ov.pop(), nv.pop())
+    else:
+        job.status.busy = 0.0
 
 
 # UpdateGrant errors that mean the agent checked the request and changed nothing. Any other

@@ -142,6 +142,19 @@ def _decode_page_token(token: str) -> tuple[float, str] | None:
 # stalling one; each removal is one etcd transaction.
 MAX_REMOVALS_PER_ROUND = 500
 
+# Transient requeues (a launch refused while the agent still holds a partition, an executor
+# the agent stopped itself, a launch that never happened) back off: the n-th in a row keeps
+# the job out of the policy's rounds for min(2^(n-1), TRANSIENT_BACKOFF_MAX_S) seconds after
+# it (``transient_backoff``); the count restarts once the job runs, or when its last
+# transient requeue is older than TRANSIENT_BACKOFF_RESET_S.
+TRANSIENT_BACKOFF_MAX_S = 60.0
+TRANSIENT_BACKOFF_RESET_S = 600.0
+
+
+def transient_backoff(n: int) -> float:
+    """Seconds a job is not re-placed after its ``n``-th transient requeue in a row (n >= 1)."""
+    return min(2.0 ** max(n - 1, 0), TRANSIENT_BACKOFF_MAX_S)
+
 
 def finished_at(job: types_pb2.Job) -> float:
     """When a terminal ``job`` ended: the time of its last history entry into its current
@@ -249,6 +262,13 @@ class Controller:
         self.leading = False
         self.kick = asyncio.Event()  # set on events that warrant an early reconcile
         self._strays: set[tuple[str, str]] = set()  # (allocation, fused task) cancels already sent
+        # Transient requeue backoff, in memory (a new leader starts every job at zero):
+        # job id -> (transient requeues in a row, time of the last, not re-placed before).
+        self._backoff: dict[str, tuple[int, float, float]] = {}
+        # StopExecutor calls running in the background (requeues of a lost node's jobs),
+        # awaited when ``run`` ends; ``_in_round``: a reconcile round is in progress.
+        self._stops: set[asyncio.Task] = set()
+        self._in_round = False
         self.log = log.get(component="controller")
 
     # -- leadership -------------------------------------------------------------------
@@ -612,6 +632,7 @@ class Controller:
                 return [], []
             if r.kind == K.TASK:
                 changed = peft_tasks.apply_report(job, r.task, r.task_phase, r.step, r.total_steps, r.loss, r.tokens_per_s)
+                _task_resumed(job, r.task)
                 if changed and r.task_phase != "running" and st.phase == P.RUNNING:
                     # Its own tasks all ended while jobs fused into its executor still train:
                     # it stays RUNNING (the executor and its units are in use) and says so.
@@ -643,6 +664,8 @@ class Controller:
             return ([], []) if started else None
 
         job = await self._rmw(r.job_id, fn)
+        if job.status.phase == P.RUNNING and job.status.allocation_id == r.allocation_id:
+            self._backoff.pop(job.id, None)  # it runs: the next transient requeue starts over
         if requeue:
             # Back to PENDING from its last checkpoint, counted as a preemption; its other
             # ranks (if any) are stopped by the requeue.
@@ -657,30 +680,86 @@ class Controller:
 
     # -- reconcile --------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
-        """Reconcile every interval and whenever ``kick`` is set, while leading."""
+        """Reconcile every interval and whenever ``kick`` is set, while leading. Node
+        liveness also runs on its own timer (``_liveness_loop``) while a round is in
+        progress, so that a round waiting on a slow agent (a StopExecutor answers once the
+        ranks checkpointed, up to 60 s) never delays the detection of a lost node. On
+        return, background stops still running are awaited."""
+        live = asyncio.create_task(self._liveness_loop(stop))
+        try:
+            while not stop.is_set():
+                try:
+                    async with asyncio.timeout(self.cfg.reconcile_interval_s):
+                        await self.kick.wait()
+                except TimeoutError:
+                    pass
+                self.kick.clear()
+                if not self.leading:
+                    continue
+                self._in_round = True
+                try:
+                    await self.reconcile_once()
+                except (NotLeader, Fenced):
+                    self.log.warning("reconcile stopped: not leader")
+                except Exception:
+                    self.log.exception("reconcile failed")
+                finally:
+                    self._in_round = False
+        finally:
+            live.cancel()
+            await asyncio.gather(live, return_exceptions=True)
+            await self.drain_stops()
+
+    async def drain_stops(self) -> None:
+        """Await the background StopExecutor calls still running (each bounded by its RPC
+        timeout; their errors are logged by ``_stop_later``)."""
+        if self._stops:
+            await asyncio.gather(*list(self._stops), return_exceptions=True)
+
+    def _stop_later(self, alloc_id: str, shards, reason: str) -> None:
+        """``_stop_alloc`` as a tracked background task (nothing waits for it: the stop is
+        best effort, the heartbeat reply stops what it misses); an error is logged."""
+        t = asyncio.create_task(self._stop_alloc(alloc_id, shards, reason))
+        self._stops.add(t)
+
+        def done(task: asyncio.Task) -> None:
+            self._stops.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                self.log.warning("background stop failed", allocation=alloc_id,
+                                 error=f"{type(task.exception()).__name__}: {task.exception()}"[:300])
+
+        t.add_done_callback(done)
+
+    async def _liveness_loop(self, stop: asyncio.Event) -> None:
+        """While a reconcile round is in progress, check node liveness every
+        ``min(grace_s / 4, reconcile_interval_s)`` seconds (``check_liveness``): a round
+        blocked on an agent does not delay marking a silent node NOT_READY and requeueing
+        its jobs. Between rounds the round itself checks."""
+        period = max(min(self.cfg.grace_s / 4, self.cfg.reconcile_interval_s), 0.05)
         while not stop.is_set():
             try:
-                async with asyncio.timeout(self.cfg.reconcile_interval_s):
-                    await self.kick.wait()
+                async with asyncio.timeout(period):
+                    await stop.wait()
             except TimeoutError:
                 pass
-            self.kick.clear()
-            if not self.leading:
+            if stop.is_set() or not self.leading or not self._in_round:
                 continue
             try:
-                await self.reconcile_once()
+                await self.check_liveness()
             except (NotLeader, Fenced):
-                self.log.warning("reconcile stopped: not leader")
+                pass  # the round says so
             except Exception:
-                self.log.exception("reconcile failed")
+                self.log.exception("liveness check failed")
 
-    async def reconcile_once(self) -> dict:
-        t0 = time.perf_counter()
+    async def check_liveness(self, nodes=None, jobs: list[types_pb2.Job] | None = None) -> tuple[int, int]:
+        """Node liveness: a READY node silent for more than ``grace_s`` is marked NOT_READY
+        (compare-and-swap on its record), and the active jobs of every node that is not
+        READY are requeued (idempotent: the requeue compares the allocation), their
+        stops sent in the background. ``nodes``/``jobs``: as already read (else read
+        here). Returns (nodes marked lost, jobs requeued)."""
         now = self.clock()
-        nodes = [v for v in await self.store.list_nodes()]
-        # 1. liveness. Every round, not only the one that marks a node NOT_READY: the jobs
-        # of any node that is not READY are requeued (idempotent), so a sweep cut short by
-        # a crash, a failover or an error is finished by the next round or the next leader.
+        if nodes is None:
+            nodes = [v for v in await self.store.list_nodes()]
         lost = 0
         down: dict[str, str] = {}
         for v in nodes:
@@ -697,9 +776,26 @@ class Controller:
                 down[n.name] = f"node {n.name} stopped heartbeating for {self.cfg.grace_s:g}s"
             elif n.state != types_pb2.READY:
                 down[n.name] = f"node {n.name} is not ready"
+        if not down:
+            return lost, 0
+        if jobs is None:
+            jobs, _ = await self.store.list_jobs()
+        requeued = await self._requeue_node_jobs(down, jobs)
+        if lost:
+            self.kick.set()
+        return lost, requeued
+
+    async def reconcile_once(self) -> dict:
+        t0 = time.perf_counter()
+        now = self.clock()
+        nodes = [v for v in await self.store.list_nodes()]
         # One read of every job per round; another only after a step changed some.
         jobs, _ = await self.store.list_jobs()
-        requeued = await self._requeue_node_jobs(down, jobs) if down else 0
+        # 1. liveness (check_liveness; also on its own timer while a round runs). Every
+        # round, not only the one that marks a node NOT_READY: the jobs of any node that is
+        # not READY are requeued (idempotent), so a sweep cut short by a crash, a failover
+        # or an error is finished by the next round or the next leader.
+        lost, requeued = await self.check_liveness(nodes, jobs)
         requeued += await self._requeue_never_launched(now, jobs)
         if requeued:
             jobs, _ = await self.store.list_jobs()
@@ -710,11 +806,18 @@ class Controller:
         # back to PENDING as a preemption, before the policy sees the cluster.
         orphaned = fusion.orphans(jobs, now, max(2 * self.cfg.grace_s, 30.0))
         for g, why in orphaned:
-            await self._requeue(g.id, g.status.allocation_id, why)
+            await self._guard("requeue of an orphaned fused job", g.id, self._requeue(g.id, g.status.allocation_id, why))
         if orphaned:
             jobs, _ = await self.store.list_jobs()
         pending = [j for j in jobs if j.status.phase == P.PENDING]
         active = [j for j in jobs if j.status.phase in ACTIVE]
+        # Jobs backing off after transient requeues are not offered to the policy this round.
+        current = {j.id for j in pending + active}
+        self._backoff = {k: b for k, b in self._backoff.items() if k in current}
+        waiting = {j.id for j in pending if self._backoff.get(j.id, (0, 0.0, 0.0))[2] > now}
+        if waiting:
+            pending = [j for j in pending if j.id not in waiting]
+            jobs = [j for j in jobs if j.id not in waiting]
         # Cancels remembered for strays of allocations that ended: their executors are gone.
         live = {j.status.allocation_id for j in active}
         self._strays = {k for k in self._strays if k[0] in live}
@@ -732,20 +835,26 @@ class Controller:
         node_map = {n.name: n for n in nodes}
         out = {"placed": 0, "lost_nodes": lost, "infeasible": len(reply.infeasible), "resized": 0, "preempted": 0}
         # Moves first: they free the partitions that this round's placements may take.
+        # A job whose write or RPC fails unexpectedly is logged and skipped (``_guard``): the
+        # round goes on with the others.
         for pre in reply.preemptions:
-            if pre.job_id in by_id and await self._preempt(by_id[pre.job_id], pre.reason, decision_id):
+            if pre.job_id in by_id and await self._guard("preempt", pre.job_id,
+                                                         self._preempt(by_id[pre.job_id], pre.reason, decision_id)):
                 out["preempted"] += 1
         for rz in reply.resizes:
-            if rz.job_id in by_id and await self._resize(by_id[rz.job_id], rz, node_map, decision_id):
+            if rz.job_id in by_id and await self._guard("resize", rz.job_id,
+                                                        self._resize(by_id[rz.job_id], rz, node_map, decision_id)):
                 out["resized"] += 1
         # Reshards (checkpoint + relaunch under a new encoder:LLM split) and repartitions
         # (live for CPU core sets, else checkpoint + relaunch): controller/actions.py.
         out["resharded"] = out["repartitioned"] = 0
         for rs in reply.reshards:
-            if rs.job_id in by_id and await actions.reshard(self, by_id[rs.job_id], rs, node_map, decision_id):
+            if rs.job_id in by_id and await self._guard(
+                    "reshard", rs.job_id, actions.reshard(self, by_id[rs.job_id], rs, node_map, decision_id)):
                 out["resharded"] += 1
         for rp in reply.repartitions:
-            out["repartitioned"] += await actions.repartition(self, rp, by_id, node_map, decision_id)
+            out["repartitioned"] += await self._guard(f"repartition of group {rp.group_id}", "",
+                                                      actions.repartition(self, rp, by_id, node_map, decision_id), 0)
         out["fused"] = 0
         placed: dict[str, tuple[str, str]] = {}  # this round: job id -> (node, partition) of a 1-device placement
         # This round: host id -> tasks fused into its executor (``jobs`` predates them).
@@ -754,7 +863,8 @@ class Controller:
             if p.job_id not in by_id:
                 continue
             if fusion.is_fused_placement(p.reason) and by_id[p.job_id].spec.workload.type == "peft":
-                got = await self._fuse(by_id[p.job_id], p, jobs, decision_id, placed, fused_tasks)
+                got = await self._guard("fuse", p.job_id,
+                                        self._fuse(by_id[p.job_id], p, jobs, decision_id, placed, fused_tasks), None)
                 if got is True:
                     out["fused"] += 1
                     continue
@@ -762,17 +872,15 @@ class Controller:
                     p = replace(p, reason=f"packed on a shared device (not fused: {got})")
                 else:
                     continue
-            if await self._place(by_id[p.job_id], p, node_map, decision_id):
+            if await self._guard("place", p.job_id, self._place(by_id[p.job_id], p, node_map, decision_id)):
                 out["placed"] += 1
                 if len(p.shards) == 1 and len(p.shards[0].device_ids) == 1:
                     placed[p.job_id] = (p.shards[0].node, p.shards[0].device_ids[0])
         for inf in reply.infeasible:
             j = by_id.get(inf.job_id)
             if j is not None and (j.status.last_decision.action, j.status.last_decision.reason) != ("wait", inf.reason):
-                try:
-                    await self._rmw(j.id, lambda job, r=inf.reason: _set_decision(job, self.policy.name, r, now, decision_id))
-                except NotFound:
-                    pass
+                await self._guard("wait decision", j.id, self._rmw(
+                    j.id, lambda job, r=inf.reason: _set_decision(job, self.policy.name, r, now, decision_id)))
         dt = (time.perf_counter() - t0) * 1000
         dlog.info("decision cycle", policy=self.policy.name, nodes=len(nodes), pending=len(pending), running=len(active),
                   placements=[(p.job_id, p.reason) for p in reply.placements],
@@ -783,6 +891,22 @@ class Controller:
         # Last: removals never delay this round's placements.
         out["removed"] = await self.remove_finished(jobs, now)
         return out
+
+    async def _guard(self, what: str, job_id: str, coro, default=False):
+        """Await ``coro`` (one job's part of a round); any failure but ``NotLeader`` /
+        ``Fenced`` (which end the round) and a job gone meanwhile (``NotFound``, quiet) is
+        logged and answered ``default``, so that one job's failing write (e.g. a record etcd
+        refuses) does not abort the round's other placements, moves and removals."""
+        try:
+            return await coro
+        except (NotLeader, Fenced):
+            raise
+        except NotFound:
+            return default
+        except Exception as e:
+            self.log.exception(f"{what} failed; the round goes on with the other jobs", job_id=job_id,
+                               error=f"{type(e).__name__}: {e}"[:300])
+            return default
 
     async def remove_finished(self, jobs: list[types_pb2.Job], now: float) -> int:
         """Retention: remove the finished jobs of ``jobs`` (every job as read this round)
@@ -815,6 +939,14 @@ class Controller:
                 await self.store.delete_job(j, j.revision, cmp, ops)
             except Conflict:
                 deferred += 1  # changed (or a partition record moved) since read: next round
+                blocked.update(_needs(j))
+                continue
+            except Fenced:
+                raise
+            except Exception as e:  # one failing removal does not stop the others
+                self.log.warning("finished job removal failed; retried next round", job_id=j.id,
+                                 error=f"{type(e).__name__}: {e}"[:300])
+                deferred += 1
                 blocked.update(_needs(j))
                 continue
             removed += 1
@@ -905,6 +1037,9 @@ class Controller:
             j.status.placement.extend(shards)
             j.status.allocation_id = alloc_id
             j.status.attempts += 1
+            # A new placement, on new units: busy (a fraction of the old quota) is not
+            # measured under it yet (0; the policy falls back to the requested share).
+            j.status.busy = 0.0
             j.status.ClearField("plan")
             if plan is not None:
                 j.status.plan.CopyFrom(plan)
@@ -1041,6 +1176,7 @@ class Controller:
             if started:
                 transition(g, P.RUNNING, f"its tasks train in the executor of job {r.job_id} on {r.node}", now)
             changed = peft_tasks.apply_report(g, task, r.task_phase, r.step, r.total_steps, r.loss, r.tokens_per_s)
+            _task_resumed(g, task)
             if not (changed or started):
                 return None
             fusion.fold_progress(g)
@@ -1113,6 +1249,7 @@ class Controller:
             cmp, ops = await self.store.realloc_ops(drop=alloc_id, drop_keys=alloc_keys(j.status.placement))
             j.status.allocation_id = ""
             j.status.preemptions += 1
+            _tasks_wait(j, f"job requeued: preempted: {reason}")
             decide(j, self.policy.name, "preempt", reason or "preempted", now, decision_id)
             transition(j, P.PENDING, f"preempted: {reason}; resumes from its checkpoint"[:500], now)
             return cmp, ops
@@ -1180,14 +1317,24 @@ class Controller:
         return ok
 
     async def _requeue(self, job_id: str, alloc_id: str, reason: str, transient: bool = False,
-                       refused: bool = False) -> None:
+                       refused: bool = False, backoff: bool | None = None, wait_stop: bool = True) -> None:
         """Return an active job to PENDING and stop its executors; ``transient`` (a
-        partition still busy at the agent) does not count toward ``max_attempts``. A job
+        partition still busy at the agent, an executor the agent stopped, a launch that
+        never happened, a lost node) does not count toward ``max_attempts`` (counted in
+        ``preemptions`` instead). ``backoff`` (default: ``transient``): the job is not
+        offered to the policy again for ``transient_backoff(n)`` seconds, n = its transient
+        requeues in a row; the wait is in its reason and its "wait" decision. A job
         fused into another's executor is only detached, counted as a preemption unless
         ``refused`` (the agent refused its tasks as invalid: counts toward
-        ``max_attempts``): the host's executor and allocation are the host's."""
+        ``max_attempts``): the host's executor and allocation are the host's.
+        ``wait_stop=False``: the executors are stopped in the background (``_stop_later``)."""
         now = self.clock()
         stop: list = []
+        backoff = transient if backoff is None else backoff
+        prev = self._backoff.get(job_id)
+        n = prev[0] + 1 if prev is not None and now - prev[1] < TRANSIENT_BACKOFF_RESET_S else 1
+        delay = transient_backoff(n) if backoff else 0.0
+        wrote = [False]
 
         async def fn(j):
             if j.status.allocation_id != alloc_id or j.status.phase not in ACTIVE:
@@ -1200,6 +1347,7 @@ class Controller:
                 j.status.fused_into = ""
                 if not refused:
                     j.status.preemptions += 1
+                _tasks_wait(j, f"job requeued: {reason}")
                 transition(j, P.PENDING, f"requeued: {reason}; resumes from its tasks' checkpoints"[:500], now)
                 return [], []
             stop[:] = [(alloc_id, list(j.status.placement))]
@@ -1207,12 +1355,24 @@ class Controller:
             j.status.allocation_id = ""
             if transient:
                 j.status.preemptions += 1
-            transition(j, P.PENDING, f"requeued: {reason}"[:500], now)
+            _tasks_wait(j, f"job requeued: {reason}")
+            text = f"requeued: {reason}"[:500]
+            if delay:
+                wait = f"not re-placed for {delay:g}s (backoff after {n} transient requeues in a row)"
+                text = f"{text[:490 - len(wait)]}; {wait}"
+                decide(j, self.policy.name, "wait", f"{wait}: {reason}", now, "")
+            transition(j, P.PENDING, text, now)
+            wrote[0] = True
             return cmp, ops
 
         await self._rmw(job_id, fn)
+        if wrote[0] and backoff:
+            self._backoff[job_id] = (n, now, now + delay)
         for a, shards in stop:
-            await self._stop_alloc(a, shards, reason)
+            if wait_stop:
+                await self._stop_alloc(a, shards, reason)
+            else:
+                self._stop_later(a, shards, reason)
         self.log.warning("job requeued", job_id=job_id, reason=reason)
         self.kick.set()
 
@@ -1246,12 +1406,18 @@ class Controller:
                                         f"executor never started on {missing[0]} (allocation {st.allocation_id} "
                                         f"absent from its heartbeats {grace:g}s after scheduling)", transient=True)
                     requeued += 1
-                except Conflict as e:
-                    self.log.warning("requeue of a never-launched job deferred", job_id=j.id, error=str(e))
+                except (NotLeader, Fenced):
+                    raise
+                except Exception as e:  # Conflict, or any failing write: the others still go
+                    self.log.warning("requeue of a never-launched job deferred", job_id=j.id,
+                                     error=f"{type(e).__name__}: {e}"[:300])
         return requeued
 
     async def _requeue_node_jobs(self, down: dict[str, str], jobs: list[types_pb2.Job] | None = None) -> int:
-        """Requeue every active job placed on a node of ``down`` (node -> reason); ``jobs``:
+        """Requeue every active job placed on a node of ``down`` (node -> reason: lost, or
+        its agent re-registered) as a preemption (``preemptions`` + 1, not toward
+        ``max_attempts``, no backoff; the reason is in its history), its executors stopped
+        in the background (a slow agent delays no other requeue); ``jobs``:
         every job as already read (else read here). A job whose requeue conflicts is left
         for the next round; the others still go. Returns how many were requeued."""
         if jobs is None:
@@ -1261,10 +1427,15 @@ class Controller:
             hit = [s.node for s in j.status.placement if s.node in down]
             if j.status.phase in ACTIVE and hit:
                 try:
-                    await self._requeue(j.id, j.status.allocation_id, down[hit[0]])
+                    # Not the job's fault: a preemption, not a failed attempt, and no backoff.
+                    await self._requeue(j.id, j.status.allocation_id, down[hit[0]], transient=True, backoff=False,
+                                        wait_stop=False)
                     requeued += 1
-                except Conflict as e:
-                    self.log.warning("requeue of a lost node's job deferred", job_id=j.id, error=str(e))
+                except (NotLeader, Fenced):
+                    raise
+                except Exception as e:  # Conflict, or any failing write: the others still go
+                    self.log.warning("requeue of a lost node's job deferred", job_id=j.id,
+                                     error=f"{type(e).__name__}: {e}"[:300])
         return requeued
 
     async def _stop_alloc(self, alloc_id: str, shards, reason: str) -> None:
@@ -1315,6 +1486,26 @@ class Controller:
         if not parts and errors:
             raise ConnectionError("; ".join(errors))
         return "\n".join(parts), truncated
+
+
+WAITING_TO_RESUME = "waiting to resume"
+
+
+def _tasks_wait(job: types_pb2.Job, why: str) -> None:
+    """The job goes back to PENDING (requeue, preemption): every task of its ``status.tasks``
+    that has not ended is PENDING again, its reason ``waiting to resume (<why>)``; ended
+    tasks keep their outcome. (``_task_resumed`` clears that reason at its next report.)"""
+    for t in job.status.tasks:
+        if t.phase not in TERMINAL:
+            t.phase = P.PENDING
+            t.reason = f"{WAITING_TO_RESUME} ({why})"[:500]
+
+
+def _task_resumed(job: types_pb2.Job, name: str) -> None:
+    """A task reported running again after a requeue: its "waiting to resume" reason goes."""
+    for t in job.status.tasks:
+        if t.name == name and t.phase == P.RUNNING and t.reason.startswith(WAITING_TO_RESUME):
+            t.reason = "training on the shared backbone"
 
 
 def _set_decision(job: types_pb2.Job, policy: str, reason: str, now: float, decision_id: str):

@@ -187,3 +187,13 @@ def test_busy_rescaled_with_the_units():
     j = _job("x", 2)
     actions.rescale_busy(j, 2, 4)
     assert j.status.busy == 0.0
+
+
+def test_busy_to_units_rescales_uniform_units_and_resets_mixed_ones():
+    j = _job("a", 1, busy=1.0)
+    actions.busy_to_units(j, {("n", "p0"): 1}, {("n", "p0"): 1})
+    assert j.status.busy == 1.0                                       # same units: unchanged
+    actions.busy_to_units(j, {("n", "p0"): 1}, {("n", "p0"): 4, ("n", "p1"): 4})
+    assert j.status.busy == pytest.approx(0.25)                       # 1 core's work of 4
+    actions.busy_to_units(j, {("n", "p0"): 4}, {("n", "p0"): 2, ("n", "p1"): 4})
+    assert j.status.busy == 0.0                                       # mixed: not measured
