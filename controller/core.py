@@ -710,11 +710,20 @@ class Controller:
             await asyncio.gather(live, return_exceptions=True)
             await self.drain_stops()
 
-    async def drain_stops(self) -> None:
-        """Await the background StopExecutor calls still running (each bounded by its RPC
-        timeout; their errors are logged by ``_stop_later``)."""
-        if self._stops:
-            await asyncio.gather(*list(self._stops), return_exceptions=True)
+    async def drain_stops(self, timeout_s: float = 5.0) -> None:
+        """Await the background StopExecutor calls still running, for at most ``timeout_s``
+        (a controller shutting down must not wait out a hung agent's 60 s RPC); the rest
+        are cancelled and logged: best effort, as they always were (the next leader's
+        heartbeat replies stop whatever is still running)."""
+        if not self._stops:
+            return
+        pending = list(self._stops)
+        _, late = await asyncio.wait(pending, timeout=timeout_s)
+        for t in late:
+            t.cancel()
+        if late:
+            await asyncio.gather(*late, return_exceptions=True)
+            self.log.warning("background stops cancelled at shutdown", count=len(late), waited_s=timeout_s)
 
     def _stop_later(self, alloc_id: str, shards, reason: str) -> None:
         """``_stop_alloc`` as a tracked background task (nothing waits for it: the stop is

@@ -30,3 +30,31 @@ def test_a_short_history_is_untouched():
     transition(j, P.SCHEDULED, "placed", 2.0)
     transition(j, P.SCHEDULED, "placed again", 3.0)  # same phase: no entry
     assert [e.reason for e in j.status.history] == ["submitted", "placed"] and dropped_transitions(j) == 0
+
+
+async def test_drain_stops_waits_a_bounded_time_then_cancels_the_hung_ones():
+    """A controller shutting down awaits its background StopExecutor calls for a bounded
+    time: a stop that already answered is awaited, a hung one is cancelled (not waited
+    out for its 60 s RPC)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from controller.core import Controller
+    from tessera import log
+
+    done, hung = asyncio.Event(), asyncio.Event()
+
+    async def quick():
+        done.set()
+
+    async def forever():
+        await hung.wait()
+
+    tasks = {asyncio.create_task(quick()), asyncio.create_task(forever())}
+    fake = SimpleNamespace(_stops=tasks, log=log.get(component="test"))
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await Controller.drain_stops(fake, timeout_s=0.2)
+    assert loop.time() - t0 < 5.0
+    assert done.is_set() and all(t.done() for t in tasks)
+    assert sum(t.cancelled() for t in tasks) == 1
