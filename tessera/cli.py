@@ -30,6 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+import grpc
 from google.protobuf import json_format
 from rich.console import Console
 from rich.live import Live
@@ -270,10 +271,31 @@ def emit_json(out: Console, data: Any) -> None:
 
 def follow(client: Any, job_ids: list[str], err: Console, timeout: float | None) -> dict[str, types_pb2.Job]:
     """Watch ``job_ids`` until each is terminal; render live progress on ``err``. Returns
-    the last Job of each. ``TesseraError(DEADLINE_EXCEEDED)`` after ``timeout`` seconds."""
-    want = set(job_ids)
+    the last Job of each. ``TesseraError(DEADLINE_EXCEEDED)`` after ``timeout`` seconds
+    (the job(s) keep running), ``TesseraError(UNAVAILABLE)`` when the controller stays
+    unreachable (a note on ``err`` when the watch is lost and retried); either carries
+    ``.last``, the last Job seen of each job."""
     last: dict[str, types_pb2.Job] = {}
+    try:
+        return _follow(client, job_ids, err, timeout, last)
+    except TesseraError as e:
+        e.last = dict(last)
+        raise
+
+
+def _follow(client: Any, job_ids: list[str], err: Console, timeout: float | None,
+            last: dict[str, types_pb2.Job]) -> dict[str, types_pb2.Job]:
+    want = set(job_ids)
     single = job_ids[0] if len(job_ids) == 1 else ""
+
+    def note(msg: str) -> None:
+        err.print(f"[yellow]note:[/] {escape(msg)}", highlight=False)
+
+    def watch() -> Any:
+        try:
+            return client.watch(job_id=single, timeout=timeout, on_retry=note)
+        except TypeError:  # a client without on_retry
+            return client.watch(job_id=single, timeout=timeout)
 
     def render() -> Table:
         t = Table(box=None, show_header=False)
@@ -284,7 +306,7 @@ def follow(client: Any, job_ids: list[str], err: Console, timeout: float | None)
 
     if err.is_terminal:
         with Live(render(), console=err, refresh_per_second=4, transient=False) as live:
-            for ev in client.watch(job_id=single, timeout=timeout):
+            for ev in watch():
                 if ev.job.id in want:
                     last[ev.job.id] = ev.job
                     live.update(render())
@@ -293,7 +315,7 @@ def follow(client: Any, job_ids: list[str], err: Console, timeout: float | None)
     else:
         # Not a terminal: print a line on each phase change and every ~10% of progress.
         seen: dict[str, tuple[int, int]] = {}
-        for ev in client.watch(job_id=single, timeout=timeout):
+        for ev in watch():
             j = ev.job
             if j.id not in want:
                 continue
@@ -434,13 +456,19 @@ def cmd_up(a, client_for, out: Console, err: Console) -> int:
 
 
 def cmd_down(a, client_for, out: Console, err: Console) -> int:
-    from .testbed import Testbed
+    from .testbed import Testbed, TestbedError
 
     tb = Testbed(a.dir, progress=lambda m: err.print(m, markup=False, highlight=False))
     if tb.read() is None:
         err.print(f"no testbed recorded in {escape(str(tb.file))}; nothing to stop", highlight=False)
+        if a.output == "json":
+            emit_json(out, {"stopped": []})
         return 0
-    stopped = tb.down()
+    try:
+        stopped = tb.down()
+    except TestbedError as e:
+        err.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
+        return 1
     if a.output == "json":
         emit_json(out, {"stopped": stopped})
     else:
@@ -474,23 +502,37 @@ def cmd_demo(a, client_for, out: Console, err: Console) -> int:
     t0 = time.monotonic()
     tb = Testbed(a.dir, progress=lambda m: err.print(m, markup=False, highlight=False))
     try:
-        try:
-            info = tb.up(agents=a.agents, cpu_devices=a.cpu_devices, grace_s=a.grace_s)
-        except TestbedError as e:
-            err.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
-            return 1
-        with Client(info["controller"]) as c:
+        info = tb.up(agents=a.agents, cpu_devices=a.cpu_devices, grace_s=a.grace_s)
+    except TestbedError as e:  # up stopped what it started; the directory may be another testbed's
+        err.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
+        return 1
+    try:
+        timed_out = False
+        with client_for(info["controller"]) as c:
             ids = []
             for f, doc in docs:
                 job = c.submit(doc)
                 ids.append(job.id)
                 err.print(f"submitted {f.name} → {job.id}", markup=False, highlight=False)
-            final = follow(c, ids, err, a.timeout)
+            try:
+                final = follow(c, ids, err, a.timeout)
+            except TesseraError as e:
+                if e.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                timed_out = True
+                err.print(f"[red]error:[/] --timeout: not every job finished within {a.timeout:g}s; "
+                          "summary of their last state:", highlight=False)
+                final = dict(getattr(e, "last", {}))
+                for i in ids:
+                    try:
+                        final[i] = c.get(i)
+                    except TesseraError:
+                        final.setdefault(i, types_pb2.Job(id=i))
         jobs = [final[i] for i in ids]
-        ok = all(j.status.phase == types_pb2.SUCCEEDED for j in jobs)
+        ok = not timed_out and all(j.status.phase == types_pb2.SUCCEEDED for j in jobs)
         total = time.monotonic() - t0
         if a.output == "json":
-            emit_json(out, {"ok": ok, "wall_s": round(total, 2), "jobs": [
+            emit_json(out, {"ok": ok, "timed_out": timed_out, "wall_s": round(total, 2), "jobs": [
                 {"job": j.spec.name, "id": j.id, "phase": phase_name(j.status.phase), "placement": _placement(j),
                  "steps": j.status.step, "first_loss": j.status.first_loss, "final_loss": j.status.loss,
                  "wall_s": round(wall_time(j), 2), "reason": j.status.reason,
@@ -620,7 +662,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _default_client(address: str | None) -> Client:
-    return Client(resolve_address(address))
+    return Client(address)
 
 
 def main(argv: list[str] | None = None, client_factory: ClientFactory | None = None,

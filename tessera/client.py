@@ -19,7 +19,12 @@ Contracts:
   with the same key, so a retried submission never creates a second job.
 - ``watch`` yields ``JobEvent``s; it resumes after the last revision it yielded when the
   stream breaks with UNAVAILABLE, and re-lists (as SNAPSHOT events) when that revision
-  was compacted (OUT_OF_RANGE).
+  was compacted (OUT_OF_RANGE). It gives up when the controller stays unreachable for
+  ``WATCH_GIVE_UP_S`` seconds in a row (``TesseraError(UNAVAILABLE)`` naming it), and at
+  its ``timeout`` raises ``TesseraError(DEADLINE_EXCEEDED)`` naming the job, its last
+  known phase and the limit (the job itself keeps running).
+- An UNAVAILABLE error says where the address came from when it was not passed
+  explicitly (``TESSERA_CONTROLLER``, or a testbed.json whose testbed is not running).
 """
 
 from __future__ import annotations
@@ -39,13 +44,15 @@ from .api.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 
 __all__ = [
     "AsyncClient", "Client", "NoControllerAddress", "TesseraError", "TERMINAL_PHASES", "phase_name", "parse_phase",
-    "resolve_address", "TESTBED_FILE",
+    "resolve_address", "TESTBED_FILE", "WATCH_GIVE_UP_S",
 ]
 
 TESTBED_FILE = Path(".tessera") / "testbed.json"
 TERMINAL_PHASES = frozenset({types_pb2.SUCCEEDED, types_pb2.FAILED, types_pb2.CANCELLED})
 DEFAULT_TIMEOUT_S = 10.0
 _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE,)
+# A watch whose controller stays unreachable this many seconds in a row gives up (UNAVAILABLE).
+WATCH_GIVE_UP_S = 30.0
 # Replies up to GetJobLogs' largest tail (4 MiB per node, several nodes) fit.
 MESSAGE_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
 
@@ -83,6 +90,15 @@ def parse_phase(name: str) -> int:
     return value
 
 
+def _error(e: grpc.RpcError, source: str) -> TesseraError:
+    err = TesseraError.from_rpc(e)
+    if err.code == grpc.StatusCode.UNAVAILABLE:
+        hint = _source_hint(source)
+        if hint:
+            err = TesseraError(err.code, err.message + hint)
+    return err
+
+
 class NoControllerAddress(TesseraError):
     """No controller address anywhere (flag, env, testbed file): a usage error of the
     client, raised before any server is contacted (the CLI exits 2)."""
@@ -92,23 +108,45 @@ def resolve_address(address: str | None = None, testbed_dir: str | Path | None =
     """Controller address: ``address`` if given, else env TESSERA_CONTROLLER, else the
     ``controller`` entry of ``<testbed_dir or .tessera>/testbed.json``. ``TesseraError``
     (FAILED_PRECONDITION) explaining the three options when none is found."""
+    return resolve_address_source(address, testbed_dir)[0]
+
+
+def resolve_address_source(address: str | None = None, testbed_dir: str | Path | None = None) -> tuple[str, str]:
+    """``resolve_address`` and where the address came from: ``""`` (given), ``"env"``
+    (TESSERA_CONTROLLER) or the path of the testbed.json it was read from."""
     if address:
-        return address
+        return address, ""
     env = os.environ.get("TESSERA_CONTROLLER")
     if env:
-        return env
+        return env, "env"
     path = Path(testbed_dir) / "testbed.json" if testbed_dir else TESTBED_FILE
     try:
         addr = json.loads(path.read_text()).get("controller")
         if addr:
-            return str(addr)
-    except (OSError, ValueError):
+            return str(addr), str(path)
+    except (OSError, AttributeError, ValueError):
         pass
     raise NoControllerAddress(
         grpc.StatusCode.FAILED_PRECONDITION,
         f"no controller address: pass --controller HOST:PORT, set TESSERA_CONTROLLER, or start a "
         f"local testbed with `tessera up` (writes {path})",
     )
+
+
+def _source_hint(source: str) -> str:
+    """Why an unreachable address was dialled: where it came from, and for a testbed.json
+    whether the testbed recorded there is running at all."""
+    if source == "env":
+        return " (address from the environment variable TESSERA_CONTROLLER)"
+    if not source:
+        return ""
+    from .testbed import Testbed
+
+    tb = Testbed(Path(source).parent)
+    down = "tessera down" + ("" if Path(source) == TESTBED_FILE else f" --dir {Path(source).parent}")
+    if tb.running():
+        return f" (address from {source}; its testbed's controller does not answer: see {tb.logs / 'controller.log'})"
+    return f" (address from {source}; the testbed there is not running — `tessera up`, or `{down}` to clear it)"
 
 
 def to_spec(spec: Any) -> types_pb2.JobSpec:
@@ -128,13 +166,73 @@ def _list_request(tenant: str, phases: Any, page_size: int, token: str,
                                           include_tasks=include_tasks)
 
 
+class _WatchState:
+    """Bookkeeping of one ``watch``: the overall deadline, the last phase seen of each job,
+    and how long the controller has been unreachable."""
+
+    def __init__(self, address: str, source: str, job_id: str, timeout: float | None,
+                 on_retry: Callable[[str], None] | None) -> None:
+        self.address, self.source, self.job_id, self.timeout = address, source, job_id, timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.on_retry = on_retry
+        self.phases: dict[str, int] = {}
+        self.lost_since: float | None = None
+        self.delay = 0.2
+
+    def remaining(self) -> float | None:
+        """Seconds left before the deadline (None: no deadline); raises at the deadline."""
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise self.timed_out()
+        return left
+
+    def seen(self, ev: controller_pb2.JobEvent) -> None:
+        self.phases[ev.job.id] = ev.job.status.phase
+        self.lost_since, self.delay = None, 0.2
+
+    def lost(self, e: grpc.RpcError) -> float:
+        """The stream broke with UNAVAILABLE: note it once, give up after WATCH_GIVE_UP_S
+        seconds unreachable, else return the backoff before the next attempt."""
+        now = time.monotonic()
+        if self.lost_since is None:
+            self.lost_since = now
+            if self.on_retry is not None:
+                self.on_retry(f"controller {self.address} unreachable, retrying for up to {WATCH_GIVE_UP_S:.0f}s…")
+        elif now - self.lost_since >= WATCH_GIVE_UP_S:
+            what = f"job {self.job_id}" if self.job_id else "the jobs"
+            detail = e.details() if callable(getattr(e, "details", None)) else ""
+            raise TesseraError(grpc.StatusCode.UNAVAILABLE,
+                               f"controller {self.address} unreachable for {now - self.lost_since:.0f}s while following "
+                               f"{what}; gave up{f' ({detail})' if detail else ''}" + _source_hint(self.source)
+                               + (f"; the job may still be running: `tessera get {self.job_id}` once the controller "
+                                  "is back" if self.job_id else ""))
+        delay = self.delay
+        self.delay = min(self.delay * 2, 2.0)
+        if self.deadline is not None:
+            delay = min(delay, max(0.0, self.deadline - now))
+        return delay
+
+    def timed_out(self) -> TesseraError:
+        if self.job_id:
+            ph = self.phases.get(self.job_id)
+            what = (f"job {self.job_id} did not finish within {self.timeout:g}s (last known phase "
+                    f"{phase_name(ph) if ph is not None else 'unknown'})")
+        else:
+            last = ", ".join(f"{j} {phase_name(p)}" for j, p in self.phases.items()) or "none seen"
+            what = f"the jobs did not finish within {self.timeout:g}s (last known phases: {last})"
+        return TesseraError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{what}; the job keeps running, this only stopped "
+                                                                "following it")
+
+
 class Client:
     """Blocking client. ``address`` resolved by ``resolve_address``; ``timeout`` is the
     deadline of each unary call in seconds. Use as a context manager or call ``close()``."""
 
     def __init__(self, address: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
                  channel: grpc.Channel | None = None) -> None:
-        self.address = resolve_address(address) if channel is None else (address or "")
+        self.address, self.address_source = resolve_address_source(address) if channel is None else (address or "", "")
         self.timeout = timeout
         self._channel = channel or grpc.insecure_channel(self.address, options=MESSAGE_OPTIONS)
         self.jobs = controller_pb2_grpc.JobServiceStub(self._channel)
@@ -161,7 +259,7 @@ class Client:
                     time.sleep(delay)  # backoff between retries of an idempotent call
                     delay = min(delay * 2, 2.0)
                     continue
-                raise TesseraError.from_rpc(e) from None
+                raise _error(e, self.address_source) from None
 
     def submit(self, spec: Any, idempotency_key: str | None = None, retries: int = 3) -> types_pb2.Job:
         """Validate ``spec`` locally and submit it; returns the persisted Job (PENDING, or
@@ -206,23 +304,25 @@ class Client:
                           timeout=max(self.timeout, 30))
 
     def watch(self, job_id: str = "", tenant: str = "", start_revision: int = 0,
-              timeout: float | None = None, reconnect: bool = True) -> Iterator[controller_pb2.JobEvent]:
+              timeout: float | None = None, reconnect: bool = True,
+              on_retry: Callable[[str], None] | None = None) -> Iterator[controller_pb2.JobEvent]:
         """Yield job events (SNAPSHOT first when ``start_revision`` is 0). Reconnects on
         UNAVAILABLE from the last revision yielded; re-lists when it was compacted.
-        ``timeout``: overall deadline in seconds, then ``TesseraError(DEADLINE_EXCEEDED)``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        ``on_retry(note)`` is called once each time the stream is lost and being retried
+        (not on every attempt); after ``WATCH_GIVE_UP_S`` seconds without reaching the
+        controller ``TesseraError(UNAVAILABLE)`` naming it. ``timeout``: overall deadline
+        in seconds, then ``TesseraError(DEADLINE_EXCEEDED)`` naming the job(s), the last
+        known phase and the limit; the job keeps running."""
+        state = _WatchState(self.address, self.address_source, job_id, timeout, on_retry)
         rev = start_revision
-        delay = 0.2
         while True:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise TesseraError(grpc.StatusCode.DEADLINE_EXCEEDED, f"watch: no terminal state within {timeout}s")
+            remaining = state.remaining()
             call = self.jobs.WatchJobs(controller_pb2.WatchJobsRequest(tenant=tenant, job_id=job_id, start_revision=rev),
                                        timeout=remaining)
             try:
                 for ev in call:
                     rev = max(rev, ev.revision)
-                    delay = 0.2
+                    state.seen(ev)
                     yield ev
                 return  # the server ended the stream
             except grpc.RpcError as e:
@@ -231,13 +331,16 @@ class Client:
                     jobs, rev = self.list_with_revision(tenant)
                     for j in jobs:
                         if not job_id or j.id == job_id:
-                            yield controller_pb2.JobEvent(type=controller_pb2.JobEvent.SNAPSHOT, job=j, revision=rev)
+                            ev = controller_pb2.JobEvent(type=controller_pb2.JobEvent.SNAPSHOT, job=j, revision=rev)
+                            state.seen(ev)
+                            yield ev
                     continue
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and state.deadline is not None:
+                    raise state.timed_out() from None
                 if code in _RETRY_CODES and reconnect:
-                    time.sleep(delay)  # backoff before reconnecting
-                    delay = min(delay * 2, 2.0)
+                    time.sleep(state.lost(e))  # backoff before reconnecting
                     continue
-                raise TesseraError.from_rpc(e) from None
+                raise _error(e, self.address_source) from None
             finally:
                 call.cancel()
 
@@ -262,7 +365,7 @@ class AsyncClient:
 
     def __init__(self, address: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
                  channel: grpc.aio.Channel | None = None) -> None:
-        self.address = resolve_address(address) if channel is None else (address or "")
+        self.address, self.address_source = resolve_address_source(address) if channel is None else (address or "", "")
         self.timeout = timeout
         self._channel = channel or grpc.aio.insecure_channel(self.address, options=MESSAGE_OPTIONS)
         self.jobs = controller_pb2_grpc.JobServiceStub(self._channel)
@@ -289,7 +392,7 @@ class AsyncClient:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 2.0)
                     continue
-                raise TesseraError.from_rpc(e) from None
+                raise _error(e, self.address_source) from None
 
     async def submit(self, spec: Any, idempotency_key: str | None = None, retries: int = 3) -> types_pb2.Job:
         req = controller_pb2.SubmitJobRequest(spec=to_spec(spec), idempotency_key=idempotency_key or str(uuid.uuid4()))
@@ -323,20 +426,19 @@ class AsyncClient:
                                 timeout=max(self.timeout, 30))
 
     async def watch(self, job_id: str = "", tenant: str = "", start_revision: int = 0,
-                    timeout: float | None = None, reconnect: bool = True) -> AsyncIterator[controller_pb2.JobEvent]:
-        deadline = None if timeout is None else time.monotonic() + timeout
+                    timeout: float | None = None, reconnect: bool = True,
+                    on_retry: Callable[[str], None] | None = None) -> AsyncIterator[controller_pb2.JobEvent]:
+        """As ``Client.watch``."""
+        state = _WatchState(self.address, self.address_source, job_id, timeout, on_retry)
         rev = start_revision
-        delay = 0.2
         while True:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise TesseraError(grpc.StatusCode.DEADLINE_EXCEEDED, f"watch: no terminal state within {timeout}s")
+            remaining = state.remaining()
             call = self.jobs.WatchJobs(controller_pb2.WatchJobsRequest(tenant=tenant, job_id=job_id, start_revision=rev),
                                        timeout=remaining)
             try:
                 async for ev in call:
                     rev = max(rev, ev.revision)
-                    delay = 0.2
+                    state.seen(ev)
                     yield ev
                 return
             except grpc.aio.AioRpcError as e:
@@ -345,13 +447,16 @@ class AsyncClient:
                     jobs, rev = await self.list_with_revision(tenant)
                     for j in jobs:
                         if not job_id or j.id == job_id:
-                            yield controller_pb2.JobEvent(type=controller_pb2.JobEvent.SNAPSHOT, job=j, revision=rev)
+                            ev = controller_pb2.JobEvent(type=controller_pb2.JobEvent.SNAPSHOT, job=j, revision=rev)
+                            state.seen(ev)
+                            yield ev
                     continue
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and state.deadline is not None:
+                    raise state.timed_out() from None
                 if code in _RETRY_CODES and reconnect:
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 2.0)
+                    await asyncio.sleep(state.lost(e))
                     continue
-                raise TesseraError.from_rpc(e) from None
+                raise _error(e, self.address_source) from None
             finally:
                 call.cancel()
 

@@ -21,10 +21,19 @@ environment variable ``TESSERA_TESTBED=<marker>``, inherited by the agents' exec
 ``down()`` stops agents (which stop their executors), profilerds, the controller, the
 estimator and etcd: SIGTERM to the process group, wait, SIGKILL after a deadline, then a
 sweep of every process still carrying the marker.
+
+One testbed per directory: ``up()`` takes an exclusive ``flock`` on ``<dir>/.lock`` before
+it touches anything there (a second ``up``/``demo`` in the same directory is refused at
+once, ``TestbedError`` "a testbed is starting or already running in DIR") and keeps it
+while it starts the cluster and, when the cluster stays owned by this process (a
+foreground ``tessera up``, ``demo``), until ``down()``; ``detach()`` releases it. ``down()``
+takes it too, so a ``down`` never runs alongside a starting ``up``. A start that fails
+stops only the processes that run started.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -168,6 +177,50 @@ class Testbed:
         self.marker = ""
         self.info: dict = {}
         self._etcd: EtcdProcess | None = None
+        self.lockfile = self.dir / ".lock"
+        self._lock_fd: int | None = None
+
+    # -- the directory lock -------------------------------------------------------------
+    def _try_lock(self) -> bool:
+        """Take the exclusive lock on ``<dir>/.lock`` without blocking (True if held now,
+        also when this object already holds it); the holder's pid is written into it."""
+        if self._lock_fd is not None:
+            return True
+        fd = os.open(self.lockfile, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+        return True
+
+    def _wait_lock(self, timeout: float) -> bool:
+        """``_try_lock`` until it succeeds or ``timeout`` seconds have passed."""
+        deadline = time.monotonic() + timeout
+        while not self._try_lock():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)  # poll interval: flock has no timed wait
+        return True
+
+    def _release(self) -> None:
+        if self._lock_fd is not None:
+            fd, self._lock_fd = self._lock_fd, None
+            os.close(fd)  # closing the descriptor drops the flock
+
+    def _lock_holder(self) -> str:
+        try:
+            pid = self.lockfile.read_text().strip()
+        except OSError:
+            pid = ""
+        return f"process {pid}" if pid.isdigit() else "another process"
+
+    def _down_hint(self) -> str:
+        """The ``tessera down`` command for this directory (``--dir`` unless the default)."""
+        return "tessera down" + ("" if self.dir == Path(".tessera").resolve() else f" --dir {self.dir}")
 
     # -- state file -------------------------------------------------------------------
     def read(self) -> dict | None:
@@ -192,6 +245,7 @@ class Testbed:
         self.info["up_pid"] = None
         self.info["up_start"] = None
         self._write()
+        self._release()
 
     def _write(self) -> None:
         tmp = self.file.with_suffix(".tmp")
@@ -204,7 +258,9 @@ class Testbed:
         """Start the cluster and return the testbed.json record. Raises ``TestbedError``
         (after stopping whatever it started) if a process fails to become ready within
         ``timeout`` seconds, and too when etcd is not installed or fails to start or ``dir``
-        cannot be used: never a traceback for the CLI to show.
+        cannot be used: never a traceback for the CLI to show; at once, touching nothing,
+        when another process holds ``<dir>/.lock`` (a testbed starting or running there).
+        On success this object keeps the lock until ``down()`` or ``detach()``.
         ``with_estimator``/``with_profilerd``: None = when installed. ``agents`` and
         ``cpu_devices`` must be >= 1 and ``grace_s`` finite and > 0 (else ``TestbedError``,
         nothing started; the CLI refuses them earlier, as usage errors)."""
@@ -214,23 +270,42 @@ class Testbed:
             raise TestbedError(f"--cpu-devices must be >= 1, got {cpu_devices}")
         if not (isinstance(grace_s, (int, float)) and 0 < grace_s < float("inf")):
             raise TestbedError(f"--grace-s must be a finite number of seconds > 0, got {grace_s}")
-        if self.running():
-            raise TestbedError(f"a testbed is already running in {self.dir} (see {self.file}); run `tessera down` first")
         try:
             find_etcd()  # fail early with the clear message
         except EtcdNotFound as e:
             raise TestbedError(f"cannot start the testbed: {e}") from None
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self.logs.mkdir(exist_ok=True)
-            if not keep_state:
-                for d in STATE_DIRS:
-                    shutil.rmtree(self.dir / d, ignore_errors=True)
-            for old in self.logs.glob("*.log"):
-                old.unlink()
+            locked = self._try_lock()
         except OSError as e:
-            raise TestbedError(f"cannot use {self.dir} as the testbed directory (--dir): "
-                               f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}") from None
+            raise TestbedError(self._dir_error(e)) from None
+        if not locked:
+            raise TestbedError(f"a testbed is starting or already running in {self.dir} ({self._lock_holder()} holds "
+                               f"{self.lockfile}); stop it with `{self._down_hint()}`")
+        try:
+            if self.running():
+                raise TestbedError(f"a testbed is already running in {self.dir} (see {self.file}); "
+                                   f"run `{self._down_hint()}` first")
+            try:
+                self.logs.mkdir(exist_ok=True)
+                if not keep_state:
+                    for d in STATE_DIRS:
+                        shutil.rmtree(self.dir / d, ignore_errors=True)
+                for old in self.logs.glob("*.log"):
+                    old.unlink()
+            except OSError as e:
+                raise TestbedError(self._dir_error(e)) from None
+            return self._start(agents, cpu_devices, grace_s, timeout, with_estimator, with_profilerd)
+        except BaseException:
+            self._release()
+            raise
+
+    def _dir_error(self, e: OSError) -> str:
+        return (f"cannot use {self.dir} as the testbed directory (--dir): "
+                f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}")
+
+    def _start(self, agents: int, cpu_devices: int, grace_s: float, timeout: float,
+               with_estimator: bool | None, with_profilerd: bool | None) -> dict:
         self.marker = f"{self.dir}:{uuid.uuid4().hex[:12]}"
         env = dict(os.environ)
         env[MARKER_ENV] = self.marker
@@ -293,7 +368,7 @@ class Testbed:
             self._wait_ready(ags, timeout)
         except BaseException as e:
             self.progress("start failed; stopping what was started")
-            self.down()
+            self._stop_started()
             if isinstance(e, TestbedError) or not isinstance(e, (RuntimeError, OSError)):
                 raise
             # etcd failing to start (RuntimeError), a log or state path that cannot be
@@ -401,23 +476,66 @@ class Testbed:
 
     # -- stop -------------------------------------------------------------------------
     def down(self, timeout: float = 20.0) -> list[str]:
-        """Stop every process of this testbed (those started here, else those recorded
-        in testbed.json): agents first, etcd last. Returns the names stopped. Idempotent."""
-        info = self.info if self.procs else (self.read() or {})
-        marker = info.get("marker", self.marker)
-        procs = self.procs or [Proc(**{k: v for k, v in p.items() if k in ("name", "pid", "log", "cmd", "address", "role")})
-                               for p in info.get("processes", [])]
+        """Stop every process of this testbed: agents first, etcd last. Returns the names
+        stopped. Idempotent.
+
+        Called on the object that started the cluster, it stops the processes it started.
+        Called from another process (only testbed.json to go on), it first asks a
+        foreground ``tessera up`` that owns the cluster to stop it in order (SIGTERM, then
+        waits for it) and counts the recorded processes gone by then as stopped; then it
+        takes the directory lock (waiting up to ``timeout`` seconds for a starting ``up``
+        or another ``down``; ``TestbedError`` if it stays held) and stops what testbed.json
+        records plus every process carrying its marker."""
+        if self.procs or self._lock_fd is not None:
+            try:
+                return self._stop_started(timeout)
+            finally:
+                self._release()
+        info = self.read() or {}
+        stopped: list[str] = []
         up_pid = info.get("up_pid")
         # Only the very process that recorded itself (same start time): a detached `up` has
         # exited, and its pid may now be anyone's.
         owner = bool(up_pid) and info.get("up_start") is not None and process_start_ticks(up_pid) == info.get("up_start")
-        if not self.procs and owner and up_pid != os.getpid() and _alive(up_pid):
+        if owner and up_pid != os.getpid() and _alive(up_pid):
             # A foreground `tessera up` owns the cluster: ask it to stop everything in order.
             try:
                 os.kill(up_pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
             _wait_gone([up_pid], timeout + 30)
+            marker = info.get("marker", "")
+            for p in info.get("processes", []):
+                if not (_alive(p["pid"]) and (not marker or _environ(p["pid"]).get(MARKER_ENV) in (marker, None))):
+                    stopped.append(p["name"])
+                    self.progress(f"✓ stopped {p['name']} (by the tessera up process {up_pid})")
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass
+        try:
+            locked = self._wait_lock(timeout)
+        except OSError:
+            locked = True  # cannot create the lock file (read-only dir): nothing can start there either
+        if not locked:
+            raise TestbedError(f"{self._lock_holder()} is starting or stopping the testbed in {self.dir} (it holds "
+                               f"{self.lockfile}); try again once it has finished")
+        try:
+            now = self.read() or {}
+            if not now and info.get("marker"):
+                now = {"marker": info["marker"]}  # the owner removed the record: still sweep its marker
+            return stopped + [n for n in self._stop(now, [_proc(p) for p in now.get("processes", [])], timeout)
+                              if n not in stopped]
+        finally:
+            self._release()
+
+    def _stop_started(self, timeout: float = 20.0) -> list[str]:
+        """Stop the processes this object started (never those of testbed.json: after a
+        refused or failed start that file may be another run's)."""
+        return self._stop(self.info, self.procs, timeout)
+
+    def _stop(self, info: dict, procs: list[Proc], timeout: float) -> list[str]:
+        marker = info.get("marker", self.marker)
         order = {"agent": 0, "profilerd": 1, "controller": 2, "estimator": 3, "etcd": 4}
         stopped = []
         for rank in sorted(set(order.values())):
@@ -433,6 +551,7 @@ class Testbed:
                 self.progress(f"✓ stopped {p.name}")
         if self._etcd is not None:
             self._etcd.stop(timeout=5)
+            self._etcd = None
         if marker:
             stragglers = find_marked(marker)
             for pid in stragglers:
@@ -450,7 +569,8 @@ class Testbed:
                     p.popen.wait(5)
                 except subprocess.TimeoutExpired:
                     pass
-        if self.file.exists() and (not info or self.read() is None or self.read().get("marker") == marker):
+        rec = self.read()
+        if self.file.exists() and (rec is None or rec.get("marker") == marker):
             self.file.unlink(missing_ok=True)
         self.procs = []
         return stopped
@@ -465,6 +585,10 @@ class Testbed:
         if not marker or not Path("/proc").is_dir():
             return True  # cannot read another process's environment here: trust the record
         return _environ(p.pid).get(MARKER_ENV) == marker
+
+
+def _proc(rec: dict) -> Proc:
+    return Proc(**{k: v for k, v in rec.items() if k in ("name", "pid", "log", "cmd", "address", "role")})
 
 
 def _wait_gone(pids: list[int], timeout: float, popens: list | None = None) -> None:

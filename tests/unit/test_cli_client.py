@@ -246,3 +246,75 @@ async def test_async_watch_resumes_and_wait(ac):
     job = await ac.wait("j")
     assert job.status.phase == types_pb2.SUCCEEDED
     assert [r.start_revision for k, r in ac.jobs.requests if k == "watch"] == [0, 4]
+
+
+class FakeTime:
+    """A clock for watch's give-up and backoff: ``sleep`` advances ``monotonic``."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, s):
+        self.now += s
+
+
+def test_watch_timeout_names_the_job_its_last_phase_and_the_limit(c):
+    c.jobs.streams = [Stream([ev("j", 5, types_pb2.PENDING)], RpcErr(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))]
+    with pytest.raises(tc.TesseraError) as ei:
+        list(c.watch(job_id="j", timeout=2))
+    e = ei.value
+    assert e.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "job j did not finish within 2s" in e.message and "PENDING" in e.message
+    assert "keeps running" in e.message and "Deadline Exceeded" not in e.message
+
+
+def test_watch_gives_up_once_the_controller_stays_unreachable(c, monkeypatch):
+    clock = FakeTime()
+    monkeypatch.setattr(tc, "time", clock)
+    c.jobs.streams = [Stream([ev("j", 5)], RpcErr(grpc.StatusCode.UNAVAILABLE, "Connection refused"))] + [
+        Stream([], RpcErr(grpc.StatusCode.UNAVAILABLE, "Connection refused")) for _ in range(100)]
+    notes = []
+    with pytest.raises(tc.TesseraError) as ei:
+        list(c.watch(job_id="j", on_retry=notes.append))
+    e = ei.value
+    assert e.code == grpc.StatusCode.UNAVAILABLE
+    assert "controller 127.0.0.1:1 unreachable" in e.message and "job j" in e.message
+    assert len(notes) == 1 and "127.0.0.1:1 unreachable, retrying" in notes[0]  # once, not per attempt
+    assert tc.WATCH_GIVE_UP_S <= clock.now - 1000.0 < tc.WATCH_GIVE_UP_S + 3
+
+
+def test_watch_unreachable_count_restarts_after_an_event(c, monkeypatch):
+    clock = FakeTime()
+    monkeypatch.setattr(tc, "time", clock)
+    down = RpcErr(grpc.StatusCode.UNAVAILABLE, "leader moved")
+    c.jobs.streams = [Stream([], down) for _ in range(12)] + [Stream([ev("j", 7)], down)] + [
+        Stream([], down) for _ in range(12)] + [Stream([ev("j", 9, types_pb2.SUCCEEDED)])]
+    notes = []
+    got = [e.revision for e in c.watch(job_id="j", on_retry=notes.append)]
+    assert got == [7, 9] and len(notes) == 2  # two outages, each shorter than the give-up
+
+
+def test_unavailable_from_a_stale_testbed_file_says_so(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TESSERA_CONTROLLER", raising=False)
+    (tmp_path / ".tessera").mkdir()
+    (tmp_path / ".tessera" / "testbed.json").write_text(json.dumps(
+        {"marker": "gone", "controller": "127.0.0.1:1", "processes": []}))
+    with tc.Client() as cl:
+        with pytest.raises(tc.TesseraError) as ei:
+            cl.logs("j-1")
+    assert ei.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "address from .tessera/testbed.json; the testbed there is not running" in ei.value.message
+    assert "`tessera down`" in ei.value.message
+    monkeypatch.setenv("TESSERA_CONTROLLER", "127.0.0.1:1")
+    with tc.Client() as cl:
+        with pytest.raises(tc.TesseraError) as ei:
+            cl.logs("j-1")
+    assert "TESSERA_CONTROLLER" in ei.value.message
+    with tc.Client("127.0.0.1:1") as cl:  # given explicitly: the plain error
+        with pytest.raises(tc.TesseraError) as ei:
+            cl.logs("j-1")
+    assert "address from" not in ei.value.message
