@@ -50,3 +50,24 @@ def test_foreground_up_stops_everything(tmp_path, how):
             proc.kill()
     assert find_marked(info["marker"]) == []
     assert not (tmp_path / ".tessera" / "testbed.json").exists()
+
+
+def test_second_up_is_refused_and_down_reports_what_the_foreground_up_stopped(tmp_path):
+    """A second `up` in the directory of a running foreground `up` is refused at once (exit 1)
+    and leaves that cluster running; `down -o json` then lists the processes stopped."""
+    proc, info = _start_foreground(tmp_path)
+    try:
+        r = cli("up", "--detach", "--agents", "1", "--cpu-devices", "1", cwd=tmp_path, timeout=60)
+        assert r.returncode == 1 and "already running" in r.stderr, r.stderr
+        assert cli("nodes", cwd=tmp_path, timeout=60).returncode == 0  # the first cluster still serves
+        r = cli("down", "-o", "json", cwd=tmp_path, timeout=120)
+        assert r.returncode == 0, r.stderr
+        stopped = json.loads(r.stdout)["stopped"]
+        assert set(stopped) == {p["name"] for p in info["processes"]}
+        assert proc.wait(90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        cli("down", cwd=tmp_path, timeout=120)
+    assert find_marked(info["marker"]) == []
