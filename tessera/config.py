@@ -28,17 +28,30 @@ from .errors import SpecError
 T = TypeVar("T")
 
 
+def _finite_float_str(raw: Any) -> bool:
+    """True when ``raw`` is a string that ``float()`` parses to a finite number."""
+    if not isinstance(raw, str):
+        return False
+    try:
+        return math.isfinite(float(raw))
+    except (ValueError, OverflowError):
+        return False
+
+
 def _file_type_problem(typ: Any, raw: Any) -> str | None:
     """Why a value parsed from the YAML config file is not of field type ``typ``, or None:
     a file value must already be of its type (a str for str, an int but not a bool for
     int, an int or float but not a bool for float, a bool for bool); only the strings of
-    the environment and flags are converted."""
+    the environment and flags are converted. One exception: for float, a string that
+    ``float()`` parses to a finite number is accepted, because PyYAML (YAML 1.1) loads
+    scientific notation without a dot (``5e-1``, ``1e3``) as a string. Null, booleans,
+    lists and mappings are still refused."""
     if typ is bool:
         ok = isinstance(raw, bool)
     elif typ is int:
         ok = isinstance(raw, int) and not isinstance(raw, bool)
     elif typ is float:
-        ok = isinstance(raw, (int, float)) and not isinstance(raw, bool)
+        ok = (isinstance(raw, (int, float)) and not isinstance(raw, bool)) or _finite_float_str(raw)
     elif typ is str:
         ok = isinstance(raw, str)
     else:

@@ -31,7 +31,8 @@ class Cfg:
     ("count: 4.0", "count"),
     ("count: null", "count"),
     ("grace_s: false", "grace_s"),
-    ("grace_s: '2.5'", "grace_s"),
+    ("grace_s: 'abc'", "grace_s"),
+    ("grace_s: '1e999'", "grace_s"),
     ("grace_s: [1]", "grace_s"),
     ("debug: 1", "debug"),
     ("debug: 'yes'", "debug"),
@@ -67,3 +68,21 @@ def test_sources_say_where_each_value_came_from(tmp_path, monkeypatch):
     src: dict[str, str] = {}
     config.load(Cfg, ["--config", str(f), "--grace-s", "2"], "T_", sources=src)
     assert src == {"name": "name", "count": "T_COUNT", "grace_s": "--grace-s"}
+
+
+@pytest.mark.parametrize("text, value", [("5e-1", 0.5), ("1e3", 1000.0), ("6e5", 600000.0), ("-2E-2", -0.02)])
+def test_a_float_in_scientific_notation_without_a_dot_loads(tmp_path, text, value):
+    """PyYAML (YAML 1.1) loads ``5e-1`` as the string "5e-1"; a float field accepts a file
+    string that float() parses to a finite number (refusing it was a regression)."""
+    f = tmp_path / "c.yaml"
+    f.write_text(f"grace_s: {text}\n")
+    assert config.load(Cfg, ["--config", str(f)], "T_").grace_s == value
+
+
+def test_controller_config_file_accepts_scientific_notation(tmp_path):
+    from controller.config import ControllerConfig
+
+    f = tmp_path / "c.yaml"
+    f.write_text("heartbeat_interval_s: 5e-1\nfinished_job_ttl_s: 6e5\n")
+    cfg = config.load(ControllerConfig, ["--config", str(f)], "TESSERA_CONTROLLER_X_")
+    assert (cfg.heartbeat_interval_s, cfg.finished_job_ttl_s) == (0.5, 600000.0)
