@@ -21,6 +21,7 @@ import grpc
 from tessera import log
 from tessera.api.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from tessera.errors import SpecError
+from tessera.wire import WATCH_OPEN_METADATA_KEY
 
 from . import tasks as peft_tasks
 from .core import AgentRefused, AlreadyExists, Controller, NotFound, NotLeader, PreconditionFailed
@@ -126,6 +127,9 @@ class JobService(controller_pb2_grpc.JobServiceServicer):
                 await self.ctl.get(request.job_id)  # NotFound for an unknown job or task, as GetJob
         except (SpecError, NotFound) as e:
             await context.abort(_code(e), cap_message(str(e)))
+        # Tell the client the watch is open now, not with a first event that a quiet job
+        # may never send: its outage clock restarts on this (tessera.client).
+        await context.send_initial_metadata(((WATCH_OPEN_METADATA_KEY, "1"),))
         try:
             async for ev in watch_jobs(self.ctl, request):
                 yield ev

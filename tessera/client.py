@@ -40,6 +40,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 import grpc
 
 from . import manifest
+from .wire import WATCH_OPEN_METADATA_KEY
 from .api.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 
 __all__ = [
@@ -53,6 +54,10 @@ DEFAULT_TIMEOUT_S = 10.0
 _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE,)
 # A watch whose controller stays unreachable this many seconds in a row gives up (UNAVAILABLE).
 WATCH_GIVE_UP_S = 30.0
+# A watch call that stayed open this long before failing had connected: without
+# wait_for_ready a call fails as soon as its connection attempt does, and gRPC's connect
+# timeout is 20 s.
+_WATCH_CONNECTED_AFTER_S = 20.0
 # Replies up to GetJobLogs' largest tail (4 MiB per node, several nodes) fit.
 MESSAGE_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
 
@@ -168,7 +173,11 @@ def _list_request(tenant: str, phases: Any, page_size: int, token: str,
 
 class _WatchState:
     """Bookkeeping of one ``watch``: the overall deadline, the last phase seen of each job,
-    and how long the controller has been unreachable."""
+    and how long the controller has been unreachable. The outage clock (``lost_since``)
+    runs from the first of a run of consecutive failed calls: it is reset whenever a call
+    connects (``connected``: its initial metadata or an event arrived, or it stayed open
+    longer than a connection attempt can take), so a watch that reconnected and stayed
+    quiet does not inherit the previous outage."""
 
     def __init__(self, address: str, source: str, job_id: str, timeout: float | None,
                  on_retry: Callable[[str], None] | None) -> None:
@@ -178,6 +187,22 @@ class _WatchState:
         self.phases: dict[str, int] = {}
         self.lost_since: float | None = None
         self.delay = 0.2
+        self.attempt_at = time.monotonic()
+
+    def attempt(self) -> None:
+        """A new WatchJobs call is being made."""
+        self.attempt_at = time.monotonic()
+
+    def connected(self) -> None:
+        """The current call reached the controller: the outage, if any, is over."""
+        self.lost_since, self.delay = None, 0.2
+
+    def opened(self, metadata: Any) -> None:
+        """The current call's initial metadata: ``connected`` when the controller sent its
+        watch-open key."""
+        if any(getattr(m, "key", m[0] if isinstance(m, tuple) else None) == WATCH_OPEN_METADATA_KEY
+               for m in (metadata or ())):
+            self.connected()
 
     def remaining(self) -> float | None:
         """Seconds left before the deadline (None: no deadline); raises at the deadline."""
@@ -190,12 +215,14 @@ class _WatchState:
 
     def seen(self, ev: controller_pb2.JobEvent) -> None:
         self.phases[ev.job.id] = ev.job.status.phase
-        self.lost_since, self.delay = None, 0.2
+        self.connected()
 
     def lost(self, e: grpc.RpcError) -> float:
         """The stream broke with UNAVAILABLE: note it once, give up after WATCH_GIVE_UP_S
         seconds unreachable, else return the backoff before the next attempt."""
         now = time.monotonic()
+        if now - self.attempt_at >= _WATCH_CONNECTED_AFTER_S:
+            self.connected()  # this call had connected: a new outage starts now
         if self.lost_since is None:
             self.lost_since = now
             if self.on_retry is not None:
@@ -317,9 +344,13 @@ class Client:
         rev = start_revision
         while True:
             remaining = state.remaining()
+            state.attempt()
             call = self.jobs.WatchJobs(controller_pb2.WatchJobsRequest(tenant=tenant, job_id=job_id, start_revision=rev),
                                        timeout=remaining)
             try:
+                if callable(getattr(call, "initial_metadata", None)):
+                    # Blocks until the controller accepts the watch (or the call ends).
+                    state.opened(call.initial_metadata())
                 for ev in call:
                     rev = max(rev, ev.revision)
                     state.seen(ev)
@@ -433,9 +464,15 @@ class AsyncClient:
         rev = start_revision
         while True:
             remaining = state.remaining()
+            state.attempt()
             call = self.jobs.WatchJobs(controller_pb2.WatchJobsRequest(tenant=tenant, job_id=job_id, start_revision=rev),
                                        timeout=remaining)
             try:
+                if callable(getattr(call, "initial_metadata", None)):
+                    try:
+                        state.opened(await call.initial_metadata())
+                    except grpc.RpcError:
+                        pass  # the call failed: iterating it raises the error below
                 async for ev in call:
                     rev = max(rev, ev.revision)
                     state.seen(ev)

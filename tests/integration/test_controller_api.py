@@ -204,3 +204,33 @@ async def test_a_spec_over_the_size_limit_is_invalid_argument(stubs, monkeypatch
         await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec(name="big", tenant="sz")))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("spec")
     assert list((await jobs.ListJobs(cpb.ListJobsRequest(tenant="sz"))).jobs) == []
+
+
+async def test_a_quiet_watch_sends_its_open_metadata_before_any_event(stubs):
+    """A watch from the current revision of a job that does not change sends no event; the
+    controller still answers with initial metadata (``wire.WATCH_OPEN_METADATA_KEY``) at
+    once, so a client (async or blocking) knows the call connected and restarts its
+    outage clock (tessera.client._WatchState)."""
+    from tessera.wire import WATCH_OPEN_METADATA_KEY
+
+    jobs, _, cfg = stubs
+    await wait_leader(jobs)
+    r = await jobs.SubmitJob(cpb.SubmitJobRequest(spec=spec(name="quiet")))
+    snap = jobs.WatchJobs(cpb.WatchJobsRequest(job_id=r.job.id))
+    first = await snap.read()
+    snap.cancel()
+    req = cpb.WatchJobsRequest(job_id=r.job.id, start_revision=first.revision)
+    w = jobs.WatchJobs(req)
+    md = await asyncio.wait_for(w.initial_metadata(), 10)
+    assert dict(md).get(WATCH_OPEN_METADATA_KEY) == "1"
+    w.cancel()
+
+    def blocking() -> tuple:
+        with grpc.insecure_channel(cfg.listen) as ch:
+            call = cgrpc.JobServiceStub(ch).WatchJobs(req, timeout=10)
+            try:
+                return tuple(call.initial_metadata())
+            finally:
+                call.cancel()
+
+    assert (WATCH_OPEN_METADATA_KEY, "1") in await asyncio.to_thread(blocking)

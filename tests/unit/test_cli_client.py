@@ -11,6 +11,7 @@ import pytest
 from tessera import client as tc
 from tessera.api.v1 import controller_pb2, types_pb2
 from tessera.errors import SpecError
+from tessera.wire import WATCH_OPEN_METADATA_KEY
 
 DOC = {"apiVersion": "tessera/v1", "kind": "Job", "name": "c-job", "workload": {"type": "gpt", "steps": 5},
        "resources": {"devices": 1}}
@@ -295,6 +296,74 @@ def test_watch_unreachable_count_restarts_after_an_event(c, monkeypatch):
     notes = []
     got = [e.revision for e in c.watch(job_id="j", on_retry=notes.append)]
     assert got == [7, 9] and len(notes) == 2  # two outages, each shorter than the give-up
+
+
+class QuietStream(Stream):
+    """A stream that stays open ``open_s`` seconds of ``clock`` without an event, then fails;
+    ``metadata``: what its ``initial_metadata()`` returns (None: the method is absent)."""
+
+    def __init__(self, clock, open_s, error, metadata=None):
+        super().__init__([], error)
+        self.clock, self.open_s, self.metadata = clock, open_s, metadata
+        if metadata is not None:
+            self.initial_metadata = lambda: self.metadata
+
+    def __iter__(self):
+        self.clock.now += self.open_s
+        raise self.error
+
+
+@pytest.mark.parametrize("open_s, metadata", [(100, None), (10, ((WATCH_OPEN_METADATA_KEY, "1"),))])
+def test_watch_outage_clock_restarts_when_a_call_connected_without_an_event(c, monkeypatch, open_s, metadata):
+    """Lost, reconnected (quiet: no event, but the call was open: its open metadata came, or
+    it stayed open longer than a connection attempt can take), lost again more than
+    WATCH_GIVE_UP_S after the first loss: a new outage, not a give-up."""
+    clock = FakeTime()
+    monkeypatch.setattr(tc, "time", clock)
+    down = RpcErr(grpc.StatusCode.UNAVAILABLE, "leader moved")
+    assert open_s + 25 > tc.WATCH_GIVE_UP_S
+    c.jobs.streams = [QuietStream(clock, 25, down), QuietStream(clock, open_s, down, metadata),
+                      Stream([], down), Stream([ev("j", 9, types_pb2.SUCCEEDED)])]
+    notes = []
+    got = [e.revision for e in c.watch(job_id="j", on_retry=notes.append)]
+    assert got == [9] and len(notes) == 2
+
+
+async def test_async_watch_outage_clock_restarts_on_open_metadata(ac, monkeypatch):
+    clock = FakeTime()
+    monkeypatch.setattr(tc, "time", clock)
+    down = AioRpcErr(grpc.StatusCode.UNAVAILABLE, "leader moved")
+
+    class AQuiet(AStream):
+        def __init__(self, open_s, metadata=None):
+            super().__init__([], down)
+            self.open_s = open_s
+            if metadata is not None:
+                async def md():
+                    return metadata
+                self.initial_metadata = md
+
+        async def _gen(self):
+            clock.now += self.open_s
+            raise self.error
+            yield  # an async generator
+
+    ac.jobs.streams = [AQuiet(25), AQuiet(10, grpc.aio.Metadata((WATCH_OPEN_METADATA_KEY, "1"))),
+                       AStream([], down), AStream([ev("j", 9, types_pb2.SUCCEEDED)])]
+    notes = []
+    got = [e.revision async for e in ac.watch(job_id="j", on_retry=notes.append)]
+    assert got == [9] and len(notes) == 2
+
+
+def test_watch_without_a_connection_still_gives_up(c, monkeypatch):
+    """Calls that fail without connecting (no open metadata, short) keep the outage clock."""
+    clock = FakeTime()
+    monkeypatch.setattr(tc, "time", clock)
+    down = RpcErr(grpc.StatusCode.UNAVAILABLE, "refused")
+    c.jobs.streams = [QuietStream(clock, 10, down, ()) for _ in range(10)]
+    with pytest.raises(tc.TesseraError) as ei:
+        list(c.watch(job_id="j"))
+    assert ei.value.code == grpc.StatusCode.UNAVAILABLE
 
 
 def test_unavailable_from_a_stale_testbed_file_says_so(tmp_path, monkeypatch):
