@@ -500,8 +500,9 @@ class Controller:
 
     # -- nodes ------------------------------------------------------------------------
     async def register(self, req: controller_pb2.RegisterNodeRequest) -> types_pb2.Node:
-        if not req.name or not manifest.NAME_RE.match(req.name) or len(req.name) > 63:
-            raise SpecError("name", f"must match {manifest.NAME_RE.pattern}, got {short(req.name)!r}")
+        if not manifest.valid_name(req.name):
+            raise SpecError("name", f"must match {manifest.NAME_RE.pattern} and be at most 63 characters, "
+                                    f"got {short(req.name)!r}")
         if not req.agent_address or ":" not in req.agent_address:
             raise SpecError("agent_address", f"must be HOST:PORT, got {short(req.agent_address)!r}")
         if not req.devices:

@@ -49,6 +49,13 @@ API_VERSION = "tessera/v1"
 # Matched with ``fullmatch``: ``$`` alone would also accept a name ending in "\n".
 NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 WORKLOAD_TYPES = ("gpt", "peft", "multimodal")
+
+
+def valid_name(s: Any) -> bool:
+    """True when ``s`` is a string of at most 63 characters that matches NAME_RE as a
+    whole (``fullmatch``: no trailing newline). The one check of a job, tenant or node
+    name; callers raise their own SpecError naming the field."""
+    return isinstance(s, str) and len(s) <= 63 and NAME_RE.fullmatch(s) is not None
 DEVICE_KINDS = ("", "cpu", "gpu")
 
 MODEL_DEFAULTS = {"vocab": 256, "seq_len": 64, "layers": 2, "hidden": 64, "heads": 4}
@@ -120,7 +127,7 @@ def _str(v: Any, path: str) -> str:
 
 def _name(v: Any, path: str) -> str:
     s = _str(v, path)
-    if len(s) > 63 or not NAME_RE.fullmatch(s):
+    if not valid_name(s):
         raise SpecError(path, f"must match {NAME_RE.pattern} and be at most 63 characters, got {s!r}")
     return s
 

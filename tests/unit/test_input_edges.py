@@ -42,6 +42,26 @@ def test_peft_task_name_with_a_trailing_newline_is_refused():
     _refused(d, "workload.peft.tasks[0].name")
 
 
+@pytest.mark.parametrize("name, ok", [("node-1", True), ("a" * 63, True), ("node-1\n", False), ("node-1\r\n", False),
+                                      ("", False), ("a" * 64, False), ("Node", False), (None, False), (1, False)])
+def test_valid_name_is_a_whole_match(name, ok):
+    assert manifest.valid_name(name) is ok
+
+
+@pytest.mark.parametrize("name", ["node-1\n", "node-1\r\n", "a" * 64, ""])
+def test_register_node_refuses_a_bad_name_before_anything_else(name):
+    """Controller.register checks the name first (it touches no state before that)."""
+    import asyncio
+
+    from controller.core import Controller
+    from tessera.api.v1 import controller_pb2
+
+    req = controller_pb2.RegisterNodeRequest(name=name, agent_address="h:1")
+    with pytest.raises(SpecError) as ei:
+        asyncio.run(Controller.register(object(), req))
+    assert ei.value.field == "name" and "must match" in ei.value.message
+
+
 def test_names_without_the_newline_still_pass():
     d = copy.deepcopy(PEFT)
     d["tenant"] = "demo"
