@@ -6,7 +6,9 @@ file named by ``--config`` (or ``<PREFIX>CONFIG``), then the environment variabl
 ``<PREFIX><FIELD>`` (upper case), then the flags. Unknown file keys and values of the
 wrong type are errors naming the key, raised as ``SpecError``: a file value must already
 have its field's type (YAML ``null``, a list or a mapping is no string, ``true`` no
-number), while environment and flag strings are converted; so are a config file that
+number; a float field also takes a string float() parses, as PyYAML loads ``5e-1``), while
+environment and flag strings are converted; so are a key repeated in the file
+("duplicate key", naming it, as in manifests: ``tessera.yamlutil``), a config file that
 cannot be read or is not valid YAML (naming the file), and a float that is not finite
 (``nan``, ``inf``) from any source.
 """
@@ -23,6 +25,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from . import yamlutil
 from .errors import SpecError
 
 T = TypeVar("T")
@@ -117,7 +120,9 @@ def load(cls: type[T], argv: list[str] | None, env_prefix: str, description: str
     cfg_path = ns.config or os.environ.get(env_prefix + "CONFIG")
     if cfg_path:
         try:
-            data = yaml.safe_load(Path(cfg_path).read_text(encoding="utf-8")) or {}
+            data = yamlutil.load_unique(Path(cfg_path).read_text(encoding="utf-8")) or {}
+        except yamlutil.DuplicateKey as e:
+            raise SpecError(e.path, f"duplicate key (line {e.line} of {cfg_path})") from None
         except OSError as e:
             raise SpecError(cfg_path, f"cannot read config file: {e.strerror or e}") from None
         except UnicodeDecodeError:

@@ -42,6 +42,7 @@ from typing import Any
 import yaml
 from google.protobuf import json_format, struct_pb2
 
+from . import yamlutil
 from .api.v1 import types_pb2
 from .errors import SpecError
 
@@ -360,50 +361,6 @@ def _resources(r: dict) -> dict:
     return out
 
 
-class _DuplicateKey(Exception):
-    def __init__(self, path: str, line: int) -> None:
-        self.path, self.line = path, line
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key repeated in any mapping (plain PyYAML keeps
-    the last value silently, so ``steps: 10`` then ``steps: 100000`` would train 100000
-    steps): ``_DuplicateKey`` with the dotted path of the repeated key and its line. Keys
-    brought in by a merge (``<<: *anchor``) may still be overridden, as YAML intends."""
-
-    def construct_document(self, node: yaml.Node) -> Any:
-        self._check_unique(node, "", set())
-        return super().construct_document(node)
-
-    def _check_unique(self, node: yaml.Node, path: str, seen: set[int]) -> None:
-        if id(node) in seen:  # an alias (possibly recursive): checked where it was anchored
-            return
-        seen.add(id(node))
-        if isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                self._check_unique(item, f"{path}[{i}]", seen)
-        elif isinstance(node, yaml.MappingNode):
-            keys: set[Any] = set()
-            for k, v in node.value:
-                if k.tag == "tag:yaml.org,2002:merge":
-                    continue
-                if isinstance(k, yaml.ScalarNode):
-                    key = self.construct_object(k)
-                    name = str(key)
-                else:  # a collection as a key: compare by its text
-                    key = (k.tag, repr(k.value))
-                    name = k.tag
-                where = f"{path}.{name}" if path else name
-                try:
-                    dup = key in keys
-                    keys.add(key)
-                except TypeError:  # unhashable: validation refuses the document anyway
-                    dup = False
-                if dup:
-                    raise _DuplicateKey(where, k.start_mark.line + 1)
-                self._check_unique(v, where, seen)
-
-
 def load_file(path: str | Path) -> dict:
     """Read and validate a manifest file. ``SpecError`` (naming the file) for YAML syntax
     errors and text that is not UTF-8 too; ``OSError`` when it cannot be read. A key
@@ -411,8 +368,8 @@ def load_file(path: str | Path) -> dict:
     ``workload.steps: duplicate key (line 7 of m.yaml)``), never resolved to one value."""
     p = Path(path)
     try:
-        doc = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
-    except _DuplicateKey as e:
+        doc = yamlutil.load_unique(p.read_text(encoding="utf-8"))
+    except yamlutil.DuplicateKey as e:
         raise SpecError(e.path, f"duplicate key (line {e.line} of {p})") from None
     except UnicodeDecodeError as e:
         raise SpecError(str(p), f"not UTF-8 text (byte {e.start}: {e.reason})") from None

@@ -86,3 +86,13 @@ def test_controller_config_file_accepts_scientific_notation(tmp_path):
     f.write_text("heartbeat_interval_s: 5e-1\nfinished_job_ttl_s: 6e5\n")
     cfg = config.load(ControllerConfig, ["--config", str(f)], "TESSERA_CONTROLLER_X_")
     assert (cfg.heartbeat_interval_s, cfg.finished_job_ttl_s) == (0.5, 600000.0)
+
+
+@pytest.mark.parametrize("text, key", [("count: 5\ncount: 500\n", "count"), ("name: a\ndebug: true\nname: b\n", "name")])
+def test_a_key_repeated_in_the_config_file_is_refused_naming_it(tmp_path, text, key):
+    """As in manifests (tessera.yamlutil): never silently last-wins."""
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(SpecError) as e:
+        config.load(Cfg, ["--config", str(f)], "T_")
+    assert e.value.field == key and "duplicate key" in e.value.message and str(f) in e.value.message

@@ -9,7 +9,7 @@ import math
 import pytest
 import yaml
 
-from tessera import manifest
+from tessera import manifest, yamlutil
 from tessera.cli import main
 from tessera.errors import SpecError
 
@@ -136,7 +136,7 @@ def test_yaml_merge_keys_may_still_be_overridden(tmp_path):
                  "  model: &m {vocab: 128, hidden: 32}\n  plan:\n    dp: 1\nresources:\n  devices: 1\n")
     assert manifest.load_file(p)["workload"]["model"]["vocab"] == 128
     # A key brought in by a merge (<<) may be overridden: that is what merges are for.
-    doc = yaml.load("b: &b {type: gpt, steps: 10}\nw:\n  <<: *b\n  steps: 20\n", Loader=manifest._UniqueKeyLoader)
+    doc = yaml.load("b: &b {type: gpt, steps: 10}\nw:\n  <<: *b\n  steps: 20\n", Loader=yamlutil.UniqueKeyLoader)
     assert doc["w"] == {"type": "gpt", "steps": 20}
 
 
