@@ -693,13 +693,16 @@ def gpu_candidate(job: dict, colocated: int = 1, oversub: float = 1.0) -> Candid
 
 
 def main_cuda(args) -> int:
-    """The GPU variant (run by bench/gpu/run.sh with an MPS daemon up); see GPU_* above."""
-    import subprocess
+    """The GPU variant (run by bench/gpu/run.sh with an MPS daemon up); see GPU_* above.
 
-    probe = subprocess.run([sys.executable, "-c", "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"],
-                           capture_output=True)
-    if probe.returncode != 0:  # probed in a child: this process must not touch CUDA before spawning
-        print("--device cuda: no CUDA GPU here", file=sys.stderr)
+    Bounded by run.sh's step timeout: the JSON is rewritten after every phase (profile
+    quota, colocation pair, grid group) with ``"complete": false`` until the end, and a
+    phase whose processes fail (RuntimeError from run_groups) is recorded under
+    ``errors`` and skipped, the rest still runs."""
+    from bench._partial import NO_CUDA, cuda_missing, write_json
+
+    if cuda_missing():  # probed in a child: this process must not touch CUDA before spawning
+        print(NO_CUDA, file=sys.stderr)
         return 2
     if not os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
         print("warning: CUDA_MPS_PIPE_DIRECTORY unset; quotas only apply under an MPS daemon "
@@ -710,49 +713,85 @@ def main_cuda(args) -> int:
     steps = GPU_WARMUP + GPU_MEASURED
     cost = {"compute": 0.0, "colocation": 0.0}
     alone: dict[tuple, float] = {}
+    errors: list[dict] = []
+    pairs: list[dict] = []
+    points = gpu_grid()
+    grid_cost = 0.0
+
+    def attempt(phase: str, groups: list[dict]) -> list[dict] | None:
+        try:
+            return run_groups(groups, GPU_WARMUP)
+        except RuntimeError as e:
+            errors.append({"phase": phase, "error": str(e)[-800:]})
+            print(f"{phase}: {e}", file=sys.stderr)
+            return None
+
+    def partial(done: str) -> None:
+        write_json(args.json, {"device": "cuda", "phase_done": done, "errors": errors,
+                               "profile_alone_s": [{"point": list(k), "step_s": v} for k, v in alone.items()],
+                               "profile_cost": cost, "colocation_pairs": pairs, "grid_device_s": grid_cost,
+                               "grid_measured": [pt for pt in points if "measured" in pt],
+                               "wall_s": time.monotonic() - t0}, complete=False)
+
     for q in sorted({p[3] for p in GPU_PROFILE}):
         pts = [p for p in GPU_PROFILE if p[3] == q]
-        r = run_groups([{"quota": q, "workloads": [gpu_workload(n, b, s, m, steps) for n, b, s, _, m in pts]}],
-                       GPU_WARMUP)[0]
-        cost["compute"] += r["device_s"]
-        for pt, x in zip(pts, r["results"]):
-            alone[pt] = x["step_s"]
+        res = attempt(f"profile q={q}", [{"quota": q, "workloads": [gpu_workload(n, b, s, m, steps)
+                                                                      for n, b, s, _, m in pts]}])
+        if res:
+            cost["compute"] += res[0]["device_s"]
+            for pt, x in zip(pts, res[0]["results"]):
+                alone[pt] = x["step_s"]
+        partial(f"profile q={q}")
     samples = []
     for (n, b, s, q, m), t in alone.items():
         layers, hidden, heads, vocab, _ = GPU_MODELS[n]
         samples.append(ComputeSample(module=n, rows=b, seq=s, layers=layers, hidden=hidden, heads=heads, vocab=vocab,
                                      q=q / 100.0, seconds=t, micro_batches=m, seq_len=s))
-    pairs = []
     for mode, q in GPU_COLO_PROFILE:
-        res = run_groups([{"quota": q, "workloads": [gpu_workload("A", 8, 256, 1, steps)]}] * 2, GPU_WARMUP)
-        cost["colocation"] += sum(r["device_s"] for r in res)
-        pairs.append({"mode": mode, "colocated": 2, "oversubscription": max(1.0, 2 * q / 100.0),
-                      "alone_s": alone[("A", 8, 256, q, 1)],
-                      "together_s": statistics.median(r["results"][0]["step_s"] for r in res)})
-    model = PerfModel(version=1, compute={"gpu": fit_compute("gpu", samples)}, interference={"gpu": fit_interference(pairs)})
-    fit = model.compute["gpu"]
-    print(f"gpu profiles: {len(samples)} points, fit {fit.status} rel_sigma={fit.rel_sigma:.3f} p={fit.p:.2f} "
-          f"q_sat={fit.q_sat} {fit.reason}", file=sys.stderr)
-    points = gpu_grid()
-    grid_cost = 0.0
+        if ("A", 8, 256, q, 1) not in alone:
+            errors.append({"phase": f"colocation {mode}", "error": "skipped: its alone profile point failed"})
+            continue
+        res = attempt(f"colocation {mode}", [{"quota": q, "workloads": [gpu_workload("A", 8, 256, 1, steps)]}] * 2)
+        if res:
+            cost["colocation"] += sum(r["device_s"] for r in res)
+            pairs.append({"mode": mode, "colocated": 2, "oversubscription": max(1.0, 2 * q / 100.0),
+                          "alone_s": alone[("A", 8, 256, q, 1)],
+                          "together_s": statistics.median(r["results"][0]["step_s"] for r in res)})
+        partial(f"colocation {mode}")
     singles = [pt for pt in points if len(pt["jobs"]) == 1]
     for q in sorted({pt["jobs"][0]["q"] for pt in singles}):
         mine = [pt for pt in singles if pt["jobs"][0]["q"] == q]
-        r = run_groups([{"quota": q, "workloads": [gpu_workload(j["model"], j["batch"], j["seq"], j["m"], steps)
-                                                   for pt in mine for j in pt["jobs"]]}], GPU_WARMUP)[0]
-        grid_cost += r["device_s"]
-        for pt, x in zip(mine, r["results"]):
-            pt["measured"] = [x["step_s"]]
-    for pt in points:
+        res = attempt(f"grid q={q}", [{"quota": q, "workloads": [gpu_workload(j["model"], j["batch"], j["seq"], j["m"], steps)
+                                                                   for pt in mine for j in pt["jobs"]]}])
+        if res:
+            grid_cost += res[0]["device_s"]
+            for pt, x in zip(mine, res[0]["results"]):
+                pt["measured"] = [x["step_s"]]
+        partial(f"grid q={q}")
+    for i, pt in enumerate(points):
         if len(pt["jobs"]) > 1:
-            res = run_groups([{"quota": j["q"], "workloads": [gpu_workload(j["model"], j["batch"], j["seq"], j["m"], steps)]}
-                              for j in pt["jobs"]], GPU_WARMUP)
-            grid_cost += sum(r["device_s"] for r in res)
-            pt["measured"] = [r["results"][0]["step_s"] for r in res]
+            res = attempt(f"grid {pt['category']} #{i}",
+                          [{"quota": j["q"], "workloads": [gpu_workload(j["model"], j["batch"], j["seq"], j["m"], steps)]}
+                           for j in pt["jobs"]])
+            if res:
+                grid_cost += sum(r["device_s"] for r in res)
+                pt["measured"] = [r["results"][0]["step_s"] for r in res]
+            partial(f"grid {pt['category']} #{i}")
+    try:
+        model = PerfModel(version=1, compute={"gpu": fit_compute("gpu", samples)},
+                          interference={"gpu": fit_interference(pairs)})
+    except Exception as e:  # noqa: BLE001 - too few profile points survived: keep the measurements
+        errors.append({"phase": "fit", "error": repr(e)[-800:]})
+        partial("fit failed")
+        print(f"fit failed: {e!r}", file=sys.stderr)
+        return 1
+    fit = model.compute["gpu"]
+    print(f"gpu profiles: {len(samples)} points, fit {fit.status} rel_sigma={fit.rel_sigma:.3f} p={fit.p:.2f} "
+          f"q_sat={fit.q_sat} {fit.reason}", file=sys.stderr)
     cands, truth, cats = [], [], []
     for pt in points:
         over = sum(j["q"] for j in pt["jobs"]) / 100.0
-        for j, t in zip(pt["jobs"], pt["measured"]):
+        for j, t in zip(pt["jobs"], pt.get("measured", [])):
             cands.append(gpu_candidate(j, len(pt["jobs"]), over if over > 1 else 1.0))
             truth.append(t)
             cats.append(pt["category"])
@@ -762,22 +801,24 @@ def main_cuda(args) -> int:
              "estimated_s": e.seconds if e.ok else None, "status": e.status, "confidence": e.confidence,
              "ape": abs(e.seconds - t) / t * 100 if e.ok else None} for c, e, t, cat in zip(cands, ests, truth, cats)]
     prof_cost = sum(cost.values())
-    out = {"device": "cuda", "mape_single": mape(rows), "profiling_cost_ratio": grid_cost / prof_cost,
+    out = {"device": "cuda", "mape_single": mape(rows),
+           "profiling_cost_ratio": grid_cost / prof_cost if prof_cost else None,
            "profile_device_s": prof_cost, "grid_device_s": grid_cost, "profile_cost": cost,
            "categories": {c: {"mape": mape([r for r in rows if r["category"] == c]),
                               "n": sum(r["category"] == c for r in rows)} for c in sorted(set(cats))},
            "model": model.to_dict(), "rows": rows, "colocation_pairs": pairs,
-           "profile_samples": [dict(x.__dict__) for x in samples], "wall_s": time.monotonic() - t0}
+           "profile_samples": [dict(x.__dict__) for x in samples], "errors": errors,
+           "wall_s": time.monotonic() - t0}
     print(f"{'category':<24} {'n':>3} {'MAPE %':>7}")
     for c, v in out["categories"].items():
         print(f"{c:<24} {v['n']:>3} {v['mape'] if v['mape'] is not None else float('nan'):>7.2f}")
     print(f"{'single GPU (all)':<24} {len(rows):>3} {out['mape_single'] or float('nan'):>7.2f}")
+    ratio = out["profiling_cost_ratio"]
     print(f"profiling cost: {prof_cost:.1f} GPU-s vs {grid_cost:.1f} GPU-s for the grid: "
-          f"{out['profiling_cost_ratio']:.1f}x less; wall {out['wall_s']:.0f} s")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
-    return 0
+          f"{ratio if ratio is None else round(ratio, 1)}x less; wall {out['wall_s']:.0f} s; "
+          f"{len(errors)} failed phases")
+    write_json(args.json, out, complete=True)
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -19,9 +19,9 @@ the baseline), ``step_s`` per variant.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -93,6 +93,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-soft", action="store_true", help="CPU: sweep pinned (hard) quotas only")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    from bench._partial import NO_CUDA, write_json
+
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print(NO_CUDA, file=sys.stderr)
+        raise SystemExit(2)
     device = torch.device(a.device)
     mm_raw, gpt = (MM_CUDA, GPT_CUDA) if device.type == "cuda" else (MM, GPT)
     if a.batch is None:
@@ -128,13 +133,18 @@ def main(argv=None) -> dict:
         plans.update({f"colocated q={q} soft": (q, False) for q in quotas})
     samples: dict[str, list[float]] = {k: [] for k in [*temporal, *plans]}
     losses: dict[str, list[float]] = {}
-    for _ in range(a.trials):
+    head = {"device": a.device, "cpus": len(cpus), "batch": a.batch, "micro_batches": a.micro_batches,
+            "steps": a.steps, "trials": a.trials}
+    for trial in range(a.trials):
         for k, th in temporal.items():
             t, losses[k] = _run(mm, gpt, device, batches, 0.5, False, a.micro_batches, th)
             samples[k].append(t)
+            write_json(a.json, {**head, "trials_done": trial, "step_s_trials": samples}, complete=False, indent=2)
         for k, (q, pin) in plans.items():
             t, losses[k] = _run(mm, gpt, device, batches, q, True, a.micro_batches, pin=pin)
             samples[k].append(t)
+            write_json(a.json, {**head, "trials_done": trial + (k == list(plans)[-1]), "step_s_trials": samples},
+                       complete=False, indent=2)
 
     med = {k: statistics.median(v) for k, v in samples.items() if v}
     base_name = min(temporal, key=med.get)
@@ -175,9 +185,7 @@ def main(argv=None) -> dict:
     }
     print(f"baseline: {base_name}; best: {best}  speedup_vs_temporal = {out['speedup_vs_temporal']:.2f}x  "
           f"(loss |diff| vs baseline <= {max_loss_diff:.1e})")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=2)
+    write_json(a.json, out, complete=True, indent=2)
     return out
 
 

@@ -19,9 +19,9 @@ plan's noise-free imbalance under the cost model. JSON: ``speedup_vs_coupled`` (
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
 import time
 from collections import Counter
 
@@ -124,7 +124,7 @@ def _variant(rank, world, name, mm, steps, batch, device):
             model_load[0] / model_load[1], cpu)
 
 
-def _rank_main(rank, world, steps, batch, micro, group, trials, device):
+def _rank_main(rank, world, steps, batch, micro, group, trials, device, partial=None):
     mm = _mm(steps, micro, group)
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -145,6 +145,12 @@ def _rank_main(rank, world, steps, batch, micro, group, trials, device):
             out[name]["cpu"].append(cpu)
             out[name]["busy"].extend(busy)
             out[name].update(losses=losses, layouts=layouts, ids=ids, model=model)
+        if rank == 0 and partial:  # rank 0's wall times so far: a step timeout keeps the trials done
+            from bench._partial import write_json
+
+            write_json(partial, {"ranks": world, "steps": steps, "batch": batch, "trials_done": t + 1,
+                                 "run_s_trials": {k: v["wall"] for k, v in out.items()},
+                                 "layouts": {k: v["layouts"] for k, v in out.items()}}, complete=False, indent=2)
     return out
 
 
@@ -159,7 +165,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    allres = run_ranks(a.ranks, _rank_main, a.steps, a.batch, a.micro_batches, a.group, a.trials, a.device)
+    from bench._partial import NO_CUDA, write_json
+
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print(NO_CUDA, file=sys.stderr)
+        raise SystemExit(2)
+    allres = run_ranks(a.ranks, _rank_main, a.steps, a.batch, a.micro_batches, a.group, a.trials, a.device,
+                       os.path.abspath(a.json) if a.json else None)
     res = allres[0]
     # Load imbalance: per step, the busiest rank's compute over the mean rank's (1.00 = even).
     imb = {}
@@ -207,9 +219,7 @@ def main(argv=None) -> dict:
     print(f"speedup_vs_coupled = {out['speedup_vs_coupled']:.2f}x (wall); "
           f"{out['speedup_vs_coupled_cpu_critical_path']:.2f}x (CPU critical path); "
           f"load average {os.getloadavg()[0]:.1f}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=2)
+    write_json(a.json, out, complete=True, indent=2)
     return out
 
 

@@ -105,6 +105,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _await_go() -> None:
+    """Block until the driver says GO; an empty read (the driver closed our stdin or
+    died) means abort: exit without training."""
+    if not sys.stdin.readline().strip():
+        sys.exit(3)
+
+
 def worker_hf(args: dict) -> dict:
     """One HF PEFT training process for one task (padding each batch to its longest)."""
     import torch
@@ -138,7 +145,7 @@ def worker_hf(args: dict) -> dict:
     opt.zero_grad(set_to_none=True)
     _sync(dev)
     print("READY", flush=True)
-    sys.stdin.readline()
+    _await_go()
     t0, c0 = time.time(), _cpu_s()
     tokens = padded = 0
     losses = []
@@ -195,7 +202,7 @@ def worker_tessera(args: dict) -> dict:
     eng.processed_tokens = 0
     _sync(dev)
     print("READY", flush=True)
-    sys.stdin.readline()
+    _await_go()
     t0, c0 = time.time(), _cpu_s()
     while eng.step() is not None:
         pass
@@ -258,20 +265,43 @@ def _run_group(jobs: list[tuple[str, dict]], concurrent: bool) -> tuple[list[dic
         return json.loads(out.strip().splitlines()[-1])
 
     batches = [jobs] if concurrent else [[j] for j in jobs]
-    for group in batches:
-        procs = [_spawn(kind, a) for kind, a in group]
-        sampler.pids += [p.pid for p in procs]
-        for p in procs:
-            line = p.stdout.readline()
-            if line.strip() != "READY":
-                p.wait()
-                raise RuntimeError(f"worker did not get ready: {line!r}")
-        for p in procs:
-            p.stdin.write("GO\n")
-            p.stdin.flush()
-        results += [finish(p) for p in procs]
-        sampler.pids = [q for q in sampler.pids if q not in {p.pid for p in procs}]
-    return results, sampler.stop()
+    procs: list[subprocess.Popen] = []
+    try:
+        for group in batches:
+            procs = [_spawn(kind, a) for kind, a in group]
+            sampler.pids += [p.pid for p in procs]
+            for p in procs:
+                line = p.stdout.readline()
+                if line.strip() != "READY":
+                    raise RuntimeError(f"worker did not get ready: {line!r}")
+            for p in procs:
+                p.stdin.write("GO\n")
+                p.stdin.flush()
+            results += [finish(p) for p in procs]
+            sampler.pids = [q for q in sampler.pids if q not in {p.pid for p in procs}]
+            procs = []
+    finally:
+        _kill_all(procs)  # on an error: every started worker of the group, not only the failed one
+        peak = sampler.stop()
+    return results, peak
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    """Stop workers still running: close their stdin (a waiting worker reads EOF and
+    aborts), kill them, reap them."""
+    for p in procs:
+        try:
+            if p.stdin and not p.stdin.closed:
+                p.stdin.close()
+        except OSError:
+            pass
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _row(name: str, procs: int, res: list[dict], concurrent: bool, sampled_mb: float, device: str) -> dict:
@@ -307,6 +337,35 @@ def median_row(rounds: list[dict]) -> dict:
     return row
 
 
+def summarize(rounds: dict[str, list[dict]], *, device: str, cores: int, workers: int, model: dict, n_tasks: int,
+              steps: int, n_rounds: int) -> tuple[list[dict], dict]:
+    """The rows (median round each) and the JSON document from the rounds run so far."""
+    rows = [median_row(rounds[k]) for k in "abcd" if k in rounds]
+
+    out: dict = {"device": device, "cores": cores, "tessera_workers": workers, "model": model, "tasks": n_tasks,
+                 "steps_per_task": steps, "rounds": n_rounds,
+                 "rows": rows, **{r["row"]: r for r in rows}}
+    hf = [r for r in rows if r["row"].startswith("hf")]
+    tess = {r["row"]: r for r in rows if r["row"].startswith("tessera")}
+    if hf and tess:
+        best_tp = max(r["tokens_per_s"] for r in hf)
+        best_mem = min(r["peak_mem_mb"] for r in hf)
+        conc = [r for r in hf if r["row"] == "hf_peft_concurrent"]
+        for name, r in tess.items():
+            sfx = "" if name == "tessera_spatial" or "tessera_spatial" not in tess else "_" + name.split("_")[1]
+            out["speedup_vs_peft" + sfx] = round(r["tokens_per_s"] / best_tp, 2)
+            out["memory_reduction_vs_peft" + sfx] = round(best_mem / r["peak_mem_mb"], 2)
+            if conc:
+                out["memory_reduction_vs_concurrent_peft" + sfx] = round(conc[0]["peak_mem_mb"] / r["peak_mem_mb"], 2)
+        # The issue's goals, for Tessera spatial: throughput vs the best HF row; memory vs the
+        # HF deployment it replaces (K concurrent instances) and, strictest, vs the smallest
+        # HF figure (one instance at a time, which has K times less throughput).
+        if "tessera_spatial" in tess:
+            goals = {"speedup_vs_peft": 2.5, "memory_reduction_vs_concurrent_peft": 5.5, "memory_reduction_vs_peft": 5.5}
+            out["goals"] = {k: {"target": v, "value": out[k], "met": out[k] >= v} for k, v in goals.items() if k in out}
+    return rows, out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.peft_mux", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the results here")
@@ -330,6 +389,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {a.rounds}")
+    from bench._partial import NO_CUDA, cuda_missing, write_json
+
+    if a.device == "cuda" and cuda_missing():
+        print(NO_CUDA, file=sys.stderr)
+        return 2
     want = set(a.rows.split(","))
     if want & {"a", "b"}:
         require_peft()
@@ -344,48 +408,34 @@ def main(argv: list[str] | None = None) -> int:
     # on GPU one (the kernels already fill the device).
     workers = a.workers or (cores if a.device == "cpu" else 1)
     rounds: dict[str, list[dict]] = {}
+    meta = {"device": a.device, "cores": cores, "workers": workers, "model": model, "n_tasks": len(tasks),
+            "steps": a.steps, "n_rounds": a.rounds}
+
+    def partial() -> None:  # after every row: a step timeout keeps the rows finished so far
+        write_json(a.json, {**summarize(rounds, **meta)[1], "rounds_done": {k: len(v) for k, v in rounds.items()}},
+                   complete=False, indent=2)
+
     for r in range(a.rounds):
         if a.rounds > 1:
             print(f"round {r + 1}/{a.rounds}", file=sys.stderr, flush=True)
         if "a" in want:
             res, peak = _run_group([("hf", {**common, "task": t, "threads": per_proc}) for t in tasks], True)
             rounds.setdefault("a", []).append(_row("hf_peft_concurrent", len(tasks), res, True, peak, a.device))
+            partial()
         if "b" in want:
             res, peak = _run_group([("hf", {**common, "task": t, "threads": cores}) for t in tasks], False)
             rounds.setdefault("b", []).append(_row("hf_peft_sequential", len(tasks), res, False, peak, a.device))
+            partial()
         for key, mode in (("c", "temporal"), ("d", "spatial")):
             if key in want:
                 args = {**common, "tasks": tasks, "threads": cores, "mode": mode, "chunk_size": model["seq_len"],
                         "workers": workers}
                 res, peak = _run_group([("tessera", args)], False)
                 rounds.setdefault(key, []).append(_row(f"tessera_{mode}", 1, res, False, peak, a.device))
-    rows = [median_row(rounds[k]) for k in "abcd" if k in rounds]
-
-    out: dict = {"device": a.device, "cores": cores, "tessera_workers": workers, "model": model, "tasks": len(tasks),
-                 "steps_per_task": a.steps, "rounds": a.rounds,
-                 "rows": rows, **{r["row"]: r for r in rows}}
-    hf = [r for r in rows if r["row"].startswith("hf")]
-    tess = {r["row"]: r for r in rows if r["row"].startswith("tessera")}
-    if hf and tess:
-        best_tp = max(r["tokens_per_s"] for r in hf)
-        best_mem = min(r["peak_mem_mb"] for r in hf)
-        conc = [r for r in hf if r["row"] == "hf_peft_concurrent"]
-        for name, r in tess.items():
-            sfx = "" if name == "tessera_spatial" or "tessera_spatial" not in tess else "_" + name.split("_")[1]
-            out["speedup_vs_peft" + sfx] = round(r["tokens_per_s"] / best_tp, 2)
-            out["memory_reduction_vs_peft" + sfx] = round(best_mem / r["peak_mem_mb"], 2)
-            if conc:
-                out["memory_reduction_vs_concurrent_peft" + sfx] = round(conc[0]["peak_mem_mb"] / r["peak_mem_mb"], 2)
-        # The issue's goals, for Tessera spatial: throughput vs the best HF row; memory vs the
-        # HF deployment it replaces (K concurrent instances) and, strictest, vs the smallest
-        # HF figure (one instance at a time, which has K times less throughput).
-        if "tessera_spatial" in tess:
-            goals = {"speedup_vs_peft": 2.5, "memory_reduction_vs_concurrent_peft": 5.5, "memory_reduction_vs_peft": 5.5}
-            out["goals"] = {k: {"target": v, "value": out[k], "met": out[k] >= v} for k, v in goals.items() if k in out}
+                partial()
+    rows, out = summarize(rounds, **meta)
     _print(rows, out)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=2)
+    write_json(a.json, out, complete=True, indent=2)
     return 0
 
 

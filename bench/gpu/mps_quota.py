@@ -61,15 +61,33 @@ def run_phase(quotas: list[int], backend, args) -> list[dict]:
             [sys.executable, __file__, "--worker", "--size", str(args.size), "--seconds", str(args.seconds),
              "--start-at", str(start_at)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
     out = []
-    for q, g, p in procs:
-        so, se = p.communicate(timeout=args.warmup_s + args.seconds + 120)
-        backend.release(g.grant_id)
-        row = {"quota": q, "exit_code": p.returncode}
-        if p.returncode == 0:
-            row.update(json.loads(so.strip().splitlines()[-1]))
-        else:
-            row["error"] = se[-800:]
-        out.append(row)
+    deadline = time.monotonic() + args.warmup_s + args.seconds + 120
+    try:
+        for q, g, p in procs:
+            try:
+                so, se = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                so, se = p.communicate()
+                se = f"timed out after {args.warmup_s + args.seconds + 120:.0f} s; killed\n" + (se or "")
+            row = {"quota": q, "exit_code": p.returncode}
+            if p.returncode == 0:
+                try:
+                    row.update(json.loads(so.strip().splitlines()[-1]))
+                except (ValueError, IndexError):
+                    row.update(exit_code=-1, error=f"unreadable output: {so[-300:]!r}")
+            else:
+                row["error"] = (se or "")[-800:]
+            out.append(row)
+    finally:  # on any error or timeout: no client outlives the phase, every grant is released
+        for _, g, p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            try:
+                backend.release(g.grant_id)
+            except Exception:  # noqa: BLE001 - already released
+                pass
     return out
 
 
@@ -98,10 +116,14 @@ def main() -> int:
     daemon.running = True  # started by run.sh, which also quits it
     backend = MpsBackend(dev, Path(args.mps_root), daemon=daemon)
     quotas = [int(q) for q in args.quotas.split(",")]
-    result = {"size": args.size, "seconds": args.seconds, "quotas": quotas,
-              "solo": [run_phase([q], backend, args)[0] for q in quotas],
-              "concurrent": run_phase(quotas, backend, args)}
-    ok = all(r["exit_code"] == 0 for r in result["solo"] + result["concurrent"])
+    from bench._partial import write_json
+
+    result = {"size": args.size, "seconds": args.seconds, "quotas": quotas, "solo": [], "concurrent": []}
+    for q in quotas:  # the JSON after every phase: a step timeout keeps the phases done
+        result["solo"].append(run_phase([q], backend, args)[0])
+        write_json(args.json, result, complete=False)
+    result["concurrent"] = run_phase(quotas, backend, args)
+    ok = len(result["concurrent"]) == len(quotas) and all(r["exit_code"] == 0 for r in result["solo"] + result["concurrent"])
     if ok:
         conc = result["concurrent"]
         lo, hi = conc[0], conc[-1]
@@ -112,7 +134,7 @@ def main() -> int:
                       # of 1.6 of the quota ratio (bandwidth and tail effects blur it).
                       follows_quota=bool(ratio > 1.0 and expected / 1.6 <= ratio <= expected * 1.6))
     result["ok"] = ok and result.get("follows_quota", False)
-    (Path(args.json).write_text(json.dumps(result, indent=1)) if args.json else print(json.dumps(result, indent=1)))
+    (write_json(args.json, result, complete=True) if args.json else print(json.dumps(result, indent=1)))
     print(json.dumps({k: result.get(k) for k in ("ok", "speed_ratio", "quota_ratio")}))
     return 0 if ok else 1
 
