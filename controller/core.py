@@ -1472,7 +1472,9 @@ class Controller:
         tasks) reads its host's. NotFound for an unknown job or task; a node without the
         log is skipped; an agent that cannot be reached (UNAVAILABLE, DEADLINE_EXCEEDED)
         is ConnectionError (retry) when no node answered; any other refusal of an agent
-        is AgentRefused with the agent's code."""
+        is AgentRefused with the agent's code (the first refusal's) when no node returned
+        a log, and otherwise a line ``==> node NAME: log not read (CODE: details) <==``
+        after the logs that were read."""
         if tail < 0 or tail > 4 << 20:
             raise SpecError("tail_bytes", f"must be between 0 and {4 << 20}, got {tail}")
         await self.get(job_id)  # NotFound for an unknown job or task
@@ -1480,6 +1482,7 @@ class Controller:
         job = await self.get(parent_id)
         log_id = job.status.fused_into or parent_id  # a guest's output is in its host's executor log
         parts, truncated, errors = [], False, []
+        refused: list[tuple[str, grpc.StatusCode, str]] = []
         for n in await self.list_nodes():
             if n.state != types_pb2.READY:
                 continue
@@ -1489,12 +1492,16 @@ class Controller:
                 if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     errors.append(f"{n.name}: {e.details()}")
                 elif e.code() != grpc.StatusCode.NOT_FOUND:
-                    raise AgentRefused(e.code(), f"agent of node {n.name}: {e.details()}") from None
+                    refused.append((n.name, e.code(), e.details() or ""))
                 continue
             parts.append(f"==> node {n.name} <==\n{r.text}")
             truncated |= r.truncated
+        if not parts and refused:
+            name, code, details = refused[0]
+            raise AgentRefused(code, f"agent of node {name}: {details}")
         if not parts and errors:
             raise ConnectionError("; ".join(errors))
+        parts += [f"==> node {name}: log not read ({code.name}: {details}) <==" for name, code, details in refused]
         return "\n".join(parts), truncated
 
 

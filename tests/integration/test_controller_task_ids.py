@@ -147,3 +147,23 @@ async def test_logs_of_a_task_are_its_jobs_executor_log(live, monkeypatch):
             monkeypatch.setattr(core.AgentPool, "stub", lambda self, address, code=code: RefusingAgent(code))
             e = await status_of(lambda: cl.jobs.GetJobLogs(cpb.GetJobLogsRequest(job_id=jid + "/t1")))
             assert e.code() == want and "node-1" in e.details() and "agent says no" in e.details(), (code, e.details())
+
+
+async def test_logs_from_one_node_are_returned_when_another_agent_refuses(live, monkeypatch):
+    """One agent refusing (a code other than NOT_FOUND) no longer fails GetJobLogs when
+    another node returned the log: the refusal is a line naming its node; only when no
+    node returned a log is it the call's status."""
+    async with live(prefix="/tasklogs2", agents=2) as cl:
+        jid = await submit(cl.jobs, "logs2")
+        log = Path(cl.agents[0].state_dir) / "logs" / f"{jid}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("[rank 0] step 1 task t1 loss 2.0\n")
+        real_stub, refusing = core.AgentPool.stub, cl.agents[1].listen
+        monkeypatch.setattr(core.AgentPool, "stub", lambda self, address: RefusingAgent(
+            grpc.StatusCode.PERMISSION_DENIED) if address == refusing else real_stub(self, address))
+        r = await cl.jobs.GetJobLogs(cpb.GetJobLogsRequest(job_id=jid + "/t1"))
+        assert "==> node node-1 <==" in r.text and "task t1 loss 2.0" in r.text, r.text
+        assert "==> node node-2: log not read (PERMISSION_DENIED: agent says no) <==" in r.text, r.text
+        log.unlink()  # node-1 now has no log (NOT_FOUND): the refusal is the status
+        e = await status_of(lambda: cl.jobs.GetJobLogs(cpb.GetJobLogsRequest(job_id=jid)))
+        assert e.code() == grpc.StatusCode.PERMISSION_DENIED and "node-2" in e.details(), e.details()
