@@ -125,8 +125,11 @@ class JobService(controller_pb2_grpc.JobServiceServicer):
             check_id("job_id", request.job_id, required=False)
             if "/" in request.job_id:
                 await self.ctl.get(request.job_id)  # NotFound for an unknown job or task, as GetJob
-        except (SpecError, NotFound) as e:
-            await context.abort(_code(e), cap_message(str(e)))
+        except Exception as e:  # noqa: BLE001 - every error becomes a status, as in ``rpc``
+            code = _code(e)
+            if code == grpc.StatusCode.INTERNAL:
+                _log.exception("internal error", rpc="WatchJobs")
+            await context.abort(code, cap_message(str(e)))
         # Tell the client the watch is open now, not with a first event that a quiet job
         # may never send: its outage clock restarts on this (tessera.client).
         await context.send_initial_metadata(((WATCH_OPEN_METADATA_KEY, "1"),))
