@@ -30,6 +30,7 @@ import os
 import grpc
 
 from agent.runtime.__main__ import RUNNERS  # names only: the runners' modules are imported lazily, by the runtime
+from tessera import wire
 from tessera.api.v1 import agent_pb2, agent_pb2_grpc, types_pb2
 
 from .executors import BadRequest, CapacityError, ExecutorManager, NotRunning, ShuttingDown, id_problem
@@ -65,7 +66,7 @@ class NodeState:
         self.max_token = max(self.max_token, token)
 
 
-MAX_TAIL_BYTES = 4 << 20  # ReadLogs' largest tail (the controller's GetJobLogs has the same bound)
+MAX_TAIL_BYTES = wire.MAX_LOG_TAIL_BYTES  # ReadLogs' largest tail (the controller's GetJobLogs has the same bound)
 
 
 def tail(path, n: int) -> tuple[str, bool]:

@@ -25,7 +25,7 @@ import grpc
 from controller import measured
 from controller.policy import Placement, Resize
 from controller.policy.snapshot_estimator import SnapshotEstimator, job_key
-from tessera import log, manifest
+from tessera import log, manifest, wire
 from tessera.api.v1 import agent_pb2, agent_pb2_grpc, controller_pb2, types_pb2
 from tessera.errors import SpecError
 from tessera.perfmodel import PerfModel
@@ -112,7 +112,7 @@ class AgentPool:
 MAX_SPEC_BYTES = 256 << 10
 MAX_REASON_CHARS = 500
 # Replies up to the largest log tail (GetJobLogs: 4 MiB per node) plus framing.
-GRPC_MESSAGE_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+GRPC_MESSAGE_OPTIONS = wire.LARGE_MESSAGES
 
 
 def _check_reason(reason: str) -> None:
@@ -1475,8 +1475,8 @@ class Controller:
         is AgentRefused with the agent's code (the first refusal's) when no node returned
         a log, and otherwise a line ``==> node NAME: log not read (CODE: details) <==``
         after the logs that were read."""
-        if tail < 0 or tail > 4 << 20:
-            raise SpecError("tail_bytes", f"must be between 0 and {4 << 20}, got {tail}")
+        if tail < 0 or tail > wire.MAX_LOG_TAIL_BYTES:
+            raise SpecError("tail_bytes", f"must be between 0 and {wire.MAX_LOG_TAIL_BYTES}, got {tail}")
         await self.get(job_id)  # NotFound for an unknown job or task
         parent_id, _ = peft_tasks.split_id(job_id)
         job = await self.get(parent_id)

@@ -32,9 +32,9 @@ def validate(m: profiler_pb2.Measurement, i: int) -> str | None:
     and a known kind whose model inputs are not numbers (``tessera.measurement.malformed``, which
     profilerd's ReportStep applies too: a label that does not parse, a NaN/inf time or
     value) is refused, naming the field. (``ReportMeasurements`` also refuses a batch in
-    which a source's seq goes back: ``measurements[i].seq``; a repeat of the seq
-    before and seqs at or below the
-    source's persisted watermark at the head of a batch, a resend, are duplicates.)"""
+    which a source's seq goes back: ``measurements[i].seq``. A seq that repeats the one
+    before it, and seqs at or below the source's persisted watermark at the head of a
+    batch (a resend), are duplicates, not errors.)"""
     if not m.source:
         return f"measurements[{i}].source: required"
     if m.seq == 0:

@@ -40,6 +40,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 import grpc
 
 from . import manifest
+from . import wire
 from .wire import WATCH_OPEN_METADATA_KEY
 from .api.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 
@@ -59,7 +60,7 @@ WATCH_GIVE_UP_S = 30.0
 # timeout is 20 s.
 _WATCH_CONNECTED_AFTER_S = 20.0
 # Replies up to GetJobLogs' largest tail (4 MiB per node, several nodes) fit.
-MESSAGE_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+MESSAGE_OPTIONS = wire.LARGE_MESSAGES
 
 
 class TesseraError(Exception):

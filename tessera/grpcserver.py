@@ -26,6 +26,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from . import wire
+
 AddFn = Callable[[Any, grpc.aio.Server], None]
 
 
@@ -55,12 +57,11 @@ class Running:
         await self.server.stop(grace)
 
 
-# Message limits (both ways) for a service whose calls may carry large batches (the
-# estimator's EstimateBatch at its MAX_BATCH): gRPC's default receive limit is 4 MiB.
-# Servers pass it to ``start``/``serve``; their clients' channels take the same options.
-MAX_MESSAGE_BYTES = 64 << 20
-LARGE_MESSAGES = (("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES))
+# Message limits (both ways), defined in ``tessera.wire`` (which the client imports
+# without this module's health and reflection services): servers pass LARGE_MESSAGES to
+# ``start``/``serve``; their clients' channels take the same options.
+MAX_MESSAGE_BYTES = wire.MAX_MESSAGE_BYTES
+LARGE_MESSAGES = wire.LARGE_MESSAGES
 
 
 async def start(servicers: Sequence[tuple[AddFn, Any]], service_names: Sequence[str], listen: str,

@@ -11,6 +11,10 @@ MAX_MESSAGE_BYTES = 64 << 20
 LARGE_MESSAGES = (("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES))
 
+# The largest log tail one node's ReadLogs returns, and so GetJobLogs' largest
+# ``tail_bytes`` (the controller's bound and the agent's).
+MAX_LOG_TAIL_BYTES = 4 << 20
+
 # WatchJobs' initial-metadata key: the controller sends it as soon as it accepts a watch,
 # so that a client knows the call connected even when no event follows (a quiet job).
 WATCH_OPEN_METADATA_KEY = "tessera-watch-open"
