@@ -84,7 +84,7 @@ def fused_name(job_id: str, task: str) -> str:
 
 def split_fused(name: str) -> tuple[str, str] | None:
     """``"j-0123456789ab_t0"`` -> ``("j-0123456789ab", "t0")``; None for a plain task name."""
-    m = _FUSED_RE.match(name)
+    m = _FUSED_RE.fullmatch(name)  # fullmatch: "$" would accept a trailing "\n"
     return (m.group(1), m.group(2)) if m else None
 
 

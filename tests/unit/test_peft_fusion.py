@@ -314,3 +314,8 @@ def test_tasks_fused_earlier_in_the_round_count_toward_the_cap():
     assert h is None and "200 unfinished tasks" in why and f"exceed {MAX_TASKS}" in why
     assert fusion.pick_host(guest, "n1", "cpu0", [host, guest], {H: MAX_TASKS - 200})[0] is host
     assert fusion.pick_host(guest, "n1", "cpu0", [host, guest], {"j-0000000000ff": 200})[0] is host
+
+
+def test_split_fused_refuses_a_trailing_newline():
+    assert fusion.split_fused(f"{G}_t0") == (G, "t0")
+    assert fusion.split_fused(f"{G}_t0\n") is None
