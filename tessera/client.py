@@ -55,10 +55,13 @@ DEFAULT_TIMEOUT_S = 10.0
 _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE,)
 # A watch whose controller stays unreachable this many seconds in a row gives up (UNAVAILABLE).
 WATCH_GIVE_UP_S = 30.0
-# A watch call that stayed open this long before failing had connected: without
-# wait_for_ready a call fails as soon as its connection attempt does, and gRPC's connect
-# timeout is 20 s.
-_WATCH_CONNECTED_AFTER_S = 20.0
+# A watch call that stayed open this long before failing had connected (a controller
+# too old to send WATCH_OPEN_METADATA_KEY): without wait_for_ready a call fails as soon
+# as its connection attempt does, and gRPC's connect timeout is 20 s — a peer that
+# accepts TCP but never answers HTTP/2 fails a call at exactly 20 s, which must not count
+# as connected (it would restart the outage clock and stretch WATCH_GIVE_UP_S), hence the
+# margin above it.
+_WATCH_CONNECTED_AFTER_S = 30.0
 # Replies up to GetJobLogs' largest tail (4 MiB per node, several nodes) fit.
 MESSAGE_OPTIONS = wire.LARGE_MESSAGES
 

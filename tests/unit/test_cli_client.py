@@ -387,3 +387,17 @@ def test_unavailable_from_a_stale_testbed_file_says_so(tmp_path, monkeypatch):
         with pytest.raises(tc.TesseraError) as ei:
             cl.logs("j-1")
     assert "address from" not in ei.value.message
+
+
+def test_watch_gives_up_on_a_peer_that_accepts_but_never_answers(c, monkeypatch):
+    """Each call to a peer that accepts TCP but never answers HTTP/2 fails at gRPC's 20 s
+    connect timeout: that is not a connected call, so the outage clock is not restarted
+    and the watch gives up within WATCH_GIVE_UP_S of the first failure."""
+    clock = FakeTime()
+    monkeypatch.setattr(tc, "time", clock)
+    down = RpcErr(grpc.StatusCode.UNAVAILABLE, "failed to connect: timeout")
+    c.jobs.streams = [QuietStream(clock, 20.0, down) for _ in range(50)]
+    with pytest.raises(tc.TesseraError) as ei:
+        list(c.watch(job_id="j"))
+    assert ei.value.code == grpc.StatusCode.UNAVAILABLE
+    assert clock.now - 1000.0 < 20.0 + tc.WATCH_GIVE_UP_S + 20.0 + 3  # first failure + give-up + one last attempt
