@@ -225,12 +225,13 @@ def busy_to_units(job: types_pb2.Job, old: dict[tuple[str, str], int], new: dict
     """A relaunch moves ``job`` from the units ``old`` to ``new`` ((node, partition id) ->
     units, ``adapter.shard_units``): its ``status.busy`` follows. The same units per
     partition everywhere before and after: :func:`rescale_busy` (same partitions and units:
-    unchanged); mixed units per partition on either side: reset to 0 (not measured; the
+    unchanged); mixed units per partition on either side (units swapped between
+    partitions included): reset to 0 (not measured; the
     next PROGRESS reports measure it under the new quota)."""
-    ov, nv = set(old.values()), set(new.values())
-    if ov == nv:
+    if old == new:
         return
-    if len(ov) == 1 and len(nv) == 1:
+    ov, nv = set(old.values()), set(new.values())
+    if len(ov) == 1 and len(nv) == 1:  # uniform on both sides (e.g. more ranks of the same units)
         rescale_busy(job, ov.pop(), nv.pop())
     else:
         job.status.busy = 0.0

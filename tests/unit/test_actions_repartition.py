@@ -197,3 +197,11 @@ def test_busy_to_units_rescales_uniform_units_and_resets_mixed_ones():
     assert j.status.busy == pytest.approx(0.25)                       # 1 core's work of 4
     actions.busy_to_units(j, {("n", "p0"): 4}, {("n", "p0"): 2, ("n", "p1"): 4})
     assert j.status.busy == 0.0                                       # mixed: not measured
+
+
+def test_busy_to_units_resets_when_units_swap_between_partitions():
+    """The same set of unit values but per partition swapped (p0 50 -> 10, p1 10 -> 50): the
+    job's quota on each rank changed, so the measured busy no longer applies."""
+    j = _job("a", 1, busy=0.9)
+    actions.busy_to_units(j, {("n", "p0"): 50, ("n", "p1"): 10}, {("n", "p0"): 10, ("n", "p1"): 50})
+    assert j.status.busy == 0.0
