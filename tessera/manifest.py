@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import math
 import re
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,7 @@ from google.protobuf import json_format, struct_pb2
 
 from . import yamlutil
 from .api.v1 import types_pb2
-from .errors import SpecError
+from .errors import SpecError, finite_number
 
 API_VERSION = "tessera/v1"
 # Matched with ``fullmatch``: ``$`` alone would also accept a name ending in "\n".
@@ -107,14 +106,7 @@ def _int(v: Any, path: str, minimum: int | None = None, maximum: int = INT32_MAX
 
 
 def _float(v: Any, path: str, positive: bool = False) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise SpecError(path, f"must be a number, got {type(v).__name__} {v!r}")
-    try:
-        f = float(v)
-    except OverflowError:  # an int too large for a double
-        raise SpecError(path, f"must be a finite number, got {v}") from None
-    if not math.isfinite(f):
-        raise SpecError(path, f"must be a finite number, got {v}")
+    f = finite_number(v, path)
     if positive and not f > 0:
         raise SpecError(path, f"must be > 0, got {v}")
     return f

@@ -24,10 +24,9 @@ Section (defaults in brackets)::
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
-from tessera.errors import SpecError
+from tessera.errors import SpecError, finite_number
 
 _MODES = ("colocated", "disaggregated")
 
@@ -95,15 +94,7 @@ def _typed(value: Any, kind: str, field: str) -> Any:
         if not isinstance(value, int):
             raise SpecError(field, f"must be an integer, got {type(value).__name__}")
         return value
-    if not isinstance(value, (int, float)):
-        raise SpecError(field, f"must be a number, got {type(value).__name__}")
-    try:
-        f = float(value)
-    except OverflowError:  # an int too large for a double
-        raise SpecError(field, f"must be a finite number, got {value}") from None
-    if not math.isfinite(f):
-        raise SpecError(field, f"must be a finite number, got {value}")
-    return f
+    return finite_number(value, field)
 
 
 def _mapping(value: Any, field: str) -> dict:

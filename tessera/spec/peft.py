@@ -38,11 +38,10 @@ allocate in the executor); without it the rank is checked against ``INT_MAX`` on
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
-from tessera.errors import SpecError
+from tessera.errors import SpecError, finite_number
 
 MODES = ("spatial", "temporal")
 TARGETS = ("qkv", "proj", "fc", "out")
@@ -100,13 +99,8 @@ def _int(v: Any, path: str, minimum: int, nullable: bool = False, maximum: int =
 def _pos_float(v: Any, path: str, nullable: bool = False) -> float | None:
     if v is None and nullable:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise SpecError(path, f"must be a number, got {type(v).__name__}")
-    try:
-        f = float(v)
-    except OverflowError:  # an int too large for a double
-        raise SpecError(path, f"must be a finite number, got {v}") from None
-    if not f > 0 or not math.isfinite(f):
+    f = finite_number(v, path)
+    if not f > 0:
         raise SpecError(path, f"must be a positive finite number, got {v}")
     return f
 
