@@ -17,6 +17,13 @@ executor subprocesses.
 - ``etcd_client(addr)``: a connected ``aetcd.Client`` of ``host:port``;
   ``take_leadership(client, store)``: write ``store``'s leader key as this test's and
   give the store its fencing token (a controller built on it may then write).
+- ``leading_controller(etcd, prefix, cfg, policy, clock, agents)``: a ``Controller`` on a
+  fresh store under ``prefix`` that this test leads, elected; returns ``(ctl, store,
+  client)`` (close the client at the end).
+- ``serve_agent(servicer)``: a stand-in AgentService on a free loopback port; returns
+  ``(server, "127.0.0.1:PORT")``.
+- ``ProfilesLink``: the controller's estimator link as a stand-in: an empty model and
+  the profiles in ``known``.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -34,8 +42,9 @@ from agent.config import AgentConfig
 from agent.main import serve as agent_serve
 from controller import main as cmain
 from controller.config import ControllerConfig
+from controller.core import Controller
 from controller.store import Store
-from tessera.api.v1 import agent_pb2
+from tessera.api.v1 import agent_pb2, agent_pb2_grpc
 from tessera.api.v1 import controller_pb2 as cpb
 from tessera.api.v1 import controller_pb2_grpc as cgrpc
 from tessera.api.v1 import types_pb2 as tpb
@@ -179,3 +188,46 @@ async def take_leadership(c: aetcd.Client, store: Store) -> None:
     key's create revision as the store's fencing token."""
     await c.put(store.leader_key(), b"me")
     store.fencing_token = (await c.get(store.leader_key())).create_revision
+
+
+async def leading_controller(etcd: str, prefix: str, cfg: ControllerConfig, policy, clock=None,
+                             agents=None) -> tuple[Controller, Store, aetcd.Client]:
+    """A ``Controller`` with ``cfg`` and ``policy`` (and ``clock`` / stand-in ``agents``
+    when given) on a fresh store under ``prefix`` that this test leads, elected."""
+    c = await etcd_client(etcd)
+    store = Store(c, prefix)
+    await take_leadership(c, store)
+    ctl = Controller(store, cfg, policy, clock=clock or time.time)
+    if agents is not None:
+        ctl.agents = agents
+    await ctl.on_elected()
+    return ctl, store, c
+
+
+async def serve_agent(servicer) -> tuple[grpc.aio.Server, str]:
+    """``servicer`` (an AgentService stand-in) served on a free loopback port, started."""
+    server = grpc.aio.server()
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+class ProfilesLink:
+    """The controller's estimator link (``controller.profiling.EstimatorLink``) as a
+    stand-in: an empty model (version 0) and the profiles in ``known`` for any module."""
+
+    def __init__(self) -> None:
+        from tessera.perfmodel import PerfModel
+
+        self.model = PerfModel(version=0)
+        self.known: list = []
+
+    async def snapshot(self):
+        return self.model
+
+    async def profiles(self, module):
+        return list(self.known)
+
+    async def close(self) -> None:
+        pass

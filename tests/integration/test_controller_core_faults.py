@@ -8,19 +8,16 @@ StopExecutor does not delay node liveness."""
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
 import time
 
 import grpc
 import pytest
 
-from _live import etcd_client, eventually, take_leadership
+from _live import eventually, leading_controller, serve_agent
 from controller.config import ControllerConfig
-from controller.core import TRANSIENT_BACKOFF_MAX_S, Controller
+from controller.core import TRANSIENT_BACKOFF_MAX_S
 from controller.policy import FirstFit
 from controller.records import HISTORY_KEEP, dropped_transitions
-from controller.store import Store
 from tessera import manifest
 from tessera.api.v1 import agent_pb2, agent_pb2_grpc, controller_pb2
 from tessera.api.v1 import types_pb2 as tpb
@@ -53,12 +50,6 @@ class Agent(agent_pb2_grpc.AgentServiceServicer):
         return agent_pb2.ControlTaskResponse()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def gpt(name: str = "g") -> tpb.JobSpec:
     return manifest.to_proto(manifest.validate({
         "apiVersion": "tessera/v1", "name": name, "tenant": "it",
@@ -85,20 +76,14 @@ def reg(name: str, addr: str, cap: int = 2) -> controller_pb2.RegisterNodeReques
 
 @pytest.fixture
 async def env(etcd_server, tmp_path, request):
-    c = await etcd_client(etcd_server)
-    store = Store(c, f"/cf-{request.node.name[:40]}")
-    await take_leadership(c, store)
     now = [1000.0]
-    ctl = Controller(store, ControllerConfig(grace_s=3.0, max_attempts=2, checkpoint_root=str(tmp_path / "ckpt")),
-                     FirstFit(), clock=lambda: now[0])
-    await ctl.on_elected()
+    ctl, store, c = await leading_controller(
+        etcd_server, f"/cf-{request.node.name[:40]}",
+        ControllerConfig(grace_s=3.0, max_attempts=2, checkpoint_root=str(tmp_path / "ckpt")), FirstFit(),
+        clock=lambda: now[0])
     agent = Agent()
-    server = grpc.aio.server()
-    agent_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
-    port = _port()
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    yield ctl, store, now, agent, f"127.0.0.1:{port}"
+    server, address = await serve_agent(agent)
+    yield ctl, store, now, agent, address
     await server.stop(None)
     await ctl.agents.close()
     await c.close()

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from _live import etcd_client, take_leadership
+from _live import leading_controller
 from controller import fusion
 from controller.config import ControllerConfig
-from controller.core import Controller
 from controller.policy import TesseraPolicy
-from controller.store import Store
 from tessera import manifest
 from tessera.api.v1 import types_pb2 as tpb
 from tessera.spec.peft import MAX_TASKS
@@ -62,12 +60,9 @@ class _Agents:
 
 @pytest.fixture
 async def ctl(etcd_server, request):
-    c = await etcd_client(etcd_server)
-    store = Store(c, f"/fcap-{request.node.name[:40]}")
-    await take_leadership(c, store)
-    ctl = Controller(store, ControllerConfig(grace_s=1e9), TesseraPolicy(), clock=lambda: NOW)
-    ctl.agents = _Agents()
-    await ctl.on_elected()
+    ctl, store, c = await leading_controller(etcd_server, f"/fcap-{request.node.name[:40]}",
+                                             ControllerConfig(grace_s=1e9), TesseraPolicy(), clock=lambda: NOW,
+                                             agents=_Agents())
     n = tpb.Node(name="n1", state=tpb.READY, incarnation="inc1", agent_address="127.0.0.1:1")
     n.devices.add(id="cpu0", kind="cpu", model="x", capacity=8, cores=list(range(8)))
     n.partitions.add(id="cpu0", kind="cpuset", device_id="cpu0", capacity_units=8, unit="cores")

@@ -3,16 +3,15 @@ node's profilerd down or not streaming) must not leave the jobs waiting on it sa
 ``profiling`` for ever: after ``profile_grace_s`` the profiling loop marks them
 ``insufficient_data`` naming the profiling job and its node, once; before the grace they
 still say ``profiling``; a profile arriving later still gives the estimate. A real etcd
-and controller store; the estimator link is a stand-in that knows the profiles the test
-gives it, and the loop's clock is injected: nothing sleeps."""
+and controller store; the estimator link is a stand-in (``_live.ProfilesLink``) that knows
+the profiles the test gives it, and the loop's clock is injected: nothing sleeps."""
 
 from __future__ import annotations
 
 import pytest
 
-from _live import etcd_client, take_leadership
+from _live import ProfilesLink, leading_controller
 from controller.config import ControllerConfig
-from controller.core import Controller
 from controller.policy import FirstFit
 from controller.profiling import Profiling, module_of, profile_doc
 from controller.store import Store
@@ -20,7 +19,6 @@ from tessera import manifest
 from tessera.api.v1 import estimator_pb2
 from tessera.api.v1 import types_pb2 as tpb
 from tessera.errors import SpecError
-from tessera.perfmodel import PerfModel
 
 P = tpb.JobPhase
 T0 = 1000.0
@@ -31,34 +29,14 @@ DOC = {"apiVersion": "tessera/v1", "name": "g1", "tenant": "t",
        "resources": {"devices": 1, "device_kind": "gpu"}}
 
 
-class Link:
-    """The estimator link: an empty model and the profiles in ``self.known``."""
-
-    def __init__(self) -> None:
-        self.model = PerfModel(version=0)
-        self.known: list = []
-
-    async def snapshot(self):
-        return self.model
-
-    async def profiles(self, module):
-        return list(self.known)
-
-    async def close(self) -> None:
-        pass
-
-
 @pytest.fixture
 async def setup(etcd_server, request):
-    c = await etcd_client(etcd_server)
-    store = Store(c, f"/grace-{request.node.name[:40]}")
-    await take_leadership(c, store)
     now = [T0]
-    ctl = Controller(store, ControllerConfig(grace_s=3.0), FirstFit(), clock=lambda: now[0])
-    await ctl.on_elected()
+    ctl, store, c = await leading_controller(etcd_server, f"/grace-{request.node.name[:40]}",
+                                             ControllerConfig(grace_s=3.0), FirstFit(), clock=lambda: now[0])
     prof = Profiling(ctl, "127.0.0.1:1", clock=lambda: now[0], grace_s=GRACE)
     await prof.link.close()
-    prof.link = Link()
+    prof.link = ProfilesLink()
     yield store, prof, now
     await c.close()
 

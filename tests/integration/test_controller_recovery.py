@@ -8,18 +8,16 @@ cancelled again at its next report (real gRPC on loopback to a recording agent s
 from __future__ import annotations
 
 import json
-import socket
 
-import grpc
 import pytest
 
-from _live import etcd_client, take_leadership
+from _live import leading_controller, serve_agent
 from controller.config import ControllerConfig
-from controller.core import Controller
 from controller.policy import FirstFit
 from controller.store import Store
 from tessera.api.v1 import agent_pb2, agent_pb2_grpc, controller_pb2
 from tessera.api.v1 import types_pb2 as tpb
+from tessera.etcdproc import free_port
 
 P = tpb.JobPhase
 K = controller_pb2.ExecutorReport
@@ -48,12 +46,9 @@ def job(jid: str, phase: int, node_name: str, alloc: str, at: float, ranks: int 
 
 @pytest.fixture
 async def ctl(etcd_server, request):
-    c = await etcd_client(etcd_server)
-    store = Store(c, f"/rec-{request.node.name[:40]}")
-    await take_leadership(c, store)
     now = [1000.0]
-    ctl = Controller(store, ControllerConfig(grace_s=GRACE), FirstFit(), clock=lambda: now[0])
-    await ctl.on_elected()
+    ctl, store, c = await leading_controller(etcd_server, f"/rec-{request.node.name[:40]}",
+                                             ControllerConfig(grace_s=GRACE), FirstFit(), clock=lambda: now[0])
     yield ctl, store, c, now
     await c.close()
 
@@ -150,16 +145,10 @@ class RecordingAgent(agent_pb2_grpc.AgentServiceServicer):
         return agent_pb2.ControlTaskResponse()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_stray_fused_task_cancel_is_retried_until_it_goes_through(ctl):
     ctl, store, c, now = ctl
     # The agent is unreachable first (a real RPC that fails), then answers.
-    await store.put_node(node("n4", address=f"127.0.0.1:{_port()}"), None)
+    await store.put_node(node("n4", address=f"127.0.0.1:{free_port()}"), None)
     host = job("j-00000000000a", P.RUNNING, "n4", "a-4", now[0])
     await store.create_job(host, "")
     stray = K(kind=K.TASK, job_id="j-00000000000a", allocation_id="a-4", node="n4",
@@ -167,13 +156,9 @@ async def test_stray_fused_task_cancel_is_retried_until_it_goes_through(ctl):
     await ctl.report(stray)  # guest j-0000000000bb unknown: a stray; the cancel fails
     assert ("a-4", "j-0000000000bb_t0") not in ctl._strays
     agent = RecordingAgent()
-    server = grpc.aio.server()
-    agent_pb2_grpc.add_AgentServiceServicer_to_server(agent, server)
-    port = _port()
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
+    server, address = await serve_agent(agent)
     try:
-        await store.put_node(node("n4", address=f"127.0.0.1:{port}"), None)
+        await store.put_node(node("n4", address=address), None)
         await ctl.report(stray)  # retried, and it goes through
         await ctl.report(stray)  # remembered: not sent again
         assert agent.calls == [("cancel", "j-0000000000bb_t0")]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import time
 from dataclasses import replace
 
@@ -21,7 +20,7 @@ import aetcd
 import grpc
 import pytest
 
-from _live import etcd_client, take_leadership
+from _live import ProfilesLink, etcd_client, leading_controller, take_leadership
 from controller.config import ControllerConfig
 from controller.core import Controller, NotFound, NotLeader
 from controller.policy import FirstFit
@@ -30,6 +29,7 @@ from tessera import manifest
 from tessera.api.v1 import controller_pb2 as cpb
 from tessera.api.v1 import controller_pb2_grpc as cgrpc
 from tessera.api.v1 import types_pb2 as tpb
+from tessera.etcdproc import free_port
 
 P = tpb.JobPhase
 TTL = 100.0
@@ -69,12 +69,10 @@ def job(jid: str, phase: int, at: float, *, alloc: str = "", fused_into: str = "
 
 @pytest.fixture
 async def ctl(etcd_server, request):
-    c = await etcd_client(etcd_server)
-    store = Store(c, f"/ret-{request.node.name[:40]}")
-    await take_leadership(c, store)
     now = [T0]
-    ctl = Controller(store, ControllerConfig(grace_s=3.0, finished_job_ttl_s=TTL), FirstFit(), clock=lambda: now[0])
-    await ctl.on_elected()
+    ctl, store, c = await leading_controller(etcd_server, f"/ret-{request.node.name[:40]}",
+                                             ControllerConfig(grace_s=3.0, finished_job_ttl_s=TTL), FirstFit(),
+                                             clock=lambda: now[0])
     await store.put_node(node("n1"), None)
     yield ctl, store, c, now
     await c.close()
@@ -217,24 +215,6 @@ async def test_kept_jobs_do_not_starve_the_removal_of_others(ctl, monkeypatch):
     assert left == ["j-000000000501"] + [f"j-0000000005{i + 10:02d}" for i in range(6)]
 
 
-class _NoProfiles:
-    """The estimator link of a profiling loop that knows no profile (its job failed)."""
-
-    def __init__(self) -> None:
-        from tessera.perfmodel import PerfModel
-
-        self.model = PerfModel(version=0)
-
-    async def snapshot(self):
-        return self.model
-
-    async def profiles(self, module):
-        return []
-
-    async def close(self) -> None:
-        pass
-
-
 async def _profiled_pair(store: Store, prof_at: float, user_at: float, user_phase: int = P.CANCELLED):
     """A FAILED profiling job (stored under its idempotency key) and a gpt job of ``DOC``
     whose estimate names it."""
@@ -267,7 +247,7 @@ async def test_a_profiling_job_is_removed_after_the_job_naming_it_and_a_cycle_be
     pj, u = await _profiled_pair(store, T0, T0 + 1)
     prof = Profiling(ctl, "127.0.0.1:1", clock=lambda: now[0])
     await prof.link.close()
-    prof.link = _NoProfiles()
+    prof.link = ProfilesLink()  # knows no profile (its job failed)
     assert await prof.once() == {"requested": 0, "estimated": 0}
     order, cycles = [], []
     real = store.delete_job
@@ -299,7 +279,7 @@ async def test_a_finished_job_whose_profiling_job_is_gone_is_never_profiled_agai
     await store.delete_job(pj, (await store.get_job(pj.id)).mod_revision)  # removed (by hand, or an older version)
     prof = Profiling(ctl, "127.0.0.1:1", clock=lambda: now[0])
     await prof.link.close()
-    prof.link = _NoProfiles()
+    prof.link = ProfilesLink()  # knows no profile (its job failed)
     assert await prof.once() == {"requested": 0, "estimated": 1}
     jobs = (await store.list_jobs())[0]
     assert [j.id for j in jobs] == [u.id]
@@ -323,16 +303,10 @@ async def test_a_job_left_stored_keeps_the_jobs_it_names_that_round(ctl):
     assert (await store.list_jobs())[0] == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_the_daemon_removes_an_expired_job_get_is_not_found_and_watch_filters_deletions(etcd_server):
     from controller import main as cmain
 
-    cfg = ControllerConfig(listen=f"127.0.0.1:{_free_port()}", etcd=etcd_server, prefix=f"/ret-d{os.getpid()}",
+    cfg = ControllerConfig(listen=f"127.0.0.1:{free_port()}", etcd=etcd_server, prefix=f"/ret-d{os.getpid()}",
                            grace_s=3.0, heartbeat_interval_s=0.3, reconcile_interval_s=0.2,
                            finished_job_ttl_s=3600)
     c = await etcd_client(etcd_server)
