@@ -22,6 +22,16 @@ def _sleeper(marker: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env, start_new_session=True)
 
 
+def _recorded_controller(tmp_path, marker: str, procs: list) -> subprocess.Popen:
+    """A sleeper carrying ``marker``, recorded in ``tmp_path/testbed.json`` as the testbed's
+    controller (as a running testbed records it)."""
+    p = _sleeper(marker)
+    procs.append(p)
+    (tmp_path / "testbed.json").write_text(json.dumps({"marker": marker, "processes": [
+        {"name": "controller", "pid": p.pid, "log": "", "cmd": [], "address": "", "role": "controller"}]}))
+    return p
+
+
 @pytest.fixture
 def procs():
     started: list[subprocess.Popen] = []
@@ -95,11 +105,7 @@ def test_failed_start_stops_only_what_it_started(tmp_path, monkeypatch, no_etcd_
 
 
 def test_refusal_of_a_running_testbed_names_the_dir_for_down(tmp_path, no_etcd_check, procs):
-    marker = f"{tmp_path}:old"
-    p = _sleeper(marker)
-    procs.append(p)
-    (tmp_path / "testbed.json").write_text(json.dumps({"marker": marker, "processes": [
-        {"name": "controller", "pid": p.pid, "log": "", "cmd": [], "address": "", "role": "controller"}]}))
+    p = _recorded_controller(tmp_path, f"{tmp_path}:old", procs)
     with pytest.raises(testbed.TestbedError) as ei:
         testbed.Testbed(tmp_path).up()
     assert "already running" in str(ei.value) and f"`tessera down --dir {tmp_path}`" in str(ei.value)
@@ -109,11 +115,7 @@ def test_down_waits_for_the_lock_then_refuses(tmp_path, procs):
     holder = testbed.Testbed(tmp_path)
     tmp_path.mkdir(exist_ok=True)
     assert holder._try_lock()  # a starting `up` (no record yet)
-    marker = f"{tmp_path}:m"
-    p = _sleeper(marker)
-    procs.append(p)
-    (tmp_path / "testbed.json").write_text(json.dumps({"marker": marker, "processes": [
-        {"name": "controller", "pid": p.pid, "log": "", "cmd": [], "address": "", "role": "controller"}]}))
+    p = _recorded_controller(tmp_path, f"{tmp_path}:m", procs)
     try:
         with pytest.raises(testbed.TestbedError, match="is starting or stopping the testbed"):
             testbed.Testbed(tmp_path).down(timeout=0.3)
@@ -145,11 +147,7 @@ def test_cli_up_refused_exits_1_and_demo_does_not_stop_the_other_testbed(tmp_pat
     monkeypatch.setattr(testbed.Testbed, "_start", _fake_start)
     first = testbed.Testbed(tmp_path)
     first.up()
-    marker = f"{tmp_path}:winner"
-    p = _sleeper(marker)
-    procs.append(p)
-    (tmp_path / "testbed.json").write_text(json.dumps({"marker": marker, "processes": [
-        {"name": "controller", "pid": p.pid, "log": "", "cmd": [], "address": "", "role": "controller"}]}))
+    p = _recorded_controller(tmp_path, f"{tmp_path}:winner", procs)
     try:
         for argv in (["up", "--dir", str(tmp_path)], ["demo", "--dir", str(tmp_path), "--examples", "examples"]):
             err = io.StringIO()
