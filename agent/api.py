@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import grpc
 
@@ -106,11 +105,6 @@ class AgentService(agent_pb2_grpc.AgentServiceServicer):
         if not 0 <= request.rank < request.world_size:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"rank: must be in [0, world_size={request.world_size}), got {request.rank}")
-        if request.checkpoint_dir and not os.path.isabs(request.checkpoint_dir):
-            # The executor runs in the state dir, the agent (ControlTask) elsewhere: a
-            # relative path would name two different places.
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"checkpoint_dir: must be an absolute path, got {request.checkpoint_dir!r}")
         try:
             spec = json.loads(request.runtime_spec_json)
         except ValueError as e:
