@@ -52,7 +52,7 @@ class ControllerConfig:
                                              f"measured), got {self.profile_steps!r}")
         # Durations and counts the controller loops on: 0, negative or NaN would make nodes
         # NOT_READY at once, a busy loop, a lease that never holds or jobs that never run.
-        for name in ("grace_s", "heartbeat_interval_s", "reconcile_interval_s"):
+        for name in ("grace_s", "heartbeat_interval_s", "reconcile_interval_s", "profile_grace_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
                 raise SpecError(name, f"must be a finite number > 0 seconds, got {v!r}")
@@ -60,9 +60,6 @@ class ControllerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SpecError(name, f"must be an integer >= 1, got {v!r}")
-        grace = self.profile_grace_s
-        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (math.isfinite(grace) and grace > 0):
-            raise SpecError("profile_grace_s", f"must be a finite number > 0 seconds, got {grace!r}")
         # Checked here too, not only by the loader (which refuses a non-finite float): a
         # config built in code must not slip NaN (compares false: kept forever) or inf in.
         ttl = self.finished_job_ttl_s
