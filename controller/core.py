@@ -633,7 +633,6 @@ class Controller:
                 return [], []
             if r.kind == K.TASK:
                 changed = peft_tasks.apply_report(job, r.task, r.task_phase, r.step, r.total_steps, r.loss, r.tokens_per_s)
-                _task_resumed(job, r.task)
                 if changed and r.task_phase != "running" and st.phase == P.RUNNING:
                     # Its own tasks all ended while jobs fused into its executor still train:
                     # it stays RUNNING (the executor and its units are in use) and says so.
@@ -1186,7 +1185,6 @@ class Controller:
             if started:
                 transition(g, P.RUNNING, f"its tasks train in the executor of job {r.job_id} on {r.node}", now)
             changed = peft_tasks.apply_report(g, task, r.task_phase, r.step, r.total_steps, r.loss, r.tokens_per_s)
-            _task_resumed(g, task)
             if not (changed or started):
                 return None
             fusion.fold_progress(g)
@@ -1259,7 +1257,7 @@ class Controller:
             cmp, ops = await self.store.realloc_ops(drop=alloc_id, drop_keys=alloc_keys(j.status.placement))
             j.status.allocation_id = ""
             j.status.preemptions += 1
-            _tasks_wait(j, f"job requeued: preempted: {reason}")
+            peft_tasks.wait_to_resume(j, f"job requeued: preempted: {reason}")
             decide(j, self.policy.name, "preempt", reason or "preempted", now, decision_id)
             transition(j, P.PENDING, f"preempted: {reason}; resumes from its checkpoint"[:500], now)
             return cmp, ops
@@ -1357,7 +1355,7 @@ class Controller:
                 j.status.fused_into = ""
                 if not refused:
                     j.status.preemptions += 1
-                _tasks_wait(j, f"job requeued: {reason}")
+                peft_tasks.wait_to_resume(j, f"job requeued: {reason}")
                 transition(j, P.PENDING, f"requeued: {reason}; resumes from its tasks' checkpoints"[:500], now)
                 return [], []
             stop[:] = [(alloc_id, list(j.status.placement))]
@@ -1365,7 +1363,7 @@ class Controller:
             j.status.allocation_id = ""
             if transient:
                 j.status.preemptions += 1
-            _tasks_wait(j, f"job requeued: {reason}")
+            peft_tasks.wait_to_resume(j, f"job requeued: {reason}")
             text = f"requeued: {reason}"[:500]
             if delay:
                 wait = f"not re-placed for {delay:g}s (backoff after {n} transient requeues in a row)"
@@ -1503,26 +1501,6 @@ class Controller:
             raise ConnectionError("; ".join(errors))
         parts += [f"==> node {name}: log not read ({code.name}: {details}) <==" for name, code, details in refused]
         return "\n".join(parts), truncated
-
-
-WAITING_TO_RESUME = "waiting to resume"
-
-
-def _tasks_wait(job: types_pb2.Job, why: str) -> None:
-    """The job goes back to PENDING (requeue, preemption): every task of its ``status.tasks``
-    that has not ended is PENDING again, its reason ``waiting to resume (<why>)``; ended
-    tasks keep their outcome. (``_task_resumed`` clears that reason at its next report.)"""
-    for t in job.status.tasks:
-        if t.phase not in TERMINAL:
-            t.phase = P.PENDING
-            t.reason = f"{WAITING_TO_RESUME} ({why})"[:500]
-
-
-def _task_resumed(job: types_pb2.Job, name: str) -> None:
-    """A task reported running again after a requeue: its "waiting to resume" reason goes."""
-    for t in job.status.tasks:
-        if t.name == name and t.phase == P.RUNNING and t.reason.startswith(WAITING_TO_RESUME):
-            t.reason = "training on the shared backbone"
 
 
 def _set_decision(job: types_pb2.Job, policy: str, reason: str, now: float, decision_id: str):

@@ -23,6 +23,7 @@ from tessera.api.v1 import types_pb2
 
 P = types_pb2.JobPhase
 TERMINAL = (P.SUCCEEDED, P.FAILED, P.CANCELLED)
+WAITING_TO_RESUME = "waiting to resume"  # the reason of a task whose job was requeued (wait_to_resume)
 # The executor's task phases (agent/runtime/peft/workload.py ``task`` event); "failed": the
 # task diverged (non-finite loss or gradient) and ended without an adapter.
 PHASE_OF = {"running": P.RUNNING, "succeeded": P.SUCCEEDED, "cancelled": P.CANCELLED, "failed": P.FAILED}
@@ -76,9 +77,20 @@ def apply_report(job: types_pb2.Job, task: str, phase: str, step: int, total_ste
     if new_phase in TERMINAL:
         t.reason = now_reason or {P.SUCCEEDED: "finished its steps", P.CANCELLED: "cancelled",
                                    P.FAILED: "failed: its loss or gradients became non-finite"}[new_phase]
-    elif not t.reason:
-        t.reason = "training on the shared backbone"
+    elif not t.reason or (new_phase == P.RUNNING and t.reason.startswith(WAITING_TO_RESUME)):
+        t.reason = "training on the shared backbone"  # first report, or running again after a requeue
     return t.SerializeToString(deterministic=True) != before
+
+
+def wait_to_resume(job: types_pb2.Job, why: str) -> None:
+    """The job goes back to PENDING (requeue, preemption): every task of its ``status.tasks``
+    that has not ended is PENDING again, its reason ``waiting to resume (<why>)``; ended
+    tasks keep their outcome. (``apply_report`` clears that reason when the task reports
+    running again.)"""
+    for t in job.status.tasks:
+        if t.phase not in TERMINAL:
+            t.phase = P.PENDING
+            t.reason = f"{WAITING_TO_RESUME} ({why})"[:500]
 
 
 def view(job: types_pb2.Job, name: str) -> types_pb2.Job | None:
