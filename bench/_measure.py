@@ -74,11 +74,14 @@ def _stamp() -> list:
     return [time.monotonic(), time.process_time(), _delays(), str(os.getpid())]
 
 
-def _rank_main(specs: list[dict], cores: list[int], path: str, start_at: float) -> None:
+def _rank_main(specs: list[dict], cores: list[int], path: str, start_at: float,
+               go=None, signal: tuple | None = None) -> None:
     """One forked rank: pin to ``cores``, then run ``specs`` one after the other (a
     profiling job runs several points of a module in one process). Writes, per spec,
     a stamp (wall, CPU, run-queue waits) at the start of every step and at the end —
-    hooked on ``comm.TIMER.reset``, which the training loop calls once per step."""
+    hooked on ``comm.TIMER.reset``, which the training loop calls once per step.
+    ``go`` (an Event): start the step loop when it is set, not at ``start_at``;
+    ``signal`` = (n, Event): set the Event once n steps are done."""
     code = 1
     try:
         os.sched_setaffinity(0, cores)
@@ -92,9 +95,13 @@ def _rank_main(specs: list[dict], cores: list[int], path: str, start_at: float) 
 
         def reset() -> float:
             stamps.append(_stamp())
+            if signal is not None and len(stamps) == signal[0] + 1:  # stamp n+1 starts step n+1
+                signal[1].set()
             return orig()
 
         comm.TIMER.reset = reset  # instance attribute: shadows the method for this process only
+        if go is not None:
+            go.wait()
         # Colocated jobs start their step loop at the same moment.
         while time.monotonic() < start_at:
             time.sleep(0.001)
@@ -125,9 +132,11 @@ def _series(stamps: list) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]
     return t, cpu, {tid: np.array([s[2].get(tid, 0.0) for s in stamps]) for tid in tids}
 
 
-def _steps(job_stamps: list[list], lo: float, hi: float, warmup: int, partner: list | None) -> dict:
-    """Per measured step of one job (rank 0's boundaries inside [lo, hi]): raw wall time
-    and wall time less the run-queue wait that other tenants caused.
+def _steps(job_stamps: list[list], lo: float, hi: float, warmup: int, partner: list | None,
+           starts_only: bool = False) -> dict:
+    """Per measured step of one job (rank 0's boundaries inside [lo, hi]; with
+    ``starts_only`` every step that starts inside it): raw wall time and wall time less
+    the run-queue wait that other tenants caused.
 
     The wait of a step is the largest over the ranks (a synchronous step waits for its
     slowest rank). A single-rank job counts every thread (its intra-op workers); a
@@ -142,7 +151,7 @@ def _steps(job_stamps: list[list], lo: float, hi: float, warmup: int, partner: l
     raw, corr, util = [], [], []
     for k in range(warmup, len(t0) - 1):
         a, b = t0[k], t0[k + 1]
-        if a < lo - 1e-9 or b > hi + 1e-9:
+        if a < lo - 1e-9 or (a >= hi if starts_only else b > hi + 1e-9):
             continue
         wait = 0.0
         for (t, _, d), st in zip(ranks, job_stamps):
@@ -164,8 +173,8 @@ def make_spec(workload: dict, threads: int) -> dict:
     return {"job_id": "bench", "workload": w, "threads": threads}
 
 
-def _start(ctx, specs: list[dict], cores: list[int], path: str, start_at: float):
-    p = ctx.Process(target=_rank_main, args=(specs, cores, path, start_at), daemon=True)
+def _start(ctx, specs: list[dict], cores: list[int], path: str, start_at: float, go=None, signal=None):
+    p = ctx.Process(target=_rank_main, args=(specs, cores, path, start_at, go, signal), daemon=True)
     p.start()
     return p
 
@@ -191,7 +200,9 @@ def run_jobs(jobs: list[dict], warmup: int, timeout_s: float = 300.0) -> list[di
     held (the union of every job's cores, split evenly over the jobs). With several
     jobs only steps inside the window where all of them were measuring count; they
     start their step loops together after a short barrier, which is not counted as
-    device time (a lone job has none).
+    device time (a lone job has none). Jobs of unequal speed should run enough steps
+    that the slower one measures at least two inside that window (the faster one ends
+    it); with fewer, the steps that started in it count.
     """
     ctx = mp.get_context("fork")
     t_begin = time.monotonic()
@@ -226,12 +237,68 @@ def run_jobs(jobs: list[dict], warmup: int, timeout_s: float = 300.0) -> list[di
             if set(other["cores"][0]) & set(job["cores"][0]):
                 partner = stamps[1 - j][0]
         st = _steps(stamps[j], lo, hi, warmup, partner)
-        if len(st["raw"]) < 2:  # too little overlap: every measured step
+        if len(st["raw"]) < 2:
+            # Too little overlap: the steps that started while every job was measuring
+            # (the one in flight when a partner ended is part-contended), never one that
+            # ran after it — that one would be an alone step counted as a pair's.
+            st = _steps(stamps[j], lo, hi, warmup, partner, starts_only=True)
+        if not st["raw"]:  # no overlap at all: every measured step
             st = _steps(stamps[j], -1e18, 1e18, warmup, partner)
         out.append({"step_s": statistics.median(st["corrected"]), "wall_s": statistics.median(st["raw"]),
                     "cpu_util": statistics.median(st["util"]), "steps": st["corrected"], "raw_steps": st["raw"],
                     "device_s": wall * held / len(jobs)})
     return out
+
+
+def colocation_profile(workload: dict, cores: list[list[int]], warmup: int, measured: int,
+                       timeout_s: float = 300.0) -> dict:
+    """A module's interference profile in one run, alone and together seconds apart in
+    the same process (separate alone and pair runs differ by the host's drift, 20-40%
+    here, as much as the interference itself).
+
+    Job X (``workload``, single rank, on ``cores[0]``) runs ``warmup`` + ``measured``
+    steps alone; then it signals its twin Y (the same workload on ``cores[1]``: the same
+    cores = time slicing, other cores = split), built and waiting since the start, which
+    runs ``warmup`` + ``measured`` steps; X goes on alone after Y ends. X's
+    ``workload["steps"]`` is replaced so that it outlasts Y by >= ``measured`` steps at
+    up to 2x slow-down (more steps alone are harmless).
+
+    Returns ``{"alone_s", "together_s", "alone_n", "together_n", "device_s"}``: the
+    medians of X's steps (less other tenants' wait; Y's CPU time on a shared core is
+    added back, as in :func:`run_jobs`) wholly before the signal or after Y's last
+    step, and wholly inside Y's steps after its first; the run's wall time times the cores
+    held. RuntimeError when either side has fewer than 2 steps."""
+    ctx = mp.get_context("fork")
+    t_begin = time.monotonic()
+    go = ctx.Event()
+    x_w = {**workload, "steps": warmup + 2 * measured + 2 * (warmup + measured)}
+    y_w = {**workload, "steps": warmup + measured}
+    shared = bool(set(cores[0]) & set(cores[1]))
+    with tempfile.TemporaryDirectory(prefix="tessera-colo-") as tmp:
+        paths = [os.path.join(tmp, "x"), os.path.join(tmp, "y")]
+        procs = []
+        for w, c, path, kw in ((x_w, cores[0], paths[0], {"signal": (warmup + measured, go)}),
+                               (y_w, cores[1], paths[1], {"go": go})):
+            spec = make_spec(w, len(c))
+            spec["dist"] = {"rank": 0, "world_size": 1}
+            procs.append(_start(ctx, [spec], list(c), path, 0.0, **kw))
+        _join(procs, timeout_s, [x_w, y_w])
+        wall = time.monotonic() - t_begin
+        x, y = (json.load(open(p, encoding="utf-8"))[0] for p in paths)
+    partner = y if shared else None
+    # Y builds its model after the signal (inside the runtime, before its first stamp):
+    # X's steps from the signal to Y's second step are neither alone nor together.
+    go_at, y1, yl = x[warmup + measured][0], y[1][0], y[-1][0]
+    before = _steps([x], -1e18, go_at, warmup, partner)["corrected"]
+    after = _steps([x], yl, 1e18, warmup, partner)["corrected"]
+    together = _steps([x], y1, yl, warmup, partner)["corrected"]
+    alone = before + after
+    if len(alone) < 2 or len(together) < 2:
+        raise RuntimeError(f"colocation profile: {len(alone)} alone and {len(together)} together steps of X "
+                           f"(need 2 each)")
+    held = len(set(cores[0]) | set(cores[1]))
+    return {"alone_s": statistics.median(alone), "together_s": statistics.median(together),
+            "alone_n": len(alone), "together_n": len(together), "device_s": wall * held}
 
 
 def profile_points(points: list[tuple[dict, list[int]]], warmup: int,

@@ -4,7 +4,8 @@
 
 1. Cheap profiles (the only thing the model is fitted from): two GPT modules at ten
    (batch, seq, quota, micro-batch) points in one profiling process, a colocation
-   profile (one module alone, then as a pair per mode: split cores / shared core),
+   profile per mode (split cores / shared core: one module alone, then with its twin
+   beside it, then alone again — in one process),
    and the gloo loopback communication micro-benchmark with its synchronisation rows
    (2 processes).
 2. A held-out grid of real configurations (no grid point is a profile point): other
@@ -60,7 +61,7 @@ PROFILE_POINTS = [
 ]  # batch, seq, model size, micro-batches; each 2-core point right after its 1-core twin
 # (in one process, seconds apart: the quota's speed-up is not confounded with the
 # host's drift, which decides the Amdahl fraction p for every estimate)
-COLO_PROFILE = ("A", 8, 64)  # run alone and as a pair in the same task (fresh processes both)
+COLO_PROFILE = ("A", 8, 64)  # alone, with its twin, alone again: one run per mode (colocation_profile)
 
 # One protocol for profiles and grid points alike: WARMUP + MEASURED steps per run,
 # ROUNDS runs at different times (interleaved); median step of a run, least disturbed
@@ -68,6 +69,11 @@ COLO_PROFILE = ("A", 8, 64)  # run alone and as a pair in the same task (fresh p
 # its heap), where a profiling process's later points start warm.
 WARMUP, MEASURED = 3, 5
 ROUNDS = 5
+# A held-out colocated pair of unequal modules: each runs WARMUP + PAIR_MEASURED steps,
+# so that the slower one still measures >= MEASURED steps (>= 2 up to a 2.6x speed
+# ratio) before the faster one ends the window in which both run
+# (bench._measure.run_jobs); with MEASURED each, the slower one's window held 0-2 steps.
+PAIR_MEASURED = 2 * MEASURED
 COMM_SIZES = [64 << 10, 512 << 10, 4 << 20]
 COMM_REPS = 4
 
@@ -279,8 +285,8 @@ def workload(model: str, batch: int, seq: int, m: int, steps: int, plan: dict | 
 
 def _profile_tasks(workloads: bool = False) -> list[tuple]:
     """The cheap profiles of one round: one profiling process (every point of both
-    modules, each on its quota), the colocation profile (one module alone, then as a
-    pair per mode) and the communication micro-benchmark; with ``workloads`` the
+    modules, each on its quota), the colocation profile (per mode, one module alone,
+    beside its twin, alone again) and the communication micro-benchmark; with ``workloads`` the
     profiling runs of the peft / multimodal shapes of the grid (one fresh process each,
     as the controller's profiling jobs)."""
     return [("prof",), ("colo",), ("comm",)] + ([("wprof",)] if workloads else [])
@@ -395,7 +401,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
 
     Returns (model, profile info with cost, measured grid points, grid device-seconds).
     """
-    from bench._measure import comm_table, profile_points, run_jobs
+    from bench._measure import colocation_profile, comm_table, profile_points, run_jobs
 
     steps = WARMUP + MEASURED
     pcost = {"compute": 0.0, "colocation": 0.0, "comm": 0.0}
@@ -431,18 +437,14 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                 for pt, x in zip(pts, meds):
                     alone.setdefault(pt, []).append(x["step_s"])
             elif task[0] == "colo":
-                # Alone and together measured the same way (fresh processes), back to back:
-                # the ratio is the interference, not the difference between a warm
-                # profiling process and a fresh one or between two moments of the host.
-                solo = run_jobs([{"workload": workload(n, b, s_, 1, steps), "cores": [[0]]}], WARMUP)
-                pcost["colocation"] += solo[0]["device_s"]
+                # Alone and together in one process, seconds apart (bench._measure.
+                # colocation_profile): the ratio is the interference, not the drift of
+                # the host between two runs (which the old alone-then-pair runs measured).
                 for mode in ("shared", "split"):
-                    res = run_jobs([{"workload": workload(n, b, s_, 1, steps), "cores": [c]} for c in colo[mode]],
-                                   WARMUP)
-                    pcost["colocation"] += sum(x["device_s"] for x in res)
+                    res = colocation_profile(workload(n, b, s_, 1, steps), colo[mode], WARMUP, MEASURED)
+                    pcost["colocation"] += res["device_s"]
                     pairs.append({"mode": mode, "colocated": 2, "oversubscription": 2.0 if mode == "shared" else 1.0,
-                                  "alone_s": solo[0]["step_s"],
-                                  "together_s": statistics.median(x["step_s"] for x in res)})
+                                  "alone_s": res["alone_s"], "together_s": res["together_s"]})
             elif task[0] == "wprof":
                 # The controller's profiling job of each shape: its own workload, WARMUP +
                 # MEASURED steps, quota 1, a fresh process.
@@ -460,7 +462,8 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                     j = points[i]["jobs"][0]
                     res = [run_workload(workload_heldout(j["shape"]), j["cores"][0], WARMUP)]
                 else:
-                    jobs = [{"workload": workload(j["model"], j["batch"], j["seq"], j["m"], steps, j["plan"]),
+                    n_steps = steps if len(points[i]["jobs"]) == 1 else WARMUP + PAIR_MEASURED
+                    jobs = [{"workload": workload(j["model"], j["batch"], j["seq"], j["m"], n_steps, j["plan"]),
                              "cores": j["cores"]} for j in points[i]["jobs"]]
                     res = run_jobs(jobs, WARMUP)
                 grid_cost += sum(x["device_s"] for x in res)
@@ -477,14 +480,11 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
         layers, hidden, heads, vocab, _ = MODELS[pn]
         samples.append(ComputeSample(module=pn, rows=pb, seq=ps, layers=layers, hidden=hidden, heads=heads,
                                      vocab=vocab, q=pq, seconds=step_time(ts), micro_batches=pm, seq_len=ps))
-    # Comm rows: the least disturbed round of each (op, size) / sync chunk.
-    rows: dict[tuple, dict] = {}
-    for run in comm_runs:
-        for row in run:
-            key = (row["op"], row["bytes"], SYNC_CHUNK_KEY(row))
-            if key not in rows or row["seconds"] < rows[key]["seconds"]:
-                rows[key] = row
-    comm_rows = list(rows.values())
+    # Comm rows: every round's, as the estimator fits every row profilerd reports. Not
+    # the least disturbed round as for compute: a blocking op's cost is bimodal here
+    # (profilerd.commbench), and the best of a few rounds keeps only the fast mode —
+    # which left every multi-rank estimate ~1-2 ms short per synchronisation.
+    comm_rows = [row for run in comm_runs for row in run]
     wpoints = [pt for name in shapes for pt in workload_points(name, wprof[name])]
     model = PerfModel(version=1, compute={DEVICE: fit_compute(DEVICE, samples)},
                       comm={LINK: fit_comm(LINK, comm_rows)}, interference={DEVICE: fit_interference(pairs)},
@@ -497,11 +497,6 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
             "workload_profiles": [p.to_dict() for p in wpoints], "workload_wall_s": wall_wl,
             "workload_profile_rounds": {name: wprof[name] for name in shapes}}
     return model, prof, measured, grid_cost
-
-
-def SYNC_CHUNK_KEY(row: dict) -> int:
-    """Sync rows of one chunk length share a key across rounds (their compute_s differs)."""
-    return int(row.get("chunk", 0))
 
 
 def evaluate(model: PerfModel, measured: list[dict]) -> dict:

@@ -3,8 +3,12 @@
 ``table(sizes, reps)`` returns rows ``{"op", "bytes", "world", "seconds"}`` for
 all_reduce, all_gather, broadcast and send/recv, plus the device-seconds it cost. Each
 op is timed *in situ*: right after ~1 ms of compute, without a barrier (ranks arrive
-with their natural skew, as in a training step), minus the compute alone; the median
-over ``reps``. A barriered, idle-link loop is 2-10x too optimistic on a busy host.
+with their natural skew, as in a training step), minus the compute alone; the mean
+over ``reps`` (the expected cost, which is what a step's sum of many ops adds up to).
+A barriered, idle-link loop is 2-10x too optimistic on a busy host. The mean, not the
+median: an op that blocks is bimodal where a waiting rank's core goes idle — on this
+project's VM 0.3 ms, or 3-4 ms when the idle vCPU must be woken (about half the
+time), and a median of a few reps lands on either mode.
 
 With ``sync=True`` it adds rows ``{"op": "sync", "bytes": 8, "world": 2, "seconds",
 "compute_s"}``: an 8-byte all-reduce right after a compute chunk of ``compute_s``
@@ -86,7 +90,7 @@ def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str, sync
                     work()
                     fn()
                     ts.append(time.perf_counter() - t)
-                secs = max(1e-6, statistics.median(ts) - statistics.median(base))
+                secs = max(1e-6, statistics.fmean(ts) - statistics.fmean(base))
                 rows.append({"op": op, "bytes": n * 4, "world": 2, "seconds": secs})
         if sync:
             x = torch.ones(2)
@@ -100,8 +104,8 @@ def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str, sync
                     work(chunk)
                     dist.all_reduce(x)
                     ts.append(time.perf_counter() - t)
-                b = statistics.median(base)
-                rows.append({"op": "sync", "bytes": 8, "world": 2, "seconds": max(1e-6, statistics.median(ts) - b),
+                b = statistics.fmean(base)
+                rows.append({"op": "sync", "bytes": 8, "world": 2, "seconds": max(1e-6, statistics.fmean(ts) - b),
                              "compute_s": b, "chunk": chunk})
         if rank == 0:
             with open(out_path, "w", encoding="utf-8") as f:

@@ -1,0 +1,37 @@
+"""bench._measure.colocation_profile: alone and together in one run (real training).
+
+The interference profile of the estimator benchmark: X runs alone, signals its twin Y,
+runs beside it, then alone again; alone and together are X's own steps, seconds apart.
+Time slicing one core between two CPU-bound trainers must show up as a slow-down near
+2x; split cores must not.
+"""
+
+import os
+
+import pytest
+
+pytest.importorskip("torch")
+
+from bench._measure import colocation_profile  # noqa: E402
+
+TINY = {"model": {"layers": 1, "hidden": 32, "heads": 2, "vocab": 64, "seq_len": 16}, "batch_size": 4,
+        "steps": 1, "plan": {"dp": 1, "tp": 1, "pp": 1, "micro_batches": 1}}
+
+
+def test_shared_core_profile_measures_time_slicing_from_steps_of_one_process():
+    core = sorted(os.sched_getaffinity(0))[0]
+    res = colocation_profile(TINY, [[core], [core]], warmup=2, measured=4)
+    assert res["alone_n"] >= 2 and res["together_n"] >= 2
+    # X's "steps" is replaced so that it outlasts its twin: alone steps on both sides.
+    assert res["alone_n"] > 4
+    ratio = res["together_s"] / res["alone_s"]
+    assert 1.4 < ratio < 3.5, res
+    assert res["device_s"] > 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_split_cores_profile_runs_both_sides():
+    c = sorted(os.sched_getaffinity(0))[:2]
+    res = colocation_profile(TINY, [[c[0]], [c[1]]], warmup=2, measured=4)
+    assert res["alone_n"] >= 2 and res["together_n"] >= 2
+    assert res["together_s"] / res["alone_s"] < 1.4 * 1.5, res  # no time slicing (noise allowance)
