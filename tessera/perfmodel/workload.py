@@ -19,14 +19,17 @@ Contract of :func:`estimate` for a valid candidate whose module is of such a wor
   relative residuals) evaluated at the candidate's quota; its error: the curve's residual
   scatter (at least ``QUOTA_CURVE``), plus ``EXTRAP_PER_LOG`` per natural-log unit
   outside the profiled quotas;
-* one profiled quota only: that point scaled by the device type's fitted Amdahl/roofline
-  factor ``s(q) / s(q0)`` (``compute.quota_scale``): the device's ``gpt`` curve, not the
-  module's, and these runtimes change *how* they run with the quota (peft: one
-  micro-batch worker per thread; colocated multimodal: encoder and LLM on their own
-  cores), so the uncertainty grows by ``QUOTA_TRANSFER`` per natural-log unit between
-  the two quotas (measured on this project's 2-core VM: a peft step at 2 threads took
-  0.0286 s against 0.0228 s at 1, where the gpt curve predicts 0.885x — a 40 % miss at
-  ln 2; the confidence of such an estimate is low, as it should be);
+* one profiled quota only: that point scaled by ``gpt_step(q) / gpt_step(q0)``, the
+  device type's fitted ``gpt`` curve for a single-rank step of the candidate's own
+  backbone (layers, hidden, heads, vocab, context; its batch and micro-batches): its
+  serial parts (dispatch, optimizer, data) stay, only the FLOP and memory terms divide
+  over the quota. (Scaling the whole step by the parallel part's ``s(q) / s(q0)``
+  alone promised these small steps ~1.9x at 2 cores where they ran at 1.0-1.4x.) It
+  is the device's curve, not the module's, and these runtimes change *how* they run
+  with the quota (peft: one micro-batch worker per thread; colocated multimodal:
+  encoder and LLM on their own cores), so the uncertainty grows by ``QUOTA_TRANSFER``
+  per natural-log unit between the two quotas (the confidence of such an estimate is
+  low, as it should be);
 * colocated (``colocated > 1``): the device's interference for the mode, as for ``gpt``;
 * otherwise ``insufficient_data`` naming what is missing. Never a number without data.
 """
@@ -38,7 +41,8 @@ import statistics
 
 import numpy as np
 
-from tessera.perfmodel.compute import ComputeFit, nnls, quota_scale
+from tessera.perfmodel import features as F
+from tessera.perfmodel.compute import ComputeFit, nnls
 from tessera.perfmodel.priors import COLOCATION, EXTRAP_PER_LOG, UNSEEN_MODULE
 
 GPT = "gpt"
@@ -101,6 +105,16 @@ def quota_curve(qs: list[float], ts: list[float]) -> tuple[float, float, float] 
     return float(a), float(b), rms if rms > 1e-9 else math.nan
 
 
+def gpt_step(fit: ComputeFit, c, q: float) -> float:
+    """Seconds of a single-rank ``gpt`` step of candidate ``c``'s backbone (its layers,
+    hidden, heads, vocab and context; ``batch`` rows in ``micro_batches``) at quota
+    ``q`` on the fitted curve ``fit`` (embedding and head on the one stage)."""
+    rows, seq = c.batch / c.micro_batches, c.seq or c.seq_len
+    mbf = F.mb_features(rows, seq, c.layers, c.hidden, c.heads, c.vocab, 1.0, 1.0)
+    stf = F.step_features(seq, c.layers, c.hidden, c.vocab, c.seq_len, 1.0, 1.0)
+    return float(c.micro_batches * fit.mb_time(mbf, q) + fit.step_time(stf))
+
+
 def _group(points) -> tuple[float, float, int]:
     """(seconds, rel_std, steps) of the profile points of one quota: the median of their
     medians; the larger of their own error and their run-to-run scatter."""
@@ -151,13 +165,15 @@ def estimate(c, points, fit: ComputeFit | None, interference: dict) -> tuple[flo
             return insufficient(f"{c.module} was profiled at quota {q0:g} only, and {c.device_type!r} has no fitted "
                                 f"compute curve to scale it to quota {q:g}")
         t0, r0, steps = groups[q0]
-        scale = float(quota_scale(q, fit.p, fit.q_sat) / quota_scale(q0, fit.p, fit.q_sat))
+        scale = gpt_step(fit, c, q) / gpt_step(fit, c, q0)
+        if not (math.isfinite(scale) and scale > 0):
+            return insufficient(f"{c.device_type!r}'s fitted compute curve gives no time for {c.module}'s backbone")
         seconds = t0 * scale
         d = abs(math.log(q / q0))
         r = math.sqrt(r0 ** 2 + UNSEEN_MODULE ** 2 + (QUOTA_TRANSFER * d) ** 2)
         breakdown.update(profile=t0, quota_scale=scale)
         reason = (f"measured profile of this workload's step at quota {q0:g}, scaled to {q:g} by "
-                  f"{c.device_type}'s fitted quota curve")
+                  f"{c.device_type}'s fitted curve for a step of its backbone")
     if c.colocated > 1:
         mode = "shared" if c.oversubscription > 1 else "split"
         g = interference.get(mode)

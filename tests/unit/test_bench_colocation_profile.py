@@ -14,13 +14,15 @@ pytest.importorskip("torch")
 
 from bench._measure import colocation_profile  # noqa: E402
 
-TINY = {"model": {"layers": 1, "hidden": 32, "heads": 2, "vocab": 64, "seq_len": 16}, "batch_size": 4,
-        "steps": 1, "plan": {"dp": 1, "tp": 1, "pp": 1, "micro_batches": 1}}
+# Steps of ~10 ms here: well above the scheduler's time slice, so that time slicing
+# shows in every step (a 3 ms step can run whole between the twin's slices).
+SMALL = {"model": {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 64}, "batch_size": 8,
+         "steps": 1, "plan": {"dp": 1, "tp": 1, "pp": 1, "micro_batches": 1}}
 
 
 def test_shared_core_profile_measures_time_slicing_from_steps_of_one_process():
     core = sorted(os.sched_getaffinity(0))[0]
-    res = colocation_profile(TINY, [[core], [core]], warmup=2, measured=4)
+    res = colocation_profile(SMALL, [[core], [core]], warmup=2, measured=4)
     assert res["alone_n"] >= 2 and res["together_n"] >= 2
     # X's "steps" is replaced so that it outlasts its twin: alone steps on both sides.
     assert res["alone_n"] > 4
@@ -32,6 +34,6 @@ def test_shared_core_profile_measures_time_slicing_from_steps_of_one_process():
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
 def test_split_cores_profile_runs_both_sides():
     c = sorted(os.sched_getaffinity(0))[:2]
-    res = colocation_profile(TINY, [[c[0]], [c[1]]], warmup=2, measured=4)
+    res = colocation_profile(SMALL, [[c[0]], [c[1]]], warmup=2, measured=4)
     assert res["alone_n"] >= 2 and res["together_n"] >= 2
     assert res["together_s"] / res["alone_s"] < 1.4 * 1.5, res  # no time slicing (noise allowance)

@@ -12,7 +12,7 @@ import pytest
 from bench import estimator_accuracy as ea
 from tessera.modelkey import shape_key
 from tessera.perfmodel import PerfModel
-from tessera.perfmodel.compute import ComputeFit, quota_scale
+from tessera.perfmodel.compute import COEFS, ComputeFit, quota_scale
 from tessera.perfmodel.workload import workload_of
 
 CATS = {"workload_peft": "peft", "workload_multimodal": "multimodal"}
@@ -74,7 +74,9 @@ def test_profile_points_go_through_the_estimator_path():
 
 
 def _model(points) -> PerfModel:
-    fit = ComputeFit(device_type=ea.DEVICE, p=0.8, q_sat=float("inf"), rel_sigma=0.05, n=10, status="ok")
+    # All FLOPs: a backbone's step scales by the parallel part's s(q) / s(q0) exactly.
+    fit = ComputeFit(device_type=ea.DEVICE, coef={k: (1e-9 if k == "c_flops" else 0.0) for k in COEFS}, p=0.8,
+                     q_sat=float("inf"), rel_sigma=0.05, n=10, status="ok")
     return PerfModel(version=1, compute={ea.DEVICE: fit}, profiles={ea.DEVICE: points})
 
 

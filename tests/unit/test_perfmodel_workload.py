@@ -11,6 +11,7 @@ import pytest
 from tessera import manifest
 from tessera.modelkey import arch_key, profile_labels, shape_key
 from tessera.perfmodel import Candidate, PerfModel, ProfilePoint
+from tessera.perfmodel import features as F
 from tessera.perfmodel.compute import COEFS, ComputeFit, quota_scale
 from tessera.perfmodel.workload import profiled, quota_curve, workload_of
 from tessera.spec.multimodal import mean_mix, mix_at
@@ -176,12 +177,35 @@ def test_other_quota_from_the_modules_own_curve():
     assert far.ok and far.seconds == pytest.approx(a + b / 16, rel=1e-6) and far.confidence < e.confidence
 
 
+def _step(f: ComputeFit, c: Candidate, q: float) -> float:
+    """A single-rank gpt step of c's backbone by hand (one stage: embeds and head)."""
+    mbf = F.mb_features(c.batch, c.seq_len, c.layers, c.hidden, c.heads, c.vocab, 1, 1)
+    stf = F.step_features(c.seq_len, c.layers, c.hidden, c.vocab, c.seq_len, 1, 1)
+    k = f.coef
+    return ((k["c_flops"] * mbf["flops"] + k["c_elems"] * mbf["elems"]) * float(quota_scale(q, f.p, f.q_sat))
+            + k["c_ops"] * mbf["ops"] + k["c_mb"] + k["c_params"] * stf["params"] + k["c_tensors"] * stf["tensors"]
+            + k["c_seq"] * stf["seq"] + k["c_one"])
+
+
 def test_one_profiled_quota_is_scaled_by_the_devices_fitted_curve_or_refused():
     f = fit(p=0.8, q_sat=3.0)
     m = PerfModel(version=1, compute={"cpu": f}, profiles={"cpu": [pt(1.0, 0.020)]})
     e = m.estimate(cand(2.0))
-    ratio = float(quota_scale(2.0, 0.8, 3.0) / quota_scale(1.0, 0.8, 3.0))
+    # The ratio of a gpt step of the candidate's backbone at the two quotas: the serial
+    # parts (dispatch, optimizer) stay, so it lies between the parallel part's s(2)/s(1)
+    # and 1.
+    ratio = _step(f, cand(2.0), 2.0) / _step(f, cand(2.0), 1.0)
+    par = float(quota_scale(2.0, 0.8, 3.0) / quota_scale(1.0, 0.8, 3.0))
+    assert par < ratio < 1.0
     assert e.ok and e.seconds == pytest.approx(0.020 * ratio) and e.breakdown["quota_scale"] == pytest.approx(ratio)
+    # A backbone whose step is all FLOPs scales by s(q)/s(q0); one that is all overhead not at all.
+    flops = ComputeFit(device_type="cpu", coef={k: (1e-9 if k == "c_flops" else 0.0) for k in COEFS}, p=0.8,
+                       q_sat=3.0, rel_sigma=0.02, n=12, status="ok")
+    fixed = ComputeFit(device_type="cpu", coef={k: (1e-3 if k == "c_one" else 0.0) for k in COEFS}, p=0.8,
+                       q_sat=3.0, rel_sigma=0.02, n=12, status="ok")
+    for g, want in ((flops, 0.020 * par), (fixed, 0.020)):
+        got = PerfModel(version=1, compute={"cpu": g}, profiles={"cpu": [pt(1.0, 0.020)]}).estimate(cand(2.0))
+        assert got.ok and got.seconds == pytest.approx(want)
     assert e.rel_std > m.estimate(cand(1.0)).rel_std
     assert e.confidence < 0.5   # the device's gpt curve says little about how this runtime uses a quota
     bare = PerfModel(version=1, profiles={"cpu": [pt(1.0, 0.020)]}).estimate(cand(2.0))
