@@ -10,15 +10,18 @@ the ones gloo and NCCL use for these sizes):
 
 ``alpha`` (seconds per step) and ``beta`` (seconds per byte = 1 / bandwidth) are
 fitted per (link type, op) from a measured table (rows ``{"op", "bytes", "world",
-"seconds"}``, e.g. a torch.distributed micro-benchmark), by non-negative least
-squares on relative residuals. A world of one costs nothing. Pure: numpy only.
+"seconds"}``, e.g. a torch.distributed micro-benchmark): the rows of each (world,
+bytes) are averaged first (the expected cost, see ``_expected``), then non-negative
+least squares on relative residuals across sizes. A world of one costs nothing.
+Pure: numpy only.
 
 Synchronisation (straggler) cost: a synchronous step waits at each collective for
 the slowest rank, and that wait grows with the compute each rank did since the last
 synchronisation (independent jitter of the ranks' cores; one core busier than the
 other). Rows ``{"op": "sync", "seconds", "compute_s"}`` (a tiny all-reduce right after
 a compute chunk of ``compute_s``, minus the chunk alone) give ``seconds = a +
-kappa * compute_s`` (NNLS); the wait of a step over ``n`` ranks is
+kappa * compute_s`` (NNLS on absolute residuals: the expected wait, not a
+relative fit's pull towards the fast rows); the wait of a step over ``n`` ranks is
 
     straggle(n, compute) = kappa * compute * E[max of n] / E[max of 2]
 
@@ -100,6 +103,18 @@ class CommFit:
         return c["alpha"] * st + c["beta"] * vol
 
 
+def _expected(rows: list[dict]) -> list[dict]:
+    """One row per (world, bytes): the mean of its rows' seconds — the expected cost,
+    which a step's many ops add up to. The fit runs on relative residuals, and fed the
+    raw rows of a bimodal op (0.3 or 3-4 ms where a waiting rank's idle vCPU must be
+    woken) it lands near the harmonic mean: 0.6 ms for rows averaging 1.1 ms."""
+    by: dict[tuple, list[float]] = {}
+    for r in rows:
+        by.setdefault((r["world"], r["bytes"]), []).append(float(r["seconds"]))
+    return [{"op": rows[0]["op"], "world": w, "bytes": b, "seconds": sum(v) / len(v), "n": len(v)}
+            for (w, b), v in by.items()]
+
+
 def fit_comm(link: str, rows: list[dict]) -> CommFit:
     """Fit each op that has at least 2 sizes in ``rows``; ops with fewer are left out
     (the composition then reports insufficient data for plans that need them). Rows
@@ -109,14 +124,13 @@ def fit_comm(link: str, rows: list[dict]) -> CommFit:
     if len({round(r["compute_s"], 6) for r in rs}) >= 2:
         y = np.array([r["seconds"] for r in rs])
         x = np.column_stack([np.ones(len(rs)), np.array([r["compute_s"] for r in rs])])
-        a = x / y[:, None]
-        scale = np.maximum(np.abs(a).max(axis=0), 1e-300)
-        c = nnls(a / scale, np.ones(len(rs))) / scale
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-300)
+        c = nnls(x / scale, y) / scale
         r = (x @ c - y) / y
         out.sync = {"a": float(c[0]), "kappa": float(c[1]), "n": len(rs),
                     "rel_sigma": math.sqrt(float(r @ r) / max(1, len(rs) - 2))}
     for op in OPS:
-        rs = [r for r in rows if r["op"] == op and r["world"] > 1 and r["seconds"] > 0]
+        rs = _expected([r for r in rows if r["op"] == op and r["world"] > 1 and r["seconds"] > 0])
         if len({r["bytes"] for r in rs}) < 2:
             continue
         st, vol = zip(*(steps_and_volume(op, r["world"], r["bytes"]) for r in rs))
@@ -128,5 +142,5 @@ def fit_comm(link: str, rows: list[dict]) -> CommFit:
         r = (x @ c - y) / y
         dof = max(1, len(rs) - 2)
         out.ops[op] = {"alpha": float(c[0]), "beta": float(c[1]), "rel_sigma": math.sqrt(float(r @ r) / dof),
-                       "n": len(rs), "max_bytes": float(max(rr["bytes"] for rr in rs))}
+                       "n": sum(row["n"] for row in rs), "max_bytes": float(max(rr["bytes"] for rr in rs))}
     return out

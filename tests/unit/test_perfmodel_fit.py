@@ -102,6 +102,28 @@ def test_comm_fit_recovers_latency_and_bandwidth():
     assert fit.time("all_reduce", 1, 1 << 20) == 0.0
 
 
+def test_comm_fit_is_the_expected_cost_of_a_bimodal_op():
+    """A blocking op is fast or slow (an idle vCPU to wake): the fit follows the mean of
+    each size's rows, not the fast mode a relative fit of the raw rows leans to."""
+    alpha, beta = 2e-4, 1 / 1e9
+    rows, means = [], {}
+    for nbytes in (64 << 10, 512 << 10, 4 << 20):
+        base = alpha * 2 + beta * nbytes
+        ts = [base, base, base + 3e-3, base + 3e-3]   # half the reps pay a 3 ms wake-up
+        means[nbytes] = sum(ts) / len(ts)
+        rows += [{"op": "all_reduce", "bytes": nbytes, "world": 2, "seconds": t} for t in ts]
+    fit = fit_comm("lo", rows)
+    for nbytes, mean in means.items():
+        assert fit.time("all_reduce", 2, nbytes) == pytest.approx(mean, rel=0.05)
+    assert fit.ops["all_reduce"]["n"] == len(rows)
+    # Sync rows: the expected wait at each chunk length, the same way.
+    sync = [{"op": "sync", "bytes": 8, "world": 2, "seconds": s, "compute_s": c}
+            for c in (1e-3, 8e-3) for s in (2e-4 + 0.05 * c, 2e-4 + 0.05 * c + 3e-3)]
+    f2 = fit_comm("lo", sync)
+    for c in (1e-3, 8e-3):
+        assert f2.sync["a"] + f2.sync["kappa"] * c == pytest.approx(2e-4 + 0.05 * c + 1.5e-3, rel=1e-6)
+
+
 def test_comm_op_with_one_size_is_left_out():
     fit = fit_comm("lo", [{"op": "send_recv", "bytes": 10, "world": 2, "seconds": 1e-4}])
     assert not fit.has("send_recv")
