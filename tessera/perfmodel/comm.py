@@ -20,8 +20,9 @@ the slowest rank, and that wait grows with the compute each rank did since the l
 synchronisation (independent jitter of the ranks' cores; one core busier than the
 other). Rows ``{"op": "sync", "seconds", "compute_s"}`` (a tiny all-reduce right after
 a compute chunk of ``compute_s``, minus the chunk alone) give ``seconds = a +
-kappa * compute_s`` (NNLS on absolute residuals: the expected wait, not a
-relative fit's pull towards the fast rows); the wait of a step over ``n`` ranks is
+kappa * compute_s`` (NNLS on relative residuals: these rows scatter by 100-200 %
+here, and an absolute fit let one slow row set kappa — measured worse on five runs of
+bench.estimator_accuracy); the wait of a step over ``n`` ranks is
 
     straggle(n, compute) = kappa * compute * E[max of n] / E[max of 2]
 
@@ -124,8 +125,9 @@ def fit_comm(link: str, rows: list[dict]) -> CommFit:
     if len({round(r["compute_s"], 6) for r in rs}) >= 2:
         y = np.array([r["seconds"] for r in rs])
         x = np.column_stack([np.ones(len(rs)), np.array([r["compute_s"] for r in rs])])
-        scale = np.maximum(np.abs(x).max(axis=0), 1e-300)
-        c = nnls(x / scale, y) / scale
+        a = x / y[:, None]
+        scale = np.maximum(np.abs(a).max(axis=0), 1e-300)
+        c = nnls(a / scale, np.ones(len(rs))) / scale
         r = (x @ c - y) / y
         out.sync = {"a": float(c[0]), "kappa": float(c[1]), "n": len(rs),
                     "rel_sigma": math.sqrt(float(r @ r) / max(1, len(rs) - 2))}
