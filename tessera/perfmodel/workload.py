@@ -165,7 +165,8 @@ def estimate(c, points, fit: ComputeFit | None, interference: dict) -> tuple[flo
             return insufficient(f"{c.module} was profiled at quota {q0:g} only, and {c.device_type!r} has no fitted "
                                 f"compute curve to scale it to quota {q:g}")
         t0, r0, steps = groups[q0]
-        scale = gpt_step(fit, c, q) / gpt_step(fit, c, q0)
+        t_q, t_q0 = gpt_step(fit, c, q), gpt_step(fit, c, q0)
+        scale = t_q / t_q0 if math.isfinite(t_q0) and t_q0 > 0 else math.nan
         if not (math.isfinite(scale) and scale > 0):
             return insufficient(f"{c.device_type!r}'s fitted compute curve gives no time for {c.module}'s backbone")
         seconds = t0 * scale

@@ -206,6 +206,11 @@ def test_one_profiled_quota_is_scaled_by_the_devices_fitted_curve_or_refused():
     for g, want in ((flops, 0.020 * par), (fixed, 0.020)):
         got = PerfModel(version=1, compute={"cpu": g}, profiles={"cpu": [pt(1.0, 0.020)]}).estimate(cand(2.0))
         assert got.ok and got.seconds == pytest.approx(want)
+    # A curve that gives no time for the backbone (all coefficients 0): no number, no crash.
+    zero = ComputeFit(device_type="cpu", coef={k: 0.0 for k in COEFS}, p=0.8, q_sat=3.0, rel_sigma=0.02, n=12,
+                      status="ok")
+    none = PerfModel(version=1, compute={"cpu": zero}, profiles={"cpu": [pt(1.0, 0.020)]}).estimate(cand(2.0))
+    assert none.status == "insufficient_data" and "gives no time" in none.reason
     assert e.rel_std > m.estimate(cand(1.0)).rel_std
     assert e.confidence < 0.5   # the device's gpt curve says little about how this runtime uses a quota
     bare = PerfModel(version=1, profiles={"cpu": [pt(1.0, 0.020)]}).estimate(cand(2.0))
