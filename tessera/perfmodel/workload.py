@@ -41,8 +41,7 @@ import statistics
 
 import numpy as np
 
-from tessera.perfmodel import features as F
-from tessera.perfmodel.compute import ComputeFit, nnls
+from tessera.perfmodel.compute import ComputeFit, ComputeSample, nnls
 from tessera.perfmodel.priors import COLOCATION, EXTRAP_PER_LOG, UNSEEN_MODULE
 
 GPT = "gpt"
@@ -109,9 +108,9 @@ def gpt_step(fit: ComputeFit, c, q: float) -> float:
     """Seconds of a single-rank ``gpt`` step of candidate ``c``'s backbone (its layers,
     hidden, heads, vocab and context; ``batch`` rows in ``micro_batches``) at quota
     ``q`` on the fitted curve ``fit`` (embedding and head on the one stage)."""
-    rows, seq = c.batch / c.micro_batches, c.seq or c.seq_len
-    mbf = F.mb_features(rows, seq, c.layers, c.hidden, c.heads, c.vocab, 1.0, 1.0)
-    stf = F.step_features(seq, c.layers, c.hidden, c.vocab, c.seq_len, 1.0, 1.0)
+    mbf, stf = ComputeSample(module=c.module, rows=c.batch, seq=c.seq or c.seq_len, layers=c.layers, hidden=c.hidden,
+                             heads=c.heads, vocab=c.vocab, q=q, seconds=0.0, micro_batches=c.micro_batches,
+                             seq_len=c.seq_len).features()
     return float(c.micro_batches * fit.mb_time(mbf, q) + fit.step_time(stf))
 
 
