@@ -121,11 +121,17 @@ def main(argv=None) -> dict:
     # core as intra-op threads, but on a small or shared machine one thread can be faster
     # (OpenMP threads spin and fight), so both run and the FASTER is the baseline: the
     # speedup is never inflated by a badly threaded baseline.
-    temporal = {"temporal": None}
+    # Each temporal variant: (intra-op threads or None, micro-batches). On CUDA a step of
+    # these sizes is launch-bound, and a serial run gains nothing from micro-batches (they
+    # exist for the pipeline): the serial run with ONE micro-batch (fewer, larger kernels)
+    # runs too, and again the faster one is the baseline.
+    temporal = {"temporal": (None, a.micro_batches)}
     if device.type == "cpu":
-        temporal = {f"temporal {len(cpus)} threads": len(cpus)}
+        temporal = {f"temporal {len(cpus)} threads": (len(cpus), a.micro_batches)}
         if len(cpus) > 1:
-            temporal["temporal 1 thread"] = 1
+            temporal["temporal 1 thread"] = (1, a.micro_batches)
+    elif a.micro_batches > 1:
+        temporal["temporal 1 micro-batch"] = (None, 1)
     # Colocated plans: (quota, pinned). CPU quotas come hard (pinned core sets) and soft
     # (thread budgets only); on CUDA pinning means nothing, so only the quota varies.
     plans = {f"colocated q={q}": (q, True) for q in quotas}
@@ -134,17 +140,30 @@ def main(argv=None) -> dict:
     samples: dict[str, list[float]] = {k: [] for k in [*temporal, *plans]}
     losses: dict[str, list[float]] = {}
     head = {"device": a.device, "cpus": len(cpus), "batch": a.batch, "micro_batches": a.micro_batches,
-            "steps": a.steps, "trials": a.trials}
+            "steps": a.steps, "trials": a.trials,
+            "colocation": ("cuda streams in one process, priority only (the quota picks the stream with the "
+                           "higher priority; no SM share)") if device.type == "cuda" else "cpu core sets"}
+
+    def sofar() -> dict:  # the headline from the trials so far (partial JSON under a time limit)
+        med = {k: statistics.median(v) for k, v in samples.items() if v}
+        tb = [k for k in temporal if k in med]
+        co = [k for k in med if k.startswith("colocated")]
+        if not tb or not co:
+            return {}
+        b, c = min(tb, key=med.get), min(co, key=med.get)
+        return {"step_s": med, "baseline": b, "best_plan": c, "speedup_vs_temporal": med[b] / med[c]}
+
     for trial in range(a.trials):
-        for k, th in temporal.items():
-            t, losses[k] = _run(mm, gpt, device, batches, 0.5, False, a.micro_batches, th)
+        for k, (th, micro) in temporal.items():
+            t, losses[k] = _run(mm, gpt, device, batches, 0.5, False, micro, th)
             samples[k].append(t)
-            write_json(a.json, {**head, "trials_done": trial, "step_s_trials": samples}, complete=False, indent=2)
+            write_json(a.json, {**head, "trials_done": trial, "step_s_trials": samples, **sofar()},
+                       complete=False, indent=2)
         for k, (q, pin) in plans.items():
             t, losses[k] = _run(mm, gpt, device, batches, q, True, a.micro_batches, pin=pin)
             samples[k].append(t)
-            write_json(a.json, {**head, "trials_done": trial + (k == list(plans)[-1]), "step_s_trials": samples},
-                       complete=False, indent=2)
+            write_json(a.json, {**head, "trials_done": trial + (k == list(plans)[-1]), "step_s_trials": samples,
+                                **sofar()}, complete=False, indent=2)
 
     med = {k: statistics.median(v) for k, v in samples.items() if v}
     base_name = min(temporal, key=med.get)
@@ -158,7 +177,8 @@ def main(argv=None) -> dict:
     print(f"{'variant':<24}{'enc/llm quota':<16}{'step ms':>10}{'samples/s':>12}{'speedup':>10}")
     for k, v in med.items():
         if k in temporal:
-            quota = "whole device" if device.type == "cuda" else f"serial, {temporal[k]} thr"
+            th, micro = temporal[k]
+            quota = f"whole device, {micro} mb" if device.type == "cuda" else f"serial, {th} thr"
         else:
             q, pin = plans[k]
             e, l_ = split_cpus(cpus, q)
@@ -168,12 +188,7 @@ def main(argv=None) -> dict:
                 quota = f"{e}/{l_}" if pin else f"{len(e)}/{len(l_)} thr"
         print(f"{k:<24}{quota:<16}{v * 1e3:>10.1f}{a.batch / v:>12.1f}{base / v:>9.2f}x")
     out = {
-        "device": a.device,
-        "cpus": len(cpus),
-        "batch": a.batch,
-        "micro_batches": a.micro_batches,
-        "steps": a.steps,
-        "trials": a.trials,
+        **head,
         "load_average": load,
         "step_s_trials": samples,
         "step_s": med,

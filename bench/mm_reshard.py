@@ -145,13 +145,29 @@ def _rank_main(rank, world, steps, batch, micro, group, trials, device, partial=
             out[name]["cpu"].append(cpu)
             out[name]["busy"].extend(busy)
             out[name].update(losses=losses, layouts=layouts, ids=ids, model=model)
-        if rank == 0 and partial:  # rank 0's wall times so far: a step timeout keeps the trials done
-            from bench._partial import write_json
+            if rank == 0 and partial:  # rank 0's wall times so far: a step timeout keeps every variant run
+                from bench._partial import write_json
 
-            write_json(partial, {"ranks": world, "steps": steps, "batch": batch, "trials_done": t + 1,
-                                 "run_s_trials": {k: v["wall"] for k, v in out.items()},
-                                 "layouts": {k: v["layouts"] for k, v in out.items()}}, complete=False, indent=2)
+                walls = {k: v["wall"] for k, v in out.items() if v["wall"]}
+                head = "disagg + reorder + adaptive"
+                sofar = ({"speedup_vs_coupled": statistics.median(walls["coupled"]) / statistics.median(walls[head])}
+                         if "coupled" in walls and head in walls else {})
+                write_json(partial, {**run_info(world, device), "steps": steps, "batch": batch, "trials_done": t,
+                                     "run_s_trials": walls, **sofar,
+                                     "layouts": {k: v["layouts"] for k, v in out.items()}}, complete=False, indent=2)
     return out
+
+
+def run_info(world: int, device: str) -> dict:
+    """Where the ranks ran: on CUDA, how many GPUs they had (ranks beyond the GPU count
+    share GPU 0.. round-robin, time-sharing it: no MPS, gloo through host memory)."""
+    info = {"ranks": world, "device": device}
+    if device.startswith("cuda"):
+        gpus = torch.cuda.device_count()
+        info.update(gpus=gpus, ranks_per_gpu=-(-world // max(1, gpus)),
+                    note="ranks time-share one GPU (no MPS); gloo stages tensors through host memory"
+                    if world > gpus else "one GPU per rank; gloo stages tensors through host memory")
+    return info
 
 
 def main(argv=None) -> dict:
@@ -187,37 +203,43 @@ def main(argv=None) -> dict:
     # Noise-robust companion to wall time on a shared machine: each step's critical path
     # in CPU seconds (the busiest rank's main-thread CPU time; a preempted rank accrues
     # none), summed over the run; median over trials. Blind to time spent waiting.
-    crit = {k: statistics.median(sum(max(r[k]["cpu"][t][s] for r in allres) for s in range(len(res[k]["cpu"][t])))
-                                 for t in range(a.trials)) for k in VARIANTS}
-    print(f"mm_reshard: {a.ranks} ranks ({a.device}, 1 thread each), {a.steps} steps x batch {a.batch}, "
+    # On CUDA the main thread's CPU time is no critical path (backward runs on autograd's
+    # device thread, and synchronize spins): not reported there.
+    cuda = a.device.startswith("cuda")
+    crit = {k: (None if cuda else statistics.median(sum(max(r[k]["cpu"][t][s] for r in allres)
+                                                        for s in range(len(res[k]["cpu"][t])))
+                                                    for t in range(a.trials))) for k in VARIANTS}
+    print(f"mm_reshard: {a.ranks} ranks ({a.device}{'' if cuda else ', 1 thread each'}), {a.steps} steps x batch {a.batch}, "
           f"{a.micro_batches} micro-batches, image_prob 0.1 -> 0.9, {a.trials} trials")
     print(f"{'variant':<30}{'run s':>8}{'min-max s':>12}{'samples/s':>11}{'speedup':>9}{'cpu-crit s':>11}{'speedup':>9}"
           f"{'imbal.':>8}{'model':>7}  {'final loss':>10}  layouts used (steps)")
     for k, v in med.items():
         r = res[k]
         spread = f"{min(r['wall']):.2f}-{max(r['wall']):.2f}"
-        print(f"{k:<30}{v:>8.2f}{spread:>12}{a.steps * a.batch / v:>11.1f}{base / v:>8.2f}x{crit[k]:>11.2f}"
-              f"{crit['coupled'] / crit[k]:>8.2f}x{imb[k]:>8.2f}{r['model']:>7.2f}  {r['losses'][-1]:>10.4f}  {r['layouts']}")
+        cc = f"{crit[k]:>11.2f}{crit['coupled'] / crit[k]:>8.2f}x" if crit[k] else f"{'-':>11}{'-':>9}"
+        print(f"{k:<30}{v:>8.2f}{spread:>12}{a.steps * a.batch / v:>11.1f}{base / v:>8.2f}x{cc}"
+              f"{imb[k]:>8.2f}{r['model']:>7.2f}  {r['losses'][-1]:>10.4f}  {r['layouts']}")
     print("run s: wall time of the run, median over trials (min-max). cpu-crit s: per step the busiest rank's CPU "
           "seconds, summed (median over trials). imbal.: measured busiest rank's compute / mean rank's, per step. "
           "model: the plan's padded cost (FLOP model) over the run, busiest rank / ideal even split; coupled's "
           "model over a variant's is the most that better balance alone can buy.")
     out = {
-        "ranks": a.ranks,
+        **run_info(a.ranks, a.device),
         "steps": a.steps,
         "batch": a.batch,
         "run_s": med,
         "layouts": {k: v["layouts"] for k, v in res.items()},
         "run_s_trials": {k: v["wall"] for k, v in res.items()},
         "cpu_critical_path_s": crit,
-        "speedup_vs_coupled_cpu_critical_path": crit["coupled"] / crit[head],
+        "speedup_vs_coupled_cpu_critical_path": None if cuda else crit["coupled"] / crit[head],
         "imbalance": imb,
         "model_imbalance": {k: v["model"] for k, v in res.items()},
         "final_loss": {k: v["losses"][-1] for k, v in res.items()},
         "speedup_vs_coupled": base / med[head],
     }
+    cp = out["speedup_vs_coupled_cpu_critical_path"]
     print(f"speedup_vs_coupled = {out['speedup_vs_coupled']:.2f}x (wall); "
-          f"{out['speedup_vs_coupled_cpu_critical_path']:.2f}x (CPU critical path); "
+          f"{'-' if cp is None else f'{cp:.2f}x'} (CPU critical path); "
           f"load average {os.getloadavg()[0]:.1f}")
     write_json(a.json, out, complete=True, indent=2)
     return out

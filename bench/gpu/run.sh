@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tessera GPU check: one script, < 9 minutes (TESSERA_GPU_BUDGET_S, default 480 s), read-only on MIG.
+# Tessera GPU check: one script, < 10 minutes (TESSERA_GPU_BUDGET_S, default 540 s), read-only on MIG.
 #   1. lists devices and MIG state through the agent's code (read-only MigManager);
 #   2. starts a private MPS control daemon for GPU 0 (own pipe/log dirs; quit on exit);
 #   3. runs the 2-executor MPS quota check (bench/gpu/mps_quota.py), then the estimator's
@@ -18,7 +18,7 @@ cd "$(dirname "$0")/../.."
 DIR="${OUT:-bench/out/gpu}"
 mkdir -p "$DIR"
 DIR="$(cd "$DIR" && pwd)"
-BUDGET_S=${TESSERA_GPU_BUDGET_S:-480}   # 8 minutes: the device tool's 9-10 minute call keeps a margin
+BUDGET_S=${TESSERA_GPU_BUDGET_S:-540}   # 9 minutes: the device tool's 10-minute call (timeout_s 580) keeps a margin
 KILL_AFTER=5                            # seconds between a step's TERM and its KILL (inside its budget)
 # The interpreter that holds torch: the repo's venv if any, else python3 (the device
 # image's torch lives there), else python.
@@ -201,10 +201,19 @@ else
     step mps_quota 75 "$PY" bench/gpu/mps_quota.py --mps-root "$MPS_ROOT" --gpu-uuid "$GPU0_UUID" \
       --quotas 30,70 --warmup-s 10 --json "$DIR/mps_quota.json"
     tail -n 3 "$DIR/mps_quota.log"
-    # The estimator's GPU variant needs the daemon too: MPS quotas 10-100 % on GPU 0.
-    step estimator_accuracy 140 env CUDA_MPS_PIPE_DIRECTORY="$MPS_ROOT/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_ROOT/log" \
-      CUDA_VISIBLE_DEVICES="${GPU0_UUID:-0}" "$PY" -m bench.estimator_accuracy --device cuda --json "$DIR/estimator_accuracy.json"
-    tail -n 12 "$DIR/estimator_accuracy.log"
+    # The estimator's GPU variant needs the daemon too: MPS quotas 10-100 % on GPU 0. Its
+    # clients get the same environment as the quota check's (the agent's MpsBackend
+    # client env: pipe and log directories, no CUDA_VISIBLE_DEVICES: the daemon serves
+    # GPU 0 alone). Run only when at least one MPS client of the quota check ran: with a
+    # broken daemon every phase would wait out its 90 s timeout.
+    if "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); sys.exit(0 if any(r.get('exit_code') == 0 for r in d.get('solo', [])) else 1)" \
+         "$DIR/mps_quota.json" 2>/dev/null; then
+      step estimator_accuracy 150 env CUDA_MPS_PIPE_DIRECTORY="$MPS_ROOT/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_ROOT/log" \
+        "$PY" -m bench.estimator_accuracy --device cuda --json "$DIR/estimator_accuracy.json"
+      tail -n 12 "$DIR/estimator_accuracy.log"
+    else
+      echo '{"step":"estimator_accuracy","skipped":"no MPS client of the quota check ran (see mps_quota.log): MPS quotas unusable"}' >> "$STEPS"
+    fi
   else
     echo '{"step":"mps_quota","skipped":"nvidia-cuda-mps-control -d failed or timed out"}' >> "$STEPS"
   fi
@@ -213,7 +222,7 @@ fi
 
 # -- 4. the runtime benchmarks that exist, each bounded ------------------------------------
 for mod in peft_mux mm_colocate mm_reshard; do  # estimator_accuracy ran above, under MPS
-  limit=40; extra=""
+  limit=60; extra=""
   # peft_mux starts 16 HF processes per round: one round on the GPU (device time is scarce)
   [ "$mod" = peft_mux ] && limit=150 && extra="--rounds 1"
   if "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('bench.$mod') else 1)" 2>/dev/null; then

@@ -62,7 +62,7 @@ def test_step_limits_fit_the_default_budget():
     for mod in loop.group(1).split():
         limits[mod] = int(loop.group(3)) if mod == "peft_mux" else int(loop.group(2))
     assert set(limits) == {"devices", "mps_quota", "estimator_accuracy", "peft_mux", "mm_colocate", "mm_reshard"}
-    assert budget <= 480 and sum(limits.values()) <= budget, limits
+    assert budget <= 540 and sum(limits.values()) <= budget, limits  # the device tool: 600 s a call
     assert limits["peft_mux"] >= 150 and limits["mps_quota"] >= 75
 
 
