@@ -25,7 +25,9 @@ its task's token count over the WHOLE step, so the gradient equals the one-pass
 gradient), so activation memory is that of one micro-batch, not of all K tasks' batches
 at once. Chunks are grouped by fill (real tokens, packed from column 0), fullest first,
 and each micro-batch is cut to its fullest chunk's width: the trailing pad columns that
-no chunk of it uses are never computed. The vocabulary head runs only on positions that
+no chunk of it uses are never computed; a chunk joins a micro-batch only while the pad
+columns that remain stay within 5 % of it (:func:`micro_batches`), so a half-filled chunk
+is not padded to a full one's width. The vocabulary head runs only on positions that
 have a target (no logits for pads). Attention runs sequence by sequence
 (:mod:`varlen`: length buckets through the causal kernel, no (N, C, C) mask), and an
 adapter that no task of a micro-batch targets is skipped; a micro-batch of one task
@@ -466,13 +468,32 @@ class MuxEngine:
             self._end(t, "succeeded")
 
 
-def micro_batches(fills: list[int], per_batch: int) -> list[tuple[list[int], int]]:
+def micro_batches(fills: list[int], per_batch: int, max_pad_fraction: float = 0.05) -> list[tuple[list[int], int]]:
     """``(chunk indices, width)`` per micro-batch of at most ``per_batch`` chunks: chunks
     sorted by fill (real tokens; a chunk's pads are its trailing columns), fullest first,
     so that chunks of similar fill share a micro-batch; ``width`` is its fullest chunk's
-    fill (the columns worth computing). Every index appears exactly once."""
+    fill (the columns worth computing). A chunk joins the micro-batch before it only
+    while the pad columns computed stay at most ``max_pad_fraction`` of the micro-batch
+    (``width x chunks``); otherwise it starts the next one (fewer chunks per micro-batch,
+    no padding computed: full chunks still fuse, a half-filled one is not padded to a
+    full one's width; 1.0 groups by count alone). Every index appears exactly once."""
+    if not 0.0 <= max_pad_fraction <= 1.0:
+        raise ValueError(f"max_pad_fraction must be in [0, 1], got {max_pad_fraction}")
     order = sorted(range(len(fills)), key=lambda i: (-fills[i], i))
-    return [(order[i:i + per_batch], fills[order[i]]) for i in range(0, len(order), per_batch)]
+    out: list[tuple[list[int], int]] = []
+    cur: list[int] = []
+    real = 0
+    for i in order:
+        if cur:
+            width, n = fills[cur[0]], len(cur) + 1
+            if len(cur) == per_batch or width * n - (real + fills[i]) > max_pad_fraction * width * n:
+                out.append((cur, fills[cur[0]]))
+                cur, real = [], 0
+        cur.append(i)
+        real += fills[i]
+    if cur:
+        out.append((cur, fills[cur[0]]))
+    return out
 
 
 def apply_adapter_to_slot(engine: MuxEngine, slot: int, adapter: dict) -> None:
