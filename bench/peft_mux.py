@@ -23,10 +23,15 @@ over-state them); on GPU, ``torch.cuda.max_memory_allocated`` summed over concur
 processes, max over sequential ones. ``speedup_vs_peft`` / ``memory_reduction_vs_peft``
 compare Tessera spatial with the better HF row for each figure.
 
-``--rounds R`` (default 3) runs the four rows R times, interleaved (a b c d a b c d ...),
+``--rounds R`` (default 3) runs the four rows R times, interleaved (d c a b d c a b ...:
+Tessera first, so that a run cut short by an outer time limit keeps the headline rows),
 so that a slow spell of this shared machine hits every row alike; each row reports its
 median-throughput round (``tokens_per_s_rounds`` lists them all) and the worst round's
-peak memory.
+peak memory. A row whose workers fail is recorded under ``errors`` and the others still
+run (exit code 1). On a GPU whose ``peft`` does not import (peft < 0.18 with
+transformers 5) rows a and b are recorded as errors and the Tessera rows still run; on
+CPU that is a clear exit. ``--micro-batch-tokens`` sets Tessera's micro-batch size
+(default 512 on CPU, 4096 on GPU, where small micro-batches are launch-bound).
 """
 
 from __future__ import annotations
