@@ -74,3 +74,23 @@ def test_external_commands_are_bounded_and_mig_is_only_queried():
                 assert "timeout " in line, line
     assert "mig.mode.current" in text
     assert not re.search(r"nvidia-smi[^\n]*(-mig |--mig|mig -|-r\b|--gpu-reset)", text)
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine runs the real check")
+def test_device_run_bundles_everything_into_few_files(tmp_path):
+    """The device tool returns at most 8 files: device_run.sh puts every output into
+    gpu.tgz and copies the JSON documents beside it; its bound leaves run.sh its budget."""
+    import tarfile
+
+    wrapper = SCRIPT.with_name("device_run.sh")
+    r = subprocess.run(["bash", str(wrapper)], env={**os.environ, "OUT": str(tmp_path)}, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["gpu.tgz", "summary.json"] and len(names) <= 8
+    with tarfile.open(tmp_path / "gpu.tgz") as t:
+        assert {"./summary.json", "./steps.jsonl", "./gpu-modes.txt"} <= set(t.getnames())
+    budget = int(re.search(r"BUDGET_S=\$\{TESSERA_GPU_BUDGET_S:-(\d+)\}", SCRIPT.read_text()).group(1))
+    bound = int(re.search(r"timeout -k 5 (\d+) bash bench/gpu/run.sh", wrapper.read_text()).group(1))
+    call = int(re.search(r"timeout_s=(\d+)", wrapper.read_text()).group(1))
+    assert budget < bound and bound + 5 + 15 <= call <= 600  # + kill grace + the bundle
