@@ -165,10 +165,9 @@ def main(argv=None) -> dict:
             write_json(a.json, {**head, "trials_done": trial + (k == list(plans)[-1]), "step_s_trials": samples,
                                 **sofar()}, complete=False, indent=2)
 
-    med = {k: statistics.median(v) for k, v in samples.items() if v}
-    base_name = min(temporal, key=med.get)
+    final = sofar()
+    med, base_name, best = final["step_s"], final["baseline"], final["best_plan"]
     base = med[base_name]
-    best = min((k for k in med if k.startswith("colocated")), key=med.get)
     ref = losses[base_name]
     max_loss_diff = max(abs(x - y) for k in losses for x, y in zip(losses[k], ref))
     load = os.getloadavg()[0]

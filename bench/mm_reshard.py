@@ -152,7 +152,8 @@ def _rank_main(rank, world, steps, batch, micro, group, trials, device, partial=
                 head = "disagg + reorder + adaptive"
                 sofar = ({"speedup_vs_coupled": statistics.median(walls["coupled"]) / statistics.median(walls[head])}
                          if "coupled" in walls and head in walls else {})
-                write_json(partial, {**run_info(world, device), "steps": steps, "batch": batch, "trials_done": t,
+                write_json(partial, {**run_info(world, device), "steps": steps, "batch": batch,
+                                     "trials_done": min(len(v["wall"]) for v in out.values()),
                                      "run_s_trials": walls, **sofar,
                                      "layouts": {k: v["layouts"] for k, v in out.items()}}, complete=False, indent=2)
     return out

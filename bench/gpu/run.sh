@@ -18,7 +18,7 @@ cd "$(dirname "$0")/../.."
 DIR="${OUT:-bench/out/gpu}"
 mkdir -p "$DIR"
 DIR="$(cd "$DIR" && pwd)"
-BUDGET_S=${TESSERA_GPU_BUDGET_S:-540}   # 9 minutes: the device tool's 10-minute call (timeout_s 580) keeps a margin
+BUDGET_S=${TESSERA_GPU_BUDGET_S:-540}   # 9 minutes: device_run.sh bounds it at 565 s in a 590 s call
 KILL_AFTER=5                            # seconds between a step's TERM and its KILL (inside its budget)
 # The interpreter that holds torch: the repo's venv if any, else python3 (the device
 # image's torch lives there), else python.

@@ -115,8 +115,9 @@ def test_peft_problem_tries_the_import_for_real(tmp_path, monkeypatch):
     is reported with its error, not found by find_spec alone and left to kill every worker."""
     pkg = tmp_path / "peft"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text("from transformers import HybridCache  # gone in transformers 5\n"
-                                     "raise ImportError('cannot import name HybridCache')\n")
+    # (what peft 0.17's `from transformers import HybridCache` raises under transformers 5;
+    # raised directly so that the test needs no transformers)
+    (pkg / "__init__.py").write_text("raise ImportError(\"cannot import name 'HybridCache' from 'transformers'\")\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     problem = pm.peft_problem()
