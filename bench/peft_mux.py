@@ -20,7 +20,9 @@ barrier to the last finish, (b) is the sum of its loops. Throughput is effective
 (non-padding) tokens per second. Peak memory: on CPU, the peak of the summed RSS of the
 live processes sampled every 10 ms (HF rows) and VmHWM (Tessera rows, which can only
 over-state them); on GPU, ``torch.cuda.max_memory_allocated`` summed over concurrent
-processes, max over sequential ones. ``speedup_vs_peft`` / ``memory_reduction_vs_peft``
+processes, max over sequential ones, and beside it (``device_used_peak_mb``,
+``memory_reduction_vs_concurrent_peft_device_used``) the device's used memory through
+NVML above its level before the row: CUDA contexts and cached blocks included. ``speedup_vs_peft`` / ``memory_reduction_vs_peft``
 compare Tessera spatial with the better HF row for each figure.
 
 ``--rounds R`` (default 3) runs the four rows R times, interleaved (d c a b d c a b ...:
@@ -245,11 +247,17 @@ def peft_problem() -> str | None:
 
 
 class _Sampler:
-    """Peak of the summed VmRSS of a set of pids, sampled every 10 ms."""
+    """Peak of the summed VmRSS of a set of pids, sampled every 10 ms; with ``gpu_used``
+    (bytes used on the device, e.g. NVML's) also the peak of the device's used memory
+    above what was used when sampling began: every process's CUDA context and cached
+    allocator blocks, which ``max_memory_allocated`` leaves out."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpu_used=None) -> None:
         self.pids: list[int] = []
         self.peak_kb = 0
+        self._gpu = gpu_used
+        self._gpu0 = gpu_used() if gpu_used else 0
+        self.peak_gpu = 0
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._loop, daemon=True)
         self._t.start()
@@ -257,11 +265,29 @@ class _Sampler:
     def _loop(self) -> None:
         while not self._stop.wait(0.01):
             self.peak_kb = max(self.peak_kb, sum(_status_kb(p, "VmRSS") for p in list(self.pids)))
+            if self._gpu:
+                self.peak_gpu = max(self.peak_gpu, self._gpu() - self._gpu0)
 
-    def stop(self) -> float:
+    def stop(self) -> dict:
+        """``{"rss_mb", "device_used_mb"}`` (the latter None without ``gpu_used``)."""
         self._stop.set()
         self._t.join()
-        return self.peak_kb / 1024
+        return {"rss_mb": self.peak_kb / 1024, "device_used_mb": self.peak_gpu / 2**20 if self._gpu else None}
+
+
+def nvml_used(index: int = 0):
+    """A callable giving device ``index``'s used memory in bytes through NVML (pynvml),
+    or None where NVML is missing. The driver process reads NVML only: it never creates
+    a CUDA context of its own."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        pynvml.nvmlDeviceGetMemoryInfo(h)
+    except Exception:  # noqa: BLE001 - no NVML here: the figure is simply not reported
+        return None
+    return lambda: int(pynvml.nvmlDeviceGetMemoryInfo(h).used)
 
 
 def _spawn(kind: str, args: dict) -> subprocess.Popen:
@@ -271,9 +297,10 @@ def _spawn(kind: str, args: dict) -> subprocess.Popen:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
 
 
-def _run_group(jobs: list[tuple[str, dict]], concurrent: bool) -> tuple[list[dict], float]:
-    """Run workers (all at once behind one barrier, or one by one); results and sampled peak MB."""
-    sampler = _Sampler()
+def _run_group(jobs: list[tuple[str, dict]], concurrent: bool, gpu_used=None) -> tuple[list[dict], dict]:
+    """Run workers (all at once behind one barrier, or one by one); results and the
+    sampled peaks (:meth:`_Sampler.stop`)."""
+    sampler = _Sampler(gpu_used)
     results: list[dict] = []
 
     def finish(p: subprocess.Popen) -> dict:
@@ -328,13 +355,13 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
             pass
 
 
-def _row(name: str, procs: int, res: list[dict], concurrent: bool, sampled_mb: float, device: str) -> dict:
+def _row(name: str, procs: int, res: list[dict], concurrent: bool, peaks: dict, device: str) -> dict:
     wall = (max(r["t1"] for r in res) - min(r["t0"] for r in res)) if concurrent else sum(r["t1"] - r["t0"] for r in res)
     mems = [r["mem_mb"] for r in res]
     if device == "cuda":
         mem = sum(mems) if concurrent else max(mems)
     else:
-        mem = sampled_mb if len(res) > 1 or name.startswith("hf") else max(max(mems), sampled_mb)
+        mem = peaks["rss_mb"] if len(res) > 1 or name.startswith("hf") else max(max(mems), peaks["rss_mb"])
     tokens = sum(r["tokens"] for r in res)
     row = {"row": name, "processes": procs, "backbones": procs if concurrent else 1, "tokens": tokens,
            "processed_tokens": sum(r["processed"] for r in res), "wall_s": round(wall, 3),
@@ -343,6 +370,8 @@ def _row(name: str, procs: int, res: list[dict], concurrent: bool, sampled_mb: f
            "tokens_per_cpu_s": round(tokens / max(sum(r["cpu_s"] for r in res), 1e-9), 1),
            "first_loss": round(sum(r["first_loss"] for r in res) / len(res), 4),
            "last_loss": round(sum(r["last_loss"] for r in res) / len(res), 4)}
+    if peaks.get("device_used_mb") is not None:  # GPU: contexts + cached blocks of all its processes
+        row["device_used_peak_mb"] = round(peaks["device_used_mb"], 1)
     if "pack" in res[0]:
         row["pack"] = res[0]["pack"]
     return row
@@ -358,6 +387,8 @@ def median_row(rounds: list[dict]) -> dict:
     row["tokens_per_s_rounds"] = [r["tokens_per_s"] for r in rounds]
     row["wall_s_rounds"] = [r["wall_s"] for r in rounds]
     row["peak_mem_mb"] = max(r["peak_mem_mb"] for r in rounds)
+    if all("device_used_peak_mb" in r for r in rounds):
+        row["device_used_peak_mb"] = max(r["device_used_peak_mb"] for r in rounds)
     return row
 
 
@@ -383,6 +414,9 @@ def summarize(rounds: dict[str, list[dict]], *, device: str, cores: int, workers
             out["memory_reduction_vs_peft" + sfx] = round(best_mem / r["peak_mem_mb"], 2)
             if conc:
                 out["memory_reduction_vs_concurrent_peft" + sfx] = round(conc[0]["peak_mem_mb"] / r["peak_mem_mb"], 2)
+                if conc[0].get("device_used_peak_mb") and r.get("device_used_peak_mb"):  # GPU, NVML
+                    out["memory_reduction_vs_concurrent_peft_device_used" + sfx] = round(
+                        conc[0]["device_used_peak_mb"] / r["device_used_peak_mb"], 2)
         # The issue's goals, for Tessera spatial: throughput vs the best HF row; memory vs the
         # HF deployment it replaces (K concurrent instances) and, strictest, vs the smallest
         # HF figure (one instance at a time: one backbone at a time, as Tessera holds one).
@@ -453,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"device": a.device, "cores": cores, "workers": workers, "model": model, "n_tasks": len(tasks),
             "steps": a.steps, "n_rounds": a.rounds}
     t_start = time.monotonic()
+    gpu_used = nvml_used(0) if a.device == "cuda" else None  # one GPU there: NVML index 0 is CUDA's 0
 
     def partial() -> None:  # after every row: a step timeout keeps the rows finished so far
         write_json(a.json, {**summarize(rounds, **meta)[1], "micro_batch_tokens": mb_tokens or 512, "errors": errors,
@@ -462,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         print(f"row {name}: start at {t0 - t_start:.1f} s", file=sys.stderr, flush=True)
         try:
-            res, peak = _run_group(jobs, concurrent)
+            res, peak = _run_group(jobs, concurrent, gpu_used)
         except RuntimeError as e:  # the run goes on: the other rows still measure
             errors[f"{name} round {len(rounds.get(key, [])) + 1}"] = str(e)[-500:]
             print(f"row {name}: FAILED after {time.monotonic() - t0:.1f} s: {e}", file=sys.stderr, flush=True)

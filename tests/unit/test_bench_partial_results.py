@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -136,3 +137,28 @@ def test_peft_mux_strict_memory_goal_needs_the_sequential_row():
     assert out["memory_reduction_vs_peft_baseline"] == "hf_peft_sequential"
     assert out["goals"]["memory_reduction_vs_peft"] == {"target": 5.5, "value": 1.0, "met": False}
     assert out["speedup_vs_peft"] == 3.0
+
+
+def test_sampler_reports_device_memory_above_its_starting_level():
+    """The GPU figure beside max_memory_allocated: the device's used bytes (NVML there; a
+    counter here) above the level when sampling began, peak over the run."""
+    used = iter([1000 << 20] + [1000 << 20, 1300 << 20, 1200 << 20] + [1200 << 20] * 10_000)
+    s = pm._Sampler(lambda: next(used))
+    deadline = time.monotonic() + 10
+    while s.peak_gpu < (300 << 20) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    peaks = s.stop()
+    assert peaks["device_used_mb"] == 300.0
+    assert pm._Sampler().stop()["device_used_mb"] is None  # CPU: no device figure
+
+
+def test_peft_mux_device_used_ratio_only_when_both_rows_have_it():
+    meta = {"device": "cuda", "cores": 16, "workers": 1, "model": {}, "n_tasks": 8, "steps": 20, "n_rounds": 1}
+    hf_a = {"row": "hf_peft_concurrent", "tokens_per_s": 10.0, "wall_s": 1.0, "peak_mem_mb": 800.0,
+            "device_used_peak_mb": 8000.0}
+    tess = {"row": "tessera_spatial", "tokens_per_s": 30.0, "wall_s": 1.0, "peak_mem_mb": 100.0,
+            "device_used_peak_mb": 1000.0}
+    _, out = pm.summarize({"a": [hf_a], "d": [tess]}, **meta)
+    assert out["memory_reduction_vs_concurrent_peft_device_used"] == 8.0
+    _, out = pm.summarize({"a": [{**hf_a, "device_used_peak_mb": None}], "d": [tess]}, **meta)
+    assert "memory_reduction_vs_concurrent_peft_device_used" not in out
