@@ -185,7 +185,7 @@ def worker_tessera(args: dict) -> dict:
     torch.manual_seed(args["seed"])
     model = GPT(cfg).to(dev)
     eng = MuxEngine(model, args["chunk_size"], args["mode"], slots=len(args["tasks"]), workers=args["workers"],
-                    **({"micro_batch_tokens": args["micro_batch_tokens"]} if args.get("micro_batch_tokens") else {}))
+                    micro_batch_tokens=args["micro_batch_tokens"])
     for t in args["tasks"]:
         eng.add_task(t, _dataset(t, cfg.vocab))
     # Warm-up forward/backward on step 0's data (its first micro-batch, as a step runs it;
@@ -455,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {a.rounds}")
     from bench._partial import NO_CUDA, cuda_missing, write_json
+    from tessera.spec.peft import MICRO_BATCH_TOKENS
 
     if a.device == "cuda" and cuda_missing():
         print(NO_CUDA, file=sys.stderr)
@@ -482,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     # Tessera's micro-batch workers: on CPU one per core (each with one intra-op thread);
     # on GPU one (the kernels already fill the device).
     workers = a.workers or (cores if a.device == "cpu" else 1)
-    mb_tokens = a.micro_batch_tokens or (4096 if a.device == "cuda" else 0)
+    mb_tokens = a.micro_batch_tokens or (4096 if a.device == "cuda" else MICRO_BATCH_TOKENS)
     rounds: dict[str, list[dict]] = {}
     meta = {"device": a.device, "cores": cores, "workers": workers, "model": model, "n_tasks": len(tasks),
             "steps": a.steps, "n_rounds": a.rounds}
@@ -490,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu_used = nvml_used(0) if a.device == "cuda" else None  # one GPU there: NVML index 0 is CUDA's 0
 
     def partial() -> None:  # after every row: a step timeout keeps the rows finished so far
-        write_json(a.json, {**summarize(rounds, **meta)[1], "micro_batch_tokens": mb_tokens or 512, "errors": errors,
+        write_json(a.json, {**summarize(rounds, **meta)[1], "micro_batch_tokens": mb_tokens, "errors": errors,
                             "rounds_done": {k: len(v) for k, v in rounds.items()}}, complete=False, indent=2)
 
     def measure(key: str, name: str, jobs: list[tuple[str, dict]], concurrent: bool) -> None:
@@ -521,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         if "b" in want:
             measure("b", "hf_peft_sequential", [("hf", {**common, "task": t, "threads": cores}) for t in tasks], False)
     rows, out = summarize(rounds, **meta)
-    out["micro_batch_tokens"] = mb_tokens or 512
+    out["micro_batch_tokens"] = mb_tokens
     out["errors"] = errors
     _print(rows, out)
     write_json(a.json, out, complete=True, indent=2)

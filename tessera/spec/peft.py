@@ -59,6 +59,7 @@ FUSED_PREFIX_RE = re.compile(r"^j-[0-9a-f]{12}_")
 MAX_TASKS = 256
 
 _TOP = ("mode", "chunk_size", "micro_batch_tokens", "tasks")
+MICRO_BATCH_TOKENS = 512  # the default of micro_batch_tokens
 _TASK = ("name", "rank", "alpha", "target_modules", "learning_rate", "batch_size", "steps", "dataset")
 _DATASET = ("kind", "seed", "min_len", "max_len", "distribution", "path", "field")
 
@@ -203,7 +204,7 @@ def validate_peft(section: Any, path: str = "workload.peft", defaults: dict | No
     out: dict[str, Any] = {
         "mode": _choice(s.get("mode", "spatial"), f"{path}.mode", MODES),
         "chunk_size": _int(s.get("chunk_size"), f"{path}.chunk_size", 2, nullable=True),
-        "micro_batch_tokens": _int(s.get("micro_batch_tokens", 512), f"{path}.micro_batch_tokens", 1),
+        "micro_batch_tokens": _int(s.get("micro_batch_tokens", MICRO_BATCH_TOKENS), f"{path}.micro_batch_tokens", 1),
     }
     tasks = s.get("tasks")
     if tasks is None:

@@ -89,7 +89,7 @@ from agent.runtime.threads import ThreadFollower
 from tessera import log
 from tessera.errors import SpecError
 from tessera.fsutil import atomic_write
-from tessera.spec.peft import validate_peft, validate_task
+from tessera.spec.peft import MICRO_BATCH_TOKENS, validate_peft, validate_task
 
 EXIT_OK, EXIT_FAIL, EXIT_SPEC, EXIT_TERM = 0, 1, 2, 143
 REJECTED_FILE = "peft-control.rejected.jsonl"
@@ -207,7 +207,7 @@ class PeftRunner:
         torch.manual_seed(params["seed"])
         self.model = GPT(cfg).to(device)  # the shared, frozen backbone
         self.engine = MuxEngine(self.model, section["chunk_size"], section["mode"], slots=max(1, len(section["tasks"])),
-                                micro_batch_tokens=section.get("micro_batch_tokens", 512), workers=workers)
+                                micro_batch_tokens=section.get("micro_batch_tokens", MICRO_BATCH_TOKENS), workers=workers)
         self._added = 0
         self.losses: list[float] = []
 
