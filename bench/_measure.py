@@ -19,9 +19,10 @@ Contract:
 
 Why a launcher of its own rather than ``parallel.launch.run_local``: the benchmark
 needs per-rank CPU affinity (the "quota"), per-step stamps on every rank (to keep only
-the steps during which colocated jobs really overlapped), and each thread's run-queue
-wait (``/proc/self/task/*/schedstat``). This host is shared with other people's test
-runs (load averages of 10 on 2 cores were seen); the wait they cause is subtracted
+the steps during which colocated jobs really overlapped), and each thread's on-CPU
+time and run-queue wait (``/proc/self/task/*/schedstat``). This host is shared with
+other people's test runs (load averages of 10 on 2 cores were seen); the wait they
+cause (:func:`foreign_wait`: not the wait behind the job's own threads) is subtracted
 from the step time, which the performance model predicts for a *dedicated* quota.
 Both the raw and the corrected times are reported.
 """
@@ -56,29 +57,48 @@ resolve("gpt")  # imports agent.runtime.train
 CORES = sorted(os.sched_getaffinity(0))
 
 
-def _delays() -> dict[str, float]:
-    """Cumulative run-queue wait (seconds) of each thread of this process: time it was
-    runnable but another task held the core (field 2 of /proc/<tid>/schedstat)."""
+def _sched() -> dict[str, list[float]]:
+    """Per thread of this process, cumulative ``[on-CPU, run-queue wait]`` seconds
+    (fields 1 and 2 of /proc/<tid>/schedstat): the wait is time it was runnable while
+    another task held the core."""
     out = {}
     base = "/proc/self/task"
     for tid in os.listdir(base):
         try:
             with open(f"{base}/{tid}/schedstat", encoding="ascii") as f:
-                out[tid] = int(f.read().split()[1]) / 1e9
+                fields = f.read().split()
+            out[tid] = [int(fields[0]) / 1e9, int(fields[1]) / 1e9]
         except (OSError, IndexError, ValueError):
             pass
     return out
 
 
 def _stamp() -> list:
-    return [time.monotonic(), time.process_time(), _delays(), str(os.getpid())]
+    """[wall, process CPU, per-thread [run, wait], pid, cores the process may run on]."""
+    return [time.monotonic(), time.process_time(), _sched(), str(os.getpid()), len(os.sched_getaffinity(0))]
+
+
+def foreign_wait(waits: dict[str, float], runs: dict[str, float], cores: int, dt: float, extra: float = 0.0) -> float:
+    """The run-queue wait that *other* tenants caused one rank during an interval of
+    ``dt`` seconds (pure): over its threads, the largest wait less what the rank's own
+    other threads can explain — the CPU time they ran beyond the ``cores - 1`` other
+    cores of its quota (on one core, all of it: a main thread waiting behind its own
+    gloo, encoder or LLM worker is the configuration, not noise) — and less ``extra``
+    (CPU time of a colocated partner on a shared core, which is the configuration too).
+    ``waits`` and ``runs``: per thread id, seconds in the interval. Never negative."""
+    total = sum(runs.values())
+    worst = 0.0
+    for tid, w in waits.items():
+        own = max(0.0, total - runs.get(tid, 0.0) - max(0, cores - 1) * dt)
+        worst = max(worst, w - own - extra)
+    return max(0.0, worst)
 
 
 def _rank_main(specs: list[dict], cores: list[int], path: str, start_at: float,
                go=None, signal: tuple | None = None) -> None:
     """One forked rank: pin to ``cores``, then run ``specs`` one after the other (a
     profiling job runs several points of a module in one process). Writes, per spec,
-    a stamp (wall, CPU, run-queue waits) at the start of every step and at the end —
+    a stamp (:func:`_stamp`) at the start of every step and at the end —
     hooked on ``comm.TIMER.reset``, which the training loop calls once per step.
     ``go`` (an Event): start the step loop when it is set, not at ``start_at``;
     ``signal`` = (n, Event): set the Event once n steps are done."""
@@ -125,11 +145,25 @@ def _rank_main(specs: list[dict], cores: list[int], path: str, start_at: float,
         os._exit(code)
 
 
-def _series(stamps: list) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+def _series(stamps: list) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray], int]:
+    """(wall, process CPU, per-thread wait, per-thread on-CPU time, cores) of a list of
+    :func:`_stamp` stamps (a thread absent from a stamp counts 0 there)."""
     t = np.array([s[0] for s in stamps])
     cpu = np.array([s[1] for s in stamps])
     tids = {tid for s in stamps for tid in s[2]}
-    return t, cpu, {tid: np.array([s[2].get(tid, 0.0) for s in stamps]) for tid in tids}
+    waits = {tid: np.array([s[2][tid][1] if tid in s[2] else 0.0 for s in stamps]) for tid in tids}
+    runs = {tid: np.array([s[2][tid][0] if tid in s[2] else 0.0 for s in stamps]) for tid in tids}
+    return t, cpu, waits, runs, int(stamps[-1][4])
+
+
+def step_waits(series: tuple, a: float, b: float, extra: float = 0.0) -> float:
+    """:func:`foreign_wait` of one rank (its :func:`_series`) between times a and b."""
+    t, _, waits, runs, cores = series
+
+    def d(x):
+        return float(np.interp(b, t, x) - np.interp(a, t, x))
+
+    return foreign_wait({k: d(v) for k, v in waits.items()}, {k: d(v) for k, v in runs.items()}, cores, b - a, extra)
 
 
 def _steps(job_stamps: list[list], lo: float, hi: float, warmup: int, partner: list | None,
@@ -139,13 +173,13 @@ def _steps(job_stamps: list[list], lo: float, hi: float, warmup: int, partner: l
     the run-queue wait that other tenants caused.
 
     The wait of a step is the largest over the ranks (a synchronous step waits for its
-    slowest rank). A single-rank job counts every thread (its intra-op workers); a
-    multi-rank job only each rank's main thread, because gloo's threads, pinned to the
-    same core, wait behind that main thread — a wait of our own, not another
-    tenant's. On a core shared with a colocated ``partner`` job the partner's CPU time
-    is added back: that wait is the configuration, not noise.
+    slowest rank) of :func:`foreign_wait`: a thread's wait less what the rank's own
+    other threads ran on its cores (gloo's threads beside a rank's main thread, the
+    intra-op workers) — a wait of our own, not another tenant's. On a core shared with a
+    colocated ``partner`` job the partner's CPU time is discounted too: that wait is
+    the configuration, not noise.
     """
-    t0, cpu0, _ = _series(job_stamps[0])
+    t0, cpu0 = _series(job_stamps[0])[:2]
     ranks = [_series(st) for st in job_stamps]
     pt = _series(partner) if partner else None
     raw, corr, util = [], [], []
@@ -153,15 +187,11 @@ def _steps(job_stamps: list[list], lo: float, hi: float, warmup: int, partner: l
         a, b = t0[k], t0[k + 1]
         if a < lo - 1e-9 or (a >= hi if starts_only else b > hi + 1e-9):
             continue
-        wait = 0.0
-        for (t, _, d), st in zip(ranks, job_stamps):
-            threads = d.values() if len(ranks) == 1 else [d.get(st[0][3], np.zeros_like(t))]
-            for series in threads:
-                wait = max(wait, float(np.interp(b, t, series) - np.interp(a, t, series)))
         extra = float(np.interp(b, pt[0], pt[1]) - np.interp(a, pt[0], pt[1])) if pt is not None else 0.0
+        wait = max(step_waits(r, a, b, extra) for r in ranks)
         w = b - a
         raw.append(w)
-        corr.append(max(0.2 * w, min(w, w - wait + extra)))
+        corr.append(max(0.2 * w, w - wait))
         util.append((cpu0[k + 1] - cpu0[k]) / w)
     return {"raw": raw, "corrected": corr, "util": util}
 

@@ -57,8 +57,10 @@ PROFILED = ("A", "B")
 PROFILE_POINTS = [
     ("A", 4, 32, 1, 1), ("A", 16, 64, 1, 1), ("A", 32, 32, 1, 1), ("A", 8, 64, 1, 2),
     ("A", 8, 64, 1, 1), ("A", 8, 64, 2, 1),
-    ("B", 2, 32, 1, 1), ("B", 8, 32, 1, 1), ("B", 4, 16, 1, 1), ("B", 4, 64, 1, 1), ("B", 4, 64, 2, 1),
-]  # batch, seq, model size, micro-batches; each 2-core point right after its 1-core twin
+    ("B", 2, 32, 1, 1), ("B", 8, 32, 1, 1), ("B", 8, 32, 1, 4), ("B", 4, 16, 1, 1), ("B", 4, 64, 1, 1),
+    ("B", 4, 64, 2, 1),
+]  # batch, seq, model size, micro-batches; each 2-core or several-micro-batch point right
+# after its twin (the per-micro-batch cost at 2 and at 4 micro-batches: the grid runs both)
 # (in one process, seconds apart: the quota's speed-up is not confounded with the
 # host's drift, which decides the Amdahl fraction p for every estimate)
 COLO_PROFILE = ("A", 8, 64)  # alone, with its twin, alone again: one run per mode (colocation_profile)
@@ -294,8 +296,8 @@ def _profile_tasks(workloads: bool = False) -> list[tuple]:
 
 def _workload_child(spec: dict, cores: list[int], path: str) -> None:
     """A forked executor of a peft / multimodal spec pinned to ``cores``: per ``progress``
-    event of the workload's step (``module`` = its type) a stamp (wall, CPU, run-queue
-    waits of every thread, as bench._measure) and the step's ``step_time_s``."""
+    event of the workload's step (``module`` = its type) a stamp
+    (``bench._measure._stamp``: wall, CPU, every thread's on-CPU time and wait) and the step's ``step_time_s``."""
     code = 1
     try:
         import torch
@@ -339,16 +341,14 @@ def run_workload(workload: dict, cores: list[int], warmup: int, timeout_s: float
     ``steps`` (every step's corrected time, warm-up included), ``raw_steps`` (measured
     steps, raw), ``device_s`` (the run's wall time times its cores).
 
-    The wait of a step is, as for a single-rank gpt run, the largest over the process's
-    threads — except for ``multimodal``, whose encoder and LLM workers share a core at
-    quota 1 by design (waiting on each other is the configuration, not noise): there
-    only the main thread's wait counts."""
+    The wait of a step is, as for a gpt run, ``bench._measure.foreign_wait``: the
+    largest over the process's threads less what its own other threads ran (a
+    colocated multimodal step's encoder and LLM workers share a core at quota 1 by
+    design: waiting on each other is the configuration, not noise)."""
     import multiprocessing as mp
     import tempfile
 
-    import numpy as np
-
-    from bench._measure import _join, _series
+    from bench._measure import _join, _series, step_waits
 
     ctx = mp.get_context("fork")
     spec = {"job_id": "bench-" + workload["type"], "workload": workload, "threads": len(cores),
@@ -363,13 +363,12 @@ def run_workload(workload: dict, cores: list[int], warmup: int, timeout_s: float
     wall = time.monotonic() - t_begin
     if rec["errors"] or len(rec["step_s"]) <= warmup:
         raise RuntimeError(f"{workload['type']} run: {len(rec['step_s'])} steps, errors {rec['errors']}")
-    t, cpu, waits = _series(rec["stamps"])
-    main_tid = rec["stamps"][0][3]
-    threads = [waits.get(main_tid, np.zeros_like(t))] if workload["type"] == "multimodal" else list(waits.values())
+    series = _series(rec["stamps"])
+    t, cpu = series[:2]
     corr, util = [], []
     for k, raw in enumerate(rec["step_s"]):
-        wait = max((float(s[k + 1] - s[k]) for s in threads), default=0.0)
-        corr.append(max(0.2 * raw, min(raw, raw - wait)))
+        wait = step_waits(series, float(t[k]), float(t[k + 1]))
+        corr.append(max(0.2 * raw, raw - wait))
         util.append(float(cpu[k + 1] - cpu[k]) / max(float(t[k + 1] - t[k]), 1e-9))
     return {"step_s": statistics.median(corr[warmup:]), "wall_s": statistics.median(rec["step_s"][warmup:]),
             "cpu_util": statistics.median(util[warmup:]), "steps": corr, "raw_steps": rec["step_s"][warmup:],
