@@ -50,6 +50,7 @@ MODELS = {
     "C": (3, 96, 4, 256, 64),      # unseen: between A and B
     "D": (6, 64, 4, 512, 128),     # unseen: deeper, larger vocab, longer context
     "E": (2, 192, 4, 256, 64),     # unseen: wider than anything profiled
+    "F": (5, 80, 4, 256, 64),      # unseen: deeper than B, narrower than A's next size up
 }
 PROFILED = ("A", "B")
 
@@ -216,21 +217,24 @@ def grid(quick: bool) -> list[dict]:
         g.append({"category": cat, "jobs": [{"model": model, "batch": batch, "seq": seq, "q": q, "m": m,
                                              "plan": {}, "cores": [list(range(q))]}]})
 
-    for b, s in [(8, 48), (24, 64), (12, 16), (2, 64), (48, 32)]:
+    for b, s in [(8, 48), (24, 64), (12, 16), (2, 64), (48, 32), (4, 64), (16, 32), (32, 16)]:
         single("single_batch_seq", "A", b, s)
-    for b, s in [(12, 64), (16, 48), (2, 64), (6, 16), (24, 32)]:
+    for b, s in [(12, 64), (16, 48), (2, 64), (6, 16), (24, 32), (4, 32), (12, 16), (8, 48)]:
         single("single_batch_seq", "B", b, s)
-    for name, pts in {"C": [(8, 64), (4, 32), (16, 48)], "D": [(4, 128), (8, 64), (2, 96)],
-                      "E": [(8, 64), (4, 32), (16, 32)]}.items():
+    for name, pts in {"C": [(8, 64), (4, 32), (16, 48), (12, 32)], "D": [(4, 128), (8, 64), (2, 96), (4, 64)],
+                      "E": [(8, 64), (4, 32), (16, 32), (8, 32)], "F": [(8, 64), (4, 32), (16, 48)]}.items():
         for b, s in pts:
             single("single_model_size", name, b, s)
-    for name, b, s in [("A", 16, 64), ("B", 8, 64), ("C", 8, 64), ("E", 8, 48), ("B", 16, 32)]:
+    for name, b, s in [("A", 16, 64), ("B", 8, 64), ("C", 8, 64), ("E", 8, 48), ("B", 16, 32), ("D", 8, 64),
+                       ("A", 32, 48), ("E", 4, 64), ("C", 16, 32)]:
         single("single_quota2", name, b, s, q=2)
-    for name, b, s, m in [("A", 16, 64, 4), ("B", 16, 64, 4), ("C", 8, 64, 2), ("D", 8, 64, 2), ("E", 8, 32, 4)]:
+    for name, b, s, m in [("A", 16, 64, 4), ("B", 16, 64, 4), ("C", 8, 64, 2), ("D", 8, 64, 2), ("E", 8, 32, 4),
+                          ("A", 32, 32, 4), ("B", 8, 64, 2), ("C", 16, 48, 4), ("E", 16, 32, 2), ("D", 4, 128, 2)]:
         single("single_microbatch", name, b, s, m=m)
     for mode, cores in (("colocate_shared", [[0], [0]]), ("colocate_split", [[0], [1]])):
         for (m1, b1, s1), (m2, b2, s2) in [(("A", 16, 64), ("B", 4, 64)), (("C", 8, 64), ("C", 8, 64)),
-                                           (("B", 8, 32), ("E", 4, 64))]:
+                                           (("B", 8, 32), ("E", 4, 64)), (("D", 4, 64), ("A", 8, 32)),
+                                           (("E", 8, 32), ("C", 4, 64))]:
             g.append({"category": mode, "jobs": [
                 {"model": m1, "batch": b1, "seq": s1, "q": 1, "m": 1, "plan": {}, "cores": [cores[0]]},
                 {"model": m2, "batch": b2, "seq": s2, "q": 1, "m": 1, "plan": {}, "cores": [cores[1]]}]})
@@ -244,12 +248,13 @@ def grid(quick: bool) -> list[dict]:
                                              "plan": {"dp": dp, "tp": tp, "pp": pp, "micro_batches": m},
                                              "cores": [[0], [1]]}]})
 
-    for name, b, s in [("A", 16, 64), ("B", 8, 64), ("C", 16, 32), ("D", 8, 64), ("E", 8, 64)]:
+    for name, b, s in [("A", 16, 64), ("B", 8, 64), ("C", 16, 32), ("D", 8, 64), ("E", 8, 64), ("A", 32, 32),
+                       ("B", 4, 64), ("C", 8, 64), ("F", 8, 64)]:
         multi("multi_dp2", name, b, s, dp=2)
     for name, b, s, m in [("A", 16, 64, 1), ("A", 16, 64, 4), ("B", 8, 64, 2), ("C", 16, 64, 4), ("D", 8, 96, 4),
-                          ("E", 8, 64, 2)]:
+                          ("E", 8, 64, 2), ("B", 16, 32, 4), ("E", 16, 32, 4), ("D", 4, 64, 2), ("F", 8, 64, 2)]:
         multi("multi_pp2", name, b, s, pp=2, m=m)
-    for name, b, s in [("A", 16, 64), ("B", 8, 64), ("E", 8, 32)]:
+    for name, b, s in [("A", 16, 64), ("B", 8, 64), ("E", 8, 32), ("C", 8, 64), ("D", 4, 64), ("F", 8, 32)]:
         multi("multi_tp2", name, b, s, tp=2)
     if quick:
         # Two points per category keep every category in the table.

@@ -17,8 +17,10 @@ Contract:
 Composition (one training step of the runtime's ``gpt`` workload, rank 0's view):
 
     t_s      = m-independent per-micro-batch stage time: compute(q) + 4*layers_s*AR_tp(act)
-               + sends_s * P2P(act)           (sends: forward to the next, grads to the previous)
+               + sends_s * beta_p2p * act     (sends: forward to the next, grads to the previous;
+                                               in steady state the data waits for the receiver)
     T_pipe   = sum_s t_s + (m - 1) * max_s t_s         (fill/drain: the (pp-1)/(m+pp-1) bubble)
+               + 2 * (pp - 1) * alpha_p2p              (the first transfer's latency each way)
     T_step   = T_pipe + max_s AR_dp(4 * params_s) + AR_world(16 B) + max_s step_work_s
                + straggle(world, rank 0's compute)   (waiting for the slowest rank; CommFit.straggle)
     colocated: T * oversubscription * (1 + g_mode * (colocated - 1)), mode "shared" when
@@ -281,8 +283,14 @@ class PerfModel:
         def ar(n, nbytes):
             return comm.time("all_reduce", n, nbytes) * (n > 1) if comm is not None else 0.0 * n
 
+        has_p2p = comm is not None and comm.has("send_recv")
+        p2p_lat = comm.time("send_recv", 2, 0.0) if has_p2p else 0.0
+
         def p2p(nbytes):
-            return comm.time("send_recv", 2, nbytes) if comm is not None and comm.has("send_recv") else 0.0 * nbytes
+            # Steady state: the transport buffers a stage's send and its neighbour's
+            # receive finds the data waiting: only the bytes cost per micro-batch. The
+            # per-transfer latency is paid on the fill / drain path (pipe_latency below).
+            return comm.time("send_recv", 2, nbytes) - p2p_lat if has_p2p else 0.0 * nbytes
 
         base, extra = np.floor_divide(L, pp), np.mod(L, pp)
         single = pp == 1
@@ -312,7 +320,9 @@ class PerfModel:
         counts = {k: v[3] * np.ones_like(L) for k, v in kinds.items()}
         t_sum = sum(counts[k] * t_mb[k] for k in kinds)
         t_max = np.max(np.stack([t_mb[k] for k in kinds]), axis=0)
-        pipe = t_sum + (m - 1) * t_max
+        # The first micro-batch's activations cross pp - 1 links forward and its gradients
+        # pp - 1 links back before the pipeline is full / empty: one latency each.
+        pipe = t_sum + (m - 1) * t_max + 2.0 * (pp - 1) * p2p_lat
         per_step = np.max(np.stack([t_step[k] for k in kinds]), axis=0)
         world = dp * tp * pp
         loss_ar = ar(world, 16.0)

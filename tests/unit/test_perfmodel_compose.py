@@ -57,6 +57,23 @@ def test_bubble_fraction_shrinks_with_micro_batches(model):
     assert e.breakdown["bubble"] / e.breakdown["pipeline"] == pytest.approx(1 / 5, rel=0.35)
 
 
+def test_pipeline_pays_the_transfer_latency_once_per_link_each_way():
+    """Steady state: a stage's send is buffered and its neighbour finds the data waiting,
+    so more micro-batches add only their bytes' time; the latency (alpha) is paid on
+    the fill and drain paths: 2 (pp - 1) alpha, whatever m."""
+    def at(alpha):
+        rows = comm_rows(alpha=0.0, beta=1 / 2e9)
+        rows = [{**r, "seconds": r["seconds"] + (alpha if r["op"] == "send_recv" else 0.0)} for r in rows]
+        return PerfModel(version=1, compute={"cpu": fit_compute("cpu", samples(noise=0.0))},
+                         comm={LINK: fit_comm(LINK, rows)})
+
+    lo, hi = at(0.0), at(5e-3)
+    for pp, m in ((2, 1), (2, 4), (2, 8), (4, 8)):
+        a, b = lo.estimate(cand(pp=pp, micro_batches=m)), hi.estimate(cand(pp=pp, micro_batches=m))
+        assert a.ok and b.ok
+        assert b.seconds - a.seconds == pytest.approx(2 * (pp - 1) * 5e-3, rel=0.02)
+
+
 def test_more_dp_cuts_compute_but_adds_allreduce(model):
     one = model.estimate(cand(batch=32))
     two = model.estimate(cand(batch=32, dp=2))

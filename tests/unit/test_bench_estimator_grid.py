@@ -1,0 +1,36 @@
+"""The estimator benchmark's held-out grid (bench/estimator_accuracy.py): no grid point
+is a profile point, none is repeated, every category has several points (pure)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from bench import estimator_accuracy as ea
+
+
+def _key(pt: dict) -> tuple:
+    return pt["category"], tuple((j.get("model"), j.get("shape"), j["batch"], j["seq"], j["q"], j["m"],
+                                  tuple(sorted(j["plan"].items())), tuple(map(tuple, j["cores"])))
+                                 for j in pt["jobs"])
+
+
+def test_no_grid_point_is_a_profile_point_or_a_repeat():
+    g = ea.grid(False)
+    profiled = set(ea.PROFILE_POINTS)
+    for pt in g:
+        if len(pt["jobs"]) == 1 and not pt["jobs"][0]["plan"] and not pt["jobs"][0].get("shape"):
+            j = pt["jobs"][0]
+            assert (j["model"], j["batch"], j["seq"], j["q"], j["m"]) not in profiled, pt
+    keys = [_key(pt) for pt in g]
+    assert len(keys) == len(set(keys))
+    # Models the profiles never ran are in the grid (the model-size category needs them).
+    assert {j["model"] for pt in g for j in pt["jobs"] if j.get("model") in ea.MODELS} - set(ea.PROFILED)
+
+
+def test_every_category_has_points_and_quick_keeps_two():
+    full = Counter(pt["category"] for pt in ea.grid(False))
+    quick = Counter(pt["category"] for pt in ea.grid(True))
+    assert set(full) == set(quick)
+    assert all(n >= 2 for n in full.values()) and all(n == 2 for n in quick.values())
+    multi = sum(n for c, n in full.items() if c.startswith("multi_"))
+    assert multi >= 15, "enough multi-rank points for a per-category MAPE"
