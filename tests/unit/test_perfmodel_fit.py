@@ -144,3 +144,23 @@ def test_repeats_of_few_configurations_are_not_enough():
     fit = fit_compute("cpu", [ComputeSample(**{**s.__dict__, "seconds": s.seconds * (1 + 0.01 * i)})
                               for i in range(10) for s in two])
     assert fit.status == "insufficient_data" and "2 distinct" in fit.reason
+
+
+def test_few_twins_at_another_quota_still_decide_p():
+    """A profile like the benchmark's: ten points at quota 1, two twins at quota 2, a few
+    percent of noise. The quota's effect rests on two points; the fit must not write
+    them off as outliers (p = 0 would miss every 2-core estimate by ~30%)."""
+    rng = np.random.default_rng(3)
+    pts = [(2, 64, 256, 4, 32, 1), (2, 64, 256, 16, 64, 1), (2, 64, 256, 32, 32, 1), (2, 64, 256, 8, 64, 1),
+           (2, 64, 256, 8, 64, 2), (4, 128, 256, 2, 32, 1), (4, 128, 256, 8, 32, 1), (4, 128, 256, 4, 16, 1),
+           (4, 128, 256, 4, 64, 1), (4, 128, 256, 4, 64, 2), (2, 64, 256, 8, 64, 1), (4, 128, 256, 8, 32, 1)]
+    qs = [1] * 10 + [2, 2]
+    for trial in range(5):
+        data = []
+        for (layers, hidden, vocab, rows, seq, m), q in zip(pts, qs):
+            s = ComputeSample(module=f"m{layers}", rows=rows, seq=seq, layers=layers, hidden=hidden, heads=4,
+                              vocab=vocab, q=q, seconds=1.0, micro_batches=m)
+            data.append(ComputeSample(**{**s.__dict__, "seconds": synth_time(s) * (1 + 0.03 * rng.standard_normal())}))
+        fit = fit_compute("cpu", data)
+        assert fit.status == "ok"
+        assert abs(fit.p - TRUE_P) <= 0.2, (trial, fit.p)
