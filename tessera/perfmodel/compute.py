@@ -141,6 +141,11 @@ class ComputeFit:
         s = quota_scale(q, self.p, self.q_sat)
         return (c["c_flops"] * mbf["flops"] + c["c_elems"] * mbf["elems"]) * s + c["c_ops"] * mbf["ops"] + c["c_mb"] * mbf["mb"]
 
+    def elementwise_time(self, elems, q):
+        """Seconds of ``elems`` elements of element-wise memory traffic at quota q (the
+        fitted element-wise rate, divided over the quota like a micro-batch's)."""
+        return self.coef["c_elems"] * elems * quota_scale(q, self.p, self.q_sat)
+
     def step_time(self, stf: dict):
         """Seconds of the per-step work (optimizer, data) of one rank."""
         c = self.coef

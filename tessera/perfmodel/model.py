@@ -21,7 +21,8 @@ Composition (one training step of the runtime's ``gpt`` workload, rank 0's view)
                                                in steady state the data waits for the receiver)
     T_pipe   = sum_s t_s + (m - 1) * max_s t_s         (fill/drain: the (pp-1)/(m+pp-1) bubble)
                + 2 * (pp - 1) * alpha_p2p              (the first transfer's latency each way)
-    T_step   = T_pipe + max_s AR_dp(4 * params_s) + AR_world(16 B) + max_s step_work_s
+    T_step   = T_pipe + max_s [AR_dp(4 * params_s) + dp>1 * bucket_s] + AR_world(16 B) + max_s step_work_s
+               (bucket_s: flatten, average and copy back the gradients, 3 element-wise passes)
                + straggle(world, rank 0's compute)   (waiting for the slowest rank; CommFit.straggle)
     colocated: T * oversubscription * (1 + g_mode * (colocated - 1)), mode "shared" when
                the quotas oversubscribe the device (time slicing), else "split".
@@ -42,6 +43,9 @@ from tessera.perfmodel.priors import (COLOCATION, CONF_TOLERANCE, EXTRAP_PER_LOG
                                       UNSEEN_MODULE, confidence)
 
 FORMAT = "tessera.perfmodel/1"
+# Element-wise passes over the gradients of a data-parallel step's flat bucket
+# (agent.runtime.parallel.pipeline.average_gradients: cat, /= dp, copy back).
+DP_BUCKET_PASSES = 3.0
 
 @dataclass(frozen=True)
 class Candidate:
@@ -314,6 +318,10 @@ class PerfModel:
             t_mb[k] = np.where(count > 0, t, 0.0)
             params[k] = np.where(count > 0, stf["params"], 0.0)
             c_step[k] = np.where(count > 0, mod * fit.step_time(stf), 0.0)
+            # dp > 1: the gradients go through one flat bucket — flatten, average, copy
+            # back: DP_BUCKET_PASSES element-wise passes over every gradient element.
+            bucket = (dp > 1) * mod * fit.elementwise_time(DP_BUCKET_PASSES * params[k], q)
+            c_step[k] = c_step[k] + np.where(count > 0, bucket, 0.0)
             t_step[k] = np.where(count > 0, c_step[k] + ar(dp, params[k] * F.BYTES_PER_ELEM), 0.0)
             inflight = np.where(gpipe, m, np.minimum(m, pp if k == "first" else 1.0))  # per candidate
             mem[k] = np.where(count > 0, 16.0 * params[k] + inflight * F.activation_bytes(rows, T, ls, h, a, V, hd, tp), 0.0)

@@ -74,6 +74,23 @@ def test_pipeline_pays_the_transfer_latency_once_per_link_each_way():
         assert b.seconds - a.seconds == pytest.approx(2 * (pp - 1) * 5e-3, rel=0.02)
 
 
+def test_data_parallel_pays_the_gradient_buckets_element_wise_passes():
+    """dp > 1: flatten, average and copy back every gradient element (3 passes at the
+    fitted element-wise rate) on top of the all-reduces — here free links."""
+    from tessera.perfmodel import features as F
+    from tessera.perfmodel.model import DP_BUCKET_PASSES
+
+    m = PerfModel(version=1, compute={"cpu": fit_compute("cpu", samples(noise=0.0))},
+                  comm={LINK: fit_comm(LINK, comm_rows(alpha=1e-12, beta=1e-18))})
+    one, two = m.estimate(cand(batch=16)), m.estimate(cand(batch=32, dp=2))
+    assert one.ok and two.ok
+    fit = m.compute["cpu"]
+    params = F.stage_params(4, 128, 256, 64, 1, 1)
+    want = DP_BUCKET_PASSES * params * fit.coef["c_elems"]
+    assert want > 0
+    assert two.seconds - one.seconds == pytest.approx(want, rel=1e-3)
+
+
 def test_more_dp_cuts_compute_but_adds_allreduce(model):
     one = model.estimate(cand(batch=32))
     two = model.estimate(cand(batch=32, dp=2))
