@@ -23,14 +23,19 @@ def write_json(path: str | None, out: dict, complete: bool, **dump) -> None:
     os.replace(tmp, path)
 
 
-def cuda_missing() -> bool:
+def cuda_missing(timeout_s: float = 120.0) -> bool:
     """True when torch sees no CUDA GPU (checked in a child process, so that the
-    caller never touches the CUDA driver before it spawns workers)."""
+    caller never touches the CUDA driver before it spawns workers), or when the probe
+    does not answer within ``timeout_s`` (a hung driver is no usable GPU)."""
     import subprocess
     import sys
 
-    probe = subprocess.run([sys.executable, "-c", "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"],
-                           capture_output=True)
+    try:
+        probe = subprocess.run([sys.executable, "-c",
+                                "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"],
+                               capture_output=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return True
     return probe.returncode != 0
 
 

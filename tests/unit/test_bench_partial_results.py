@@ -162,3 +162,11 @@ def test_peft_mux_device_used_ratio_only_when_both_rows_have_it():
     assert out["memory_reduction_vs_concurrent_peft_device_used"] == 8.0
     _, out = pm.summarize({"a": [{**hf_a, "device_used_peak_mb": None}], "d": [tess]}, **meta)
     assert "memory_reduction_vs_concurrent_peft_device_used" not in out
+
+
+def test_cuda_probe_that_hangs_counts_as_no_gpu(monkeypatch):
+    def hang(*a, **kw):
+        raise subprocess.TimeoutExpired(cmd=a[0], timeout=kw.get("timeout"))
+
+    monkeypatch.setattr(subprocess, "run", hang)
+    assert _partial.cuda_missing(timeout_s=0.1) is True

@@ -63,6 +63,7 @@ from agent.runtime.model import GPT
 from agent.runtime.peft import lora
 from agent.runtime.peft.packing import PackStats, pack
 from agent.runtime.peft.varlen import SegmentLayout
+from tessera.spec.peft import MICRO_BATCH_TOKENS
 
 ADAPTER_FORMAT = "tessera-lora/1"
 
@@ -114,7 +115,7 @@ class MuxEngine:
     """Shared-backbone multi-task LoRA trainer; see module doc."""
 
     def __init__(self, model: GPT, chunk_size: int, mode: str = "spatial", slots: int = 4,
-                 micro_batch_tokens: int = 512, workers: int = 1) -> None:
+                 micro_batch_tokens: int = MICRO_BATCH_TOKENS, workers: int = 1) -> None:
         if mode not in ("spatial", "temporal"):
             raise ValueError(f"mode must be spatial or temporal, got {mode!r}")
         if not 2 <= chunk_size <= model.cfg.seq_len:
