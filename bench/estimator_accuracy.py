@@ -50,7 +50,7 @@ MODELS = {
     "C": (3, 96, 4, 256, 64),      # unseen: between A and B
     "D": (6, 64, 4, 512, 128),     # unseen: deeper, larger vocab, longer context
     "E": (2, 192, 4, 256, 64),     # unseen: wider than anything profiled
-    "F": (5, 80, 4, 256, 64),      # unseen: deeper than B, narrower than A's next size up
+    "F": (5, 80, 4, 256, 64),      # unseen: deeper than B, width between A and C
 }
 PROFILED = ("A", "B")
 
@@ -301,8 +301,8 @@ def _profile_tasks(workloads: bool = False) -> list[tuple]:
 
 def _workload_child(spec: dict, cores: list[int], path: str) -> None:
     """A forked executor of a peft / multimodal spec pinned to ``cores``: per ``progress``
-    event of the workload's step (``module`` = its type) a stamp
-    (``bench._measure._stamp``: wall, CPU, every thread's on-CPU time and wait) and the step's ``step_time_s``."""
+    event of the workload's step (``module`` = its type) a stamp (``bench._measure._stamp``:
+    wall, CPU, every thread's on-CPU time and wait) and the step's ``step_time_s``."""
     code = 1
     try:
         import torch

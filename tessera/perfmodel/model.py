@@ -293,7 +293,7 @@ class PerfModel:
         def p2p(nbytes):
             # Steady state: the transport buffers a stage's send and its neighbour's
             # receive finds the data waiting: only the bytes cost per micro-batch. The
-            # per-transfer latency is paid on the fill / drain path (pipe_latency below).
+            # per-transfer latency is paid on the fill / drain path (added to ``pipe`` below).
             return comm.time("send_recv", 2, nbytes) - p2p_lat if has_p2p else 0.0 * nbytes
 
         base, extra = np.floor_divide(L, pp), np.mod(L, pp)
