@@ -2,7 +2,7 @@
 
     python -m bench.estimator_accuracy [--json PATH] [--device cpu|cuda] [--quick]
 
-1. Cheap profiles (the only thing the model is fitted from): two GPT modules at ten
+1. Cheap profiles (the only thing the model is fitted from): two GPT modules at twelve
    (batch, seq, quota, micro-batch) points in one profiling process, a colocation
    profile per mode (split cores / shared core: one module alone, then with its twin
    beside it, then alone again — in one process),
