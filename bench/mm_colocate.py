@@ -28,8 +28,11 @@ import torch
 
 from agent.runtime.model import GPTConfig
 from agent.runtime.multimodal.data import SyntheticData
+from agent.runtime.multimodal.disagg import CostModel, DistEngine, plan_items
 from agent.runtime.multimodal.engine import ColocatedEngine, split_cpus
+from agent.runtime.multimodal.launch import run_ranks
 from agent.runtime.multimodal.models import MMModel
+from agent.runtime.multimodal.reshard import Layout, decoupled_plan
 from tessera.spec.multimodal import validate_multimodal
 
 MM = {
@@ -82,6 +85,51 @@ def _run(mm, gpt, device, batches, quota, concurrent, micro, threads=None, pin=T
     return statistics.mean(times), losses
 
 
+def _proc_rank(rank, world, mm, gpt, device, batch, steps, trials, quota, micro, cpus):
+    """One process of the two-process colocated plan (after Mosaic): rank 0 the encoders
+    and projectors, rank 1 the LLM, each on its own quota — CPU: its own core set
+    (``split_cpus``) and intra-op threads; CUDA: its own MPS share of the SMs
+    (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, set before this process touches CUDA; it binds
+    only when an MPS control daemon serves the client, else the two time-slice). Each
+    updates only the module it owns (``DistEngine(owned=True)``); embeddings and their
+    gradients cross per micro-batch, the encoder one micro-batch ahead. Same samples and
+    initial weights as the single-process variants. Returns (per-trial mean step seconds
+    after one warm-up step, losses of the first trial's steps)."""
+    enc, llm = split_cpus(cpus, quota)
+    if device == "cpu":
+        mine = enc if rank == 0 else llm
+        os.sched_setaffinity(0, mine)
+        torch.set_num_threads(len(mine))
+    else:
+        share = quota if rank == 0 else 1.0 - quota
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, min(100, round(100 * share))))
+    dev = torch.device(device)
+    data = SyntheticData(mm, gpt.vocab, gpt.seq_len, batch, seed=0)
+    torch.manual_seed(0)
+    model = MMModel(gpt, mm).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    eng = DistEngine(model, opt, data, rank, world, owned=True)
+    cost = CostModel.from_flops(model)
+    layout = Layout((0,), (1,))
+    per_trial, losses = [], []
+    for t in range(trials):
+        # Every trial trains the same batches again (from the weights it has reached).
+        times = []
+        for s in range(steps + 1):
+            ids = list(range(s * batch, (s + 1) * batch))
+            plan = decoupled_plan(plan_items(data, ids, cost), layout, micro)
+            _sync(dev)
+            t0 = time.perf_counter()
+            st = eng.step(ids, plan, cost)
+            _sync(dev)
+            if s:
+                times.append(time.perf_counter() - t0)
+            if t == 0:
+                losses.append(st.loss)
+        per_trial.append(statistics.mean(times))
+    return per_trial, losses
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -91,6 +139,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--quotas", default="0.25,0.5,0.75")
     ap.add_argument("--no-soft", action="store_true", help="CPU: sweep pinned (hard) quotas only")
+    ap.add_argument("--no-procs", action="store_true", help="skip the two-process (encoder | LLM) plans")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     from bench._partial import NO_CUDA, write_json
@@ -107,6 +156,17 @@ def main(argv=None) -> dict:
     batches = [[data.sample(i) for i in range(s * a.batch, (s + 1) * a.batch)] for s in range(a.steps + 1)]
     cpus = sorted(os.sched_getaffinity(0))
     quotas = [float(q) for q in a.quotas.split(",")]
+    bad = [q for q in quotas if not 0.0 < q < 1.0]
+    if bad:
+        ap.error(f"--quotas: each encoder share must be in (0, 1), got {bad}")
+    # Two-process plans: a CPU quota is a core split (the same split runs once); on CUDA
+    # each quota is its own MPS share, so every one runs.
+    proc_quotas, splits = [], set()
+    for q in quotas:
+        key = q if device.type == "cuda" else tuple(map(tuple, split_cpus(cpus, q)))
+        if key not in splits:
+            splits.add(key)
+            proc_quotas.append(q)
     # Quotas that give the same plan run once. CPU: a quota is a core split; CUDA:
     # within one process it only decides which stream has the higher priority.
     seen, uniq = set(), []
@@ -137,12 +197,21 @@ def main(argv=None) -> dict:
     plans = {f"colocated q={q}": (q, True) for q in quotas}
     if device.type == "cpu" and not a.no_soft:
         plans.update({f"colocated q={q} soft": (q, False) for q in quotas})
-    samples: dict[str, list[float]] = {k: [] for k in [*temporal, *plans]}
+    procs = {} if a.no_procs or (device.type == "cpu" and len(cpus) < 2) else \
+        {f"colocated 2 procs q={q}": q for q in proc_quotas}
+    samples: dict[str, list[float]] = {k: [] for k in [*temporal, *plans, *procs]}
     losses: dict[str, list[float]] = {}
     head = {"device": a.device, "cpus": len(cpus), "batch": a.batch, "micro_batches": a.micro_batches,
             "steps": a.steps, "trials": a.trials,
             "colocation": ("cuda streams in one process, priority only (the quota picks the stream with the "
-                           "higher priority; no SM share)") if device.type == "cuda" else "cpu core sets"}
+                           "higher priority; no SM share)") if device.type == "cuda" else "cpu core sets",
+            "colocation_2procs": ("encoder and LLM in two processes (DistEngine owned=True), "
+                                  + (("MPS SM shares (an MPS daemon serves the clients)"
+                                      if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else
+                                      "no MPS daemon: the two processes time-slice the GPU")
+                                     if device.type == "cuda" else "a core set each")
+                                  + "; embeddings and gradients over gloo; all trials in one launch")
+            if procs else None}
 
     def sofar() -> dict:  # the headline from the trials so far (partial JSON under a time limit)
         med = {k: statistics.median(v) for k, v in samples.items() if v}
@@ -164,6 +233,18 @@ def main(argv=None) -> dict:
             samples[k].append(t)
             write_json(a.json, {**head, "trials_done": trial + (k == list(plans)[-1]), "step_s_trials": samples,
                                 **sofar()}, complete=False, indent=2)
+        if trial == 0:
+            # Two-process plans: every trial in one launch (starting processes costs
+            # seconds), right after the first trial of the others, so that a run cut
+            # short by a time limit still holds a baseline and these.
+            for k, q in procs.items():
+                enc_side, llm_side = run_ranks(2, _proc_rank, mm, gpt, a.device, a.batch, a.steps, a.trials, q,
+                                               a.micro_batches, cpus)
+                # A step ends in an all-reduce both join: the slower side's time is the step's.
+                samples[k] = [max(x, y) for x, y in zip(enc_side[0], llm_side[0])]
+                losses[k] = enc_side[1]
+                write_json(a.json, {**head, "trials_done": trial + 1, "step_s_trials": samples, **sofar()},
+                           complete=False, indent=2)
 
     final = sofar()
     med, base_name, best = final["step_s"], final["baseline"], final["best_plan"]
@@ -173,11 +254,15 @@ def main(argv=None) -> dict:
     load = os.getloadavg()[0]
     print(f"mm_colocate on {a.device} ({len(cpus)} cpus, load average {load:.1f} at the end), batch {a.batch}, "
           f"{a.micro_batches} micro-batches, {a.steps} timed steps x {a.trials} trials (median of per-trial mean step time)")
-    print(f"{'variant':<24}{'enc/llm quota':<16}{'step ms':>10}{'samples/s':>12}{'speedup':>10}")
+    print(f"{'variant':<27}{'enc/llm quota':<16}{'step ms':>10}{'samples/s':>12}{'speedup':>10}")
     for k, v in med.items():
         if k in temporal:
             th, micro = temporal[k]
             quota = f"whole device, {micro} mb" if device.type == "cuda" else f"serial, {th} thr"
+        elif k in procs:
+            q = procs[k]
+            e, l_ = split_cpus(cpus, q)
+            quota = f"MPS {round(100 * q)}/{round(100 * (1 - q))}%" if device.type == "cuda" else f"{e}/{l_} procs"
         else:
             q, pin = plans[k]
             e, l_ = split_cpus(cpus, q)
@@ -185,7 +270,7 @@ def main(argv=None) -> dict:
                 quota = f"streams, prio {'enc' if q >= 0.5 else 'llm'}"
             else:
                 quota = f"{e}/{l_}" if pin else f"{len(e)}/{len(l_)} thr"
-        print(f"{k:<24}{quota:<16}{v * 1e3:>10.1f}{a.batch / v:>12.1f}{base / v:>9.2f}x")
+        print(f"{k:<27}{quota:<16}{v * 1e3:>10.1f}{a.batch / v:>12.1f}{base / v:>9.2f}x")
     out = {
         **head,
         "load_average": load,

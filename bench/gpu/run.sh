@@ -4,7 +4,8 @@
 #   2. starts a private MPS control daemon for GPU 0 (own pipe/log dirs; quit on exit);
 #   3. runs the 2-executor MPS quota check (bench/gpu/mps_quota.py), then the estimator's
 #      accuracy benchmark under MPS quotas 10-100 % (bench.estimator_accuracy --device cuda);
-#   4. runs the runtime benchmarks that exist (bench.peft_mux, bench.mm_colocate,
+#   4. runs the runtime benchmarks that exist (bench.peft_mux, bench.mm_colocate — under the
+#      MPS daemon when it runs, for its two-process plans —
 #      bench.mm_reshard) with --device cuda, each under a timeout.
 # Everything goes to one folder: $OUT if set, else bench/out/gpu. summary.json says what ran;
 # it is rewritten after every step, and every benchmark rewrites its JSON after every
@@ -211,6 +212,11 @@ else
       step estimator_accuracy 150 env CUDA_MPS_PIPE_DIRECTORY="$MPS_ROOT/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_ROOT/log" \
         "$PY" -m bench.estimator_accuracy --device cuda --json "$DIR/estimator_accuracy.json"
       tail -n 12 "$DIR/estimator_accuracy.log"
+      # mm_colocate under the daemon too: its two-process plans (encoder | LLM) take MPS
+      # SM shares (Mosaic's colocation); its stream plans run as one client.
+      step mm_colocate 60 env CUDA_MPS_PIPE_DIRECTORY="$MPS_ROOT/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_ROOT/log" \
+        "$PY" -m bench.mm_colocate --device cuda --json "$DIR/mm_colocate.json"
+      MM_COLOCATE_DONE=1
     else
       echo '{"step":"estimator_accuracy","skipped":"no MPS client of the quota check ran (see mps_quota.log): MPS quotas unusable"}' >> "$STEPS"
     fi
@@ -222,6 +228,7 @@ fi
 
 # -- 4. the runtime benchmarks that exist, each bounded ------------------------------------
 for mod in peft_mux mm_colocate mm_reshard; do  # estimator_accuracy ran above, under MPS
+  [ "$mod" = mm_colocate ] && [ -n "${MM_COLOCATE_DONE:-}" ] && continue  # ran above, under MPS
   limit=60; extra=""
   # peft_mux starts 16 HF processes per round: one round on the GPU (device time is scarce)
   [ "$mod" = peft_mux ] && limit=150 && extra="--rounds 1"

@@ -159,7 +159,28 @@ def _rank_main(rank, world, tmp):
     unused = _unused_main(rank, world)
     stopped = _stopped_main(rank, world, os.path.join(tmp, "resume"))
     return (losses, sent, moved, [p.detach().clone() for p in model.parameters()], phases, (code, events),
-            unused, stopped)
+            unused, stopped, _owned_main(rank, world))
+
+
+def _owned_main(rank, world):
+    """The colocated two-process form: encoder on rank 0, LLM on rank 1, each updating
+    only the modules it owns (no gradient all-reduce). Its losses, its owned parameters,
+    and the refusal of a layout change."""
+    data, model, opt = _setup()
+    eng = DistEngine(model, opt, data, rank, world, owned=True)
+    cost = CostModel.from_flops(model)
+    layout = Layout((0,), (1,))
+    losses = []
+    for step in range(STEPS):
+        ids = list(range(step * B, step * B + B))
+        losses.append(eng.step(ids, decoupled_plan(plan_items(data, ids, cost), layout, 2), cost).loss)
+    owned = model.gpt if rank == 1 else model.vit
+    try:  # checked before any collective: both ranks raise, nothing hangs
+        eng.step(list(range(B)), coupled_plan(plan_items(data, list(range(B)), cost), world, 2), cost)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return losses, {n: p.detach().clone() for n, p in owned.named_parameters()}, refused
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +206,23 @@ def test_disaggregated_matches_plain_step(ranks):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=5e-4)  # Adam's normalised update magnifies rounding on ~0 grads
     # The disjoint 1:1 step must have resharded something (media samples exist).
     assert any(results[0][1][0])
+
+
+@pytest.mark.timeout(120)
+def test_colocated_owned_modules_match_plain_step(ranks):
+    """owned=True: no gradient all-reduce, each rank updates its own module; the losses
+    and each owner's module equal a plain single-process step's."""
+    data, model, opt = _setup()
+    ref = [plain_step(model, opt, [data.sample(i) for i in range(step * B, step * B + B)]).loss
+           for step in range(STEPS)]
+    for rank, r in enumerate(ranks):
+        losses, owned, refused = r[8]
+        for a, b in zip(losses, ref):
+            assert math.isclose(a, b, rel_tol=TOL), (losses, ref)
+        mine = model.gpt if rank == 1 else model.vit
+        for n, q in mine.named_parameters():
+            torch.testing.assert_close(owned[n], q.detach(), rtol=1e-4, atol=5e-4, msg=n)
+        assert "disjoint layout" in refused
 
 
 @pytest.mark.timeout(120)

@@ -10,7 +10,16 @@ pipeline: encoder forward of j+1 is issued before the LLM works on j.
 Every rank keeps a full replica of model and optimizer and all gradients are summed over
 the world once per step, so (1) the encoder:LLM split can change between steps without
 moving weights, and (2) the result equals a plain single-process step on the whole batch
-(losses are normalised by the batch's target count) up to float rounding. A parameter
+(losses are normalised by the batch's target count) up to float rounding.
+
+``owned=True`` is the colocated form (after Mosaic: encoder and LLM as two processes on
+one device, each on its own quota): the layout is disjoint and fixed for the engine's
+life, so each module's gradients come from exactly one rank, which alone updates it —
+no gradient all-reduce, only the embeddings, their gradients and a small all-reduce of
+the loss, the "had a gradient" flags and a finiteness flag per step. A replica's copy of
+a module another rank owns goes stale, unused; a parameter that got gradients on two
+ranks, or a layout that changes or shares a rank, is an error (never a silent wrong
+update). The losses still equal a plain step's. A parameter
 no rank produced a gradient for (a module nothing in the batch used) keeps ``grad = None``
 as in a plain step, so the optimizer leaves it alone (no weight decay, no momentum). The coupled
 layout (``reshard.coupled_plan``) runs through the same code with every transfer local.
@@ -93,8 +102,11 @@ class DistEngine:
     CUDA tensors over a gloo group (several ranks sharing one GPU, where NCCL refuses)
     are staged through host memory; over NCCL they go device to device."""
 
-    def __init__(self, model: MMModel, opt: torch.optim.Optimizer, data: SyntheticData, rank: int, world: int) -> None:
+    def __init__(self, model: MMModel, opt: torch.optim.Optimizer, data: SyntheticData, rank: int, world: int,
+                 owned: bool = False) -> None:
         self.model, self.opt, self.data, self.rank, self.world = model, opt, data, rank, world
+        self.owned = owned
+        self._layout = None  # owned: the one layout of the engine's life
         self.hidden = model.gpt.cfg.hidden
         self.params = list(model.parameters())
         self.sent: list[tuple[int, int, list[int]]] = []  # (mb, dst, ids) of the last step, for tests
@@ -129,6 +141,14 @@ class DistEngine:
         ``stats.world`` (``idle``: time a module waited to receive from the other)."""
         t_start = time.perf_counter()
         r, dev = self.rank, self.device
+        if self.owned:
+            lay = plan.layout
+            if set(lay.enc_ranks) & set(lay.llm_ranks):
+                raise ValueError(f"owned modules need a disjoint layout, got enc {lay.enc_ranks} llm {lay.llm_ranks}")
+            if self._layout is None:
+                self._layout = lay
+            elif lay != self._layout:
+                raise ValueError(f"owned modules need one fixed layout: {self._layout} then {lay}")
         self.opt.zero_grad(set_to_none=True)
         metas = {i: self.data.meta(i) for i in batch_ids}
         norm = float(sum(m.text_len - (0 if (m.n_images or m.n_audio) else 1) for m in metas.values()))
@@ -263,11 +283,13 @@ class DistEngine:
         # gradient for (a module nothing in the batch used) keeps ``grad = None``, so the
         # optimizer skips it (no weight decay, no momentum) as in a plain step.
         t0 = time.perf_counter()
-        flat = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=dev) for p in self.params]
         had = torch.tensor([0.0 if p.grad is None else 1.0 for p in self.params], device=dev)
         mine = [stats.modules.get(m, {}).get(p, 0.0) for m, p in _WORLD_PHASES]
         extras = torch.tensor([loss_sum, work["enc_s"], work["enc_units"], work["llm_s"], work["llm_tokens"], *mine],
                               device=dev)
+        if self.owned:
+            return self._finish_owned(stats, had, extras, t0, t_start)
+        flat = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=dev) for p in self.params]
         buf = torch.cat(flat + [had, extras])
         if self.world > 1:
             if self.stage:
@@ -289,6 +311,11 @@ class DistEngine:
         # sum), so every rank takes the same decision here: all fail together, before the
         # update, and no collective is left waiting.
         check_finite(ex[0], [p for p in self.params if p.grad is not None])
+        return self._update(stats, ex, t_start)
+
+    def _update(self, stats: StepStats, ex: list[float], t_start: float) -> StepStats:
+        """The optimizer step (every rank agreed the step is finite) and the step's
+        world-reduced figures ``ex`` (loss, work, phases) into ``stats``."""
         t1 = time.perf_counter()
         self.opt.step()
         stats.add("optimizer", "step", time.perf_counter() - t1)
@@ -298,6 +325,32 @@ class DistEngine:
             stats.world.setdefault(m, {})[p] = v
         stats.wall_s = time.perf_counter() - t_start
         return stats
+
+    def _finish_owned(self, stats: StepStats, had: torch.Tensor, extras: torch.Tensor, t0: float,
+                      t_start: float) -> StepStats:
+        """End of an ``owned`` step: one small all-reduce (had-flags, a local "gradients not
+        finite" flag, the extras); every rank raises together on a shared parameter or a
+        non-finite value, before any update; then each rank steps the modules it owns."""
+        local = [p for p in self.params if p.grad is not None]
+        bad = 0.0 if all(bool(torch.isfinite(p.grad).all()) for p in local) else 1.0
+        buf = torch.cat([had, torch.tensor([bad], device=had.device), extras])
+        if self.world > 1:
+            if self.stage:
+                host = buf.cpu()
+                dist.all_reduce(host)
+                buf = host.to(buf.device)
+            else:
+                dist.all_reduce(buf)
+        n = had.numel()
+        counts, bad_all, ex = buf[:n].tolist(), float(buf[n]), buf[n + 1:].tolist()
+        stats.add("sync", "communication", time.perf_counter() - t0)
+        shared = [name for (name, _), c in zip(self.model.named_parameters(), counts) if c > 1.5]
+        if shared:
+            raise RuntimeError(f"owned modules: {shared[:3]} got gradients on {int(max(counts))} ranks")
+        check_finite(ex[0], [])
+        if bad_all:
+            raise FloatingPointError(f"gradients are not finite (loss {ex[0]})")
+        return self._update(stats, ex, t_start)
 
 
 def plan_items(data: SyntheticData, ids: list[int], cost: CostModel) -> list[Item]:
