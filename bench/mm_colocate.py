@@ -200,6 +200,7 @@ def main(argv=None) -> dict:
     procs = {} if a.no_procs or (device.type == "cpu" and len(cpus) < 2) else \
         {f"colocated 2 procs q={q}": q for q in proc_quotas}
     samples: dict[str, list[float]] = {k: [] for k in [*temporal, *plans, *procs]}
+    errors: dict[str, str] = {}  # a two-process plan that failed to run (e.g. no MPS client possible)
     losses: dict[str, list[float]] = {}
     head = {"device": a.device, "cpus": len(cpus), "batch": a.batch, "micro_batches": a.micro_batches,
             "steps": a.steps, "trials": a.trials,
@@ -237,14 +238,20 @@ def main(argv=None) -> dict:
             # Two-process plans: every trial in one launch (starting processes costs
             # seconds), right after the first trial of the others, so that a run cut
             # short by a time limit still holds a baseline and these.
-            for k, q in procs.items():
-                enc_side, llm_side = run_ranks(2, _proc_rank, mm, gpt, a.device, a.batch, a.steps, a.trials, q,
-                                               a.micro_batches, cpus)
+            for k, q in list(procs.items()):
+                try:
+                    enc_side, llm_side = run_ranks(2, _proc_rank, mm, gpt, a.device, a.batch, a.steps, a.trials, q,
+                                                   a.micro_batches, cpus)
+                except RuntimeError as e:  # recorded; the other plans still run and report
+                    errors[k] = str(e)[-2000:]
+                    print(f"{k}: failed, recorded under 'errors':\n{errors[k]}", file=sys.stderr)
+                    del procs[k], samples[k]
+                    continue
                 # A step ends in an all-reduce both join: the slower side's time is the step's.
                 samples[k] = [max(x, y) for x, y in zip(enc_side[0], llm_side[0])]
                 losses[k] = enc_side[1]
-                write_json(a.json, {**head, "trials_done": trial + 1, "step_s_trials": samples, **sofar()},
-                           complete=False, indent=2)
+                write_json(a.json, {**head, "trials_done": trial + 1, "step_s_trials": samples, "errors": errors,
+                                    **sofar()}, complete=False, indent=2)
 
     final = sofar()
     med, base_name, best = final["step_s"], final["baseline"], final["best_plan"]
@@ -281,6 +288,7 @@ def main(argv=None) -> dict:
         "speedup_vs_temporal": base / med[best],
         "speedup_vs_temporal_per_variant": {k: base / v for k, v in med.items()},
         "max_loss_diff_vs_temporal": max_loss_diff,
+        "errors": errors,
     }
     print(f"baseline: {base_name}; best: {best}  speedup_vs_temporal = {out['speedup_vs_temporal']:.2f}x  "
           f"(loss |diff| vs baseline <= {max_loss_diff:.1e})")

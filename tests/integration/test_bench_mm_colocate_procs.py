@@ -40,3 +40,16 @@ def test_two_process_plan_trains_like_the_temporal_run():
     assert enc[1] == llm[1]  # one all-reduced loss per step on both sides
     for side in (enc, llm):  # a mean step time per trial, every one measured
         assert len(side[0]) == 2 and all(t > 0 for t in side[0])
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_two_process_plan_is_recorded_and_the_run_completes(monkeypatch, tmp_path):
+    def boom(*a, **kw):
+        raise RuntimeError("rank 0 failed:\nsimulated")
+
+    monkeypatch.setattr(mc, "run_ranks", boom)
+    out = mc.main(["--steps", "1", "--trials", "1", "--no-soft", "--json", str(tmp_path / "mm.json")])
+    assert list(out["errors"]) == [k for k in out["errors"] if k.startswith("colocated 2 procs")]
+    assert "simulated" in next(iter(out["errors"].values()))
+    assert not any(k.startswith("colocated 2 procs") for k in out["step_s"])
+    assert out["speedup_vs_temporal"] > 0
