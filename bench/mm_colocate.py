@@ -9,8 +9,11 @@ badly threaded baseline never inflates the speedup). Colocated:
 the same micro-batches pipelined with the encoder and the LLM on their own quota (CPU:
 disjoint core sets + per-thread intra-op budgets, pinned ("hard") or not ("soft");
 CUDA: a stream each with priorities), for every quota split in the sweep; the best
-split is the plan's. Same samples, same
-initial weights, same number of steps; variants interleave trial by trial in one run so
+split is the plan's. Also colocated as two processes, encoder | LLM, each owning its
+module (Mosaic's form; CPU: a core set each; CUDA: an MPS SM share each — under an MPS
+daemon, which bench/gpu/run.sh provides), all of its trials in one launch after the
+first trial of the others. Same samples, same
+initial weights, same number of steps; the other variants interleave trial by trial in one run so
 machine noise hits them alike; median over trials of the mean step time after a warm-up
 step, timed around a device synchronize. JSON: ``speedup_vs_temporal`` (best plan vs
 the baseline), ``step_s`` per variant.

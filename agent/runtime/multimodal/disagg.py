@@ -10,7 +10,10 @@ pipeline: encoder forward of j+1 is issued before the LLM works on j.
 Every rank keeps a full replica of model and optimizer and all gradients are summed over
 the world once per step, so (1) the encoder:LLM split can change between steps without
 moving weights, and (2) the result equals a plain single-process step on the whole batch
-(losses are normalised by the batch's target count) up to float rounding.
+(losses are normalised by the batch's target count) up to float rounding. A parameter
+no rank produced a gradient for (a module nothing in the batch used) keeps ``grad = None``
+as in a plain step, so the optimizer leaves it alone (no weight decay, no momentum). The coupled
+layout (``reshard.coupled_plan``) runs through the same code with every transfer local.
 
 ``owned=True`` is the colocated form (after Mosaic: encoder and LLM as two processes on
 one device, each on its own quota): the layout is disjoint and fixed for the engine's
@@ -19,10 +22,7 @@ no gradient all-reduce, only the embeddings, their gradients and a small all-red
 the loss, the "had a gradient" flags and a finiteness flag per step. A replica's copy of
 a module another rank owns goes stale, unused; a parameter that got gradients on two
 ranks, or a layout that changes or shares a rank, is an error (never a silent wrong
-update). The losses still equal a plain step's. A parameter
-no rank produced a gradient for (a module nothing in the batch used) keeps ``grad = None``
-as in a plain step, so the optimizer leaves it alone (no weight decay, no momentum). The coupled
-layout (``reshard.coupled_plan``) runs through the same code with every transfer local.
+update). The losses still equal a plain step's.
 """
 
 from __future__ import annotations
