@@ -214,7 +214,7 @@ else
       tail -n 12 "$DIR/estimator_accuracy.log"
       # mm_colocate under the daemon too: its two-process plans (encoder | LLM) take MPS
       # SM shares (Mosaic's colocation); its stream plans run as one client.
-      step mm_colocate 60 env CUDA_MPS_PIPE_DIRECTORY="$MPS_ROOT/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_ROOT/log" \
+      step mm_colocate 75 env CUDA_MPS_PIPE_DIRECTORY="$MPS_ROOT/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_ROOT/log" \
         "$PY" -m bench.mm_colocate --device cuda --json "$DIR/mm_colocate.json"
       MM_COLOCATE_DONE=1
     else

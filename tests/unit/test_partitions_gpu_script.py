@@ -59,8 +59,8 @@ def test_step_limits_fit_the_default_budget():
     budget = int(re.search(r"BUDGET_S=\$\{TESSERA_GPU_BUDGET_S:-(\d+)\}", text).group(1))
     limits = {m.group(1): int(m.group(2)) for m in re.finditer(r"^\s*step (\w+) (\d+) ", text, re.M)}
     loop = re.search(r"for mod in ([\w ]+); do.*?limit=(\d+);.*?peft_mux \] && limit=(\d+)", text, re.S)
-    for mod in loop.group(1).split():
-        limits[mod] = int(loop.group(3)) if mod == "peft_mux" else int(loop.group(2))
+    for mod in loop.group(1).split():  # a step that also runs above (under MPS) counts at its larger limit
+        limits[mod] = max(limits.get(mod, 0), int(loop.group(3)) if mod == "peft_mux" else int(loop.group(2)))
     assert set(limits) == {"devices", "mps_quota", "estimator_accuracy", "peft_mux", "mm_colocate", "mm_reshard"}
     assert budget <= 540 and sum(limits.values()) <= budget, limits  # the device tool: 600 s a call
     assert limits["peft_mux"] >= 150 and limits["mps_quota"] >= 75
