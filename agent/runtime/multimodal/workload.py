@@ -204,12 +204,24 @@ def _run(spec: dict, reporter: Reporter) -> int:
     def order_at(step: int) -> dict:
         return {"ranks": group_ranks(step, G, ranks, start, resume_ranks), "group_batches": G}
     colo = dist_eng = None
+    joined_here = False  # whether this run joined the process group (then it leaves it)
     if mm["mode"] == "colocated":
         colo = ColocatedEngine(model, opt, mm["colocated"]["encoder_quota"], mm["micro_batches"],
                                pin=mm["colocated"]["pin"])
     else:
+        joined_here = world > 1 and not torch.distributed.is_initialized()
         init_from_spec(d)
         dist_eng = DistEngine(model, opt, data, rank, world)
+
+    def leave() -> None:
+        """Every rank leaves the group it joined together (a barrier, then destroy) instead
+        of exiting with it alive: on a loaded host rank 1 once aborted at its exit ("terminate
+        called without an active exception", exit 134) while rank 0 was still writing the
+        final checkpoint — a process that tears gloo down under a live peer can abort."""
+        if joined_here and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+
     dg = mm["disaggregated"]
     pinned = None if dg["encoder_ranks"] == "auto" else dg["encoder_ranks"]
     loss = float("nan")
@@ -261,9 +273,11 @@ def _run(spec: dict, reporter: Reporter) -> int:
     if stopped_at:
         saved = f"checkpoint at step {stopped_at}" if ckpt else "no checkpoint"
         _emit_error(reporter, rank, f"stopped by SIGTERM after step {stopped_at} ({saved})", signal="SIGTERM")
+        leave()
         return EXIT_TERM
     if ckpt and rank == 0:
         _save(ckpt, model, opt, p["steps"], order_at(p["steps"]))
         reporter.event("checkpoint", path=ckpt, step=p["steps"])
     reporter.event("done", final_loss=loss)
+    leave()
     return 0
