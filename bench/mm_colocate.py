@@ -133,6 +133,14 @@ def _proc_rank(rank, world, mm, gpt, device, batch, steps, trials, quota, micro,
     return per_trial, losses
 
 
+def _distinct(quotas: list[float], key) -> list[float]:
+    """The first quota of each distinct ``key(quota)`` (the plan it gives), in order."""
+    out: dict = {}
+    for q in quotas:
+        out.setdefault(key(q), q)
+    return list(out.values())
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -164,21 +172,13 @@ def main(argv=None) -> dict:
         ap.error(f"--quotas: each encoder share must be in (0, 1), got {bad}")
     # Two-process plans: a CPU quota is a core split (the same split runs once); on CUDA
     # each quota is its own MPS share, so every one runs.
-    proc_quotas, splits = [], set()
-    for q in quotas:
-        key = q if device.type == "cuda" else tuple(map(tuple, split_cpus(cpus, q)))
-        if key not in splits:
-            splits.add(key)
-            proc_quotas.append(q)
+    def split(q):
+        return tuple(map(tuple, split_cpus(cpus, q)))
+
+    proc_quotas = _distinct(quotas, (lambda q: q) if device.type == "cuda" else split)
     # Quotas that give the same plan run once. CPU: a quota is a core split; CUDA:
     # within one process it only decides which stream has the higher priority.
-    seen, uniq = set(), []
-    for q in quotas:
-        key = tuple(map(tuple, split_cpus(cpus, q))) if device.type == "cpu" else q >= 0.5
-        if key not in seen:
-            seen.add(key)
-            uniq.append(q)
-    quotas = uniq
+    quotas = _distinct(quotas, split if device.type == "cpu" else (lambda q: q >= 0.5))
 
     # Temporal baselines. On CUDA: the default stream. On CPU "the whole device" is every
     # core as intra-op threads, but on a small or shared machine one thread can be faster

@@ -130,6 +130,17 @@ class DistEngine:
         dist.irecv(buf, src, tag=tag).wait()
         return buf.to(self.device) if self.stage else buf
 
+    def _all_reduce(self, buf: torch.Tensor) -> torch.Tensor:
+        """Sum ``buf`` over the world (staged through host memory for CUDA over gloo);
+        returns the reduced tensor on ``buf``'s device (``buf`` itself unless staged)."""
+        if self.world > 1:
+            if self.stage:
+                host = buf.cpu()
+                dist.all_reduce(host)
+                return host.to(buf.device)
+            dist.all_reduce(buf)
+        return buf
+
     def _len(self, m: SampleMeta) -> int:
         return m.media_tokens(self.data.per_image, self.data.per_audio)
 
@@ -291,13 +302,7 @@ class DistEngine:
             return self._finish_owned(stats, had, extras, t0, t_start)
         flat = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=dev) for p in self.params]
         buf = torch.cat(flat + [had, extras])
-        if self.world > 1:
-            if self.stage:
-                host = buf.cpu()
-                dist.all_reduce(host)
-                buf = host.to(dev)
-            else:
-                dist.all_reduce(buf)
+        buf = self._all_reduce(buf)
         off = 0
         n_grad = buf.numel() - had.numel() - extras.numel()
         used = buf[n_grad:n_grad + had.numel()].tolist()
@@ -334,13 +339,7 @@ class DistEngine:
         local = [p for p in self.params if p.grad is not None]
         bad = 0.0 if all(bool(torch.isfinite(p.grad).all()) for p in local) else 1.0
         buf = torch.cat([had, torch.tensor([bad], device=had.device), extras])
-        if self.world > 1:
-            if self.stage:
-                host = buf.cpu()
-                dist.all_reduce(host)
-                buf = host.to(buf.device)
-            else:
-                dist.all_reduce(buf)
+        buf = self._all_reduce(buf)
         n = had.numel()
         counts, bad_all, ex = buf[:n].tolist(), float(buf[n]), buf[n + 1:].tolist()
         stats.add("sync", "communication", time.perf_counter() - t0)
