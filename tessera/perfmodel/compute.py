@@ -3,18 +3,22 @@
 Step time of one rank that runs ``m`` micro-batches of a stage on a quota ``q``
 (CPU cores here; an SM share in (0, 1] on a GPU):
 
-    t = m * [ (c_flops * flops + c_elems * elems) * s(q) + c_ops * ops + c_mb ]
+    t = m * [ c_flops * flops * s(q) + c_elems * elems * b(q) + c_ops * ops + c_mb ]
         + c_params * params + c_tensors * tensors + c_seq * seq + c_one
 
     s(q) = (1 - p) + p / min(q, q_sat)                          (Amdahl + roofline cap)
+    b(q) = min(1, q_mem) / min(q, q_mem)                        (memory bandwidth)
 
-The FLOP and memory terms run in parallel on the quota, a fraction ``1 - p`` of them
-does not (Amdahl); beyond ``q_sat`` more quota buys nothing (roofline-like
-saturation: memory bandwidth, or too little work per SM). Dispatch overhead
-(``ops``, ``mb``) and AdamW's per-tensor loop are serial Python/C++ work. All
-coefficients are >= 0. ``c_*`` are found by non-negative least squares on relative
-residuals (MAPE is what we are judged on); ``p`` and ``q_sat`` by a grid search
-around it (variable projection), every candidate's robust loss at one common scale.
+The FLOP term runs in parallel on the quota, a fraction ``1 - p`` of it does not
+(Amdahl); beyond ``q_sat`` more quota buys nothing (too little work per core or SM).
+Element-wise work is bound by memory bandwidth, which grows with the quota only up
+to ``q_mem`` (roofline: 2 vCPUs of one VM share their memory bandwidth, so q_mem = 1
+there; a GPU's HBM is saturated by a fraction of its SMs); ``q_mem`` = inf is linear
+scaling. Dispatch overhead (``ops``, ``mb``) and AdamW's per-tensor loop are serial
+Python/C++ work. All coefficients are >= 0. ``c_*`` are found by non-negative least
+squares on relative residuals (MAPE is what we are judged on); ``p``, ``q_sat`` and
+``q_mem`` by a grid search around it (variable projection), every candidate's robust
+loss at one common scale.
 Pure: numpy only.
 """
 
@@ -38,11 +42,18 @@ def quota_scale(q, p: float, q_sat: float):
     return (1.0 - p) + p / np.minimum(q, q_sat)
 
 
-def design(mbf: dict, stf: dict, m, q, p: float, q_sat: float) -> np.ndarray:
+def mem_scale(q, q_mem: float):
+    """b(q): time multiplier of element-wise (memory-bound) work at quota q; 1 at q = 1
+    when q_mem >= 1, 1/q for q_mem = inf, constant beyond q_mem."""
+    q = np.asarray(q, dtype=float)
+    return min(1.0, q_mem) / np.minimum(q, q_mem)
+
+
+def design(mbf: dict, stf: dict, m, q, p: float, q_sat: float, q_mem: float = INF) -> np.ndarray:
     """Design matrix (n, 8) in COEFS order for features, micro-batches m and quota q."""
     s = quota_scale(q, p, q_sat)
     m = np.asarray(m, dtype=float)
-    cols = [m * mbf["flops"] * s, m * mbf["elems"] * s, m * mbf["ops"], m * mbf["mb"],
+    cols = [m * mbf["flops"] * s, m * mbf["elems"] * mem_scale(q, q_mem), m * mbf["ops"], m * mbf["mb"],
             stf["params"], stf["tensors"], stf["seq"], stf["one"]]
     return np.stack(np.broadcast_arrays(*[np.asarray(c, dtype=float) for c in cols]), axis=-1)
 
@@ -109,6 +120,7 @@ class ComputeFit:
     coef: dict = field(default_factory=dict)
     p: float = 1.0
     q_sat: float = INF
+    q_mem: float = INF
     rel_sigma: float = INF      # std of relative residuals (dof-corrected)
     n: int = 0
     status: str = "insufficient_data"
@@ -120,6 +132,7 @@ class ComputeFit:
     def to_dict(self) -> dict:
         return {"device_type": self.device_type, "coef": dict(self.coef), "p": self.p,
                 "q_sat": None if math.isinf(self.q_sat) else self.q_sat,
+                "q_mem": None if math.isinf(self.q_mem) else self.q_mem,
                 "rel_sigma": None if math.isinf(self.rel_sigma) else self.rel_sigma, "n": self.n,
                 "status": self.status, "reason": self.reason, "ranges": {k: list(v) for k, v in self.ranges.items()},
                 "modules": dict(self.modules)}
@@ -128,6 +141,7 @@ class ComputeFit:
     def from_dict(cls, d: dict) -> "ComputeFit":
         return cls(device_type=d["device_type"], coef={k: float(v) for k, v in d["coef"].items()}, p=float(d["p"]),
                    q_sat=INF if d.get("q_sat") is None else float(d["q_sat"]),
+                   q_mem=INF if d.get("q_mem") is None else float(d["q_mem"]),
                    rel_sigma=INF if d.get("rel_sigma") is None else float(d["rel_sigma"]), n=int(d["n"]),
                    status=d["status"], reason=d.get("reason", ""),
                    ranges={k: tuple(v) for k, v in d.get("ranges", {}).items()}, modules=dict(d.get("modules", {})))
@@ -138,13 +152,13 @@ class ComputeFit:
     def mb_time(self, mbf: dict, q):
         """Seconds of one micro-batch's forward + backward (no per-step work) at quota q."""
         c = self.coef
-        s = quota_scale(q, self.p, self.q_sat)
-        return (c["c_flops"] * mbf["flops"] + c["c_elems"] * mbf["elems"]) * s + c["c_ops"] * mbf["ops"] + c["c_mb"] * mbf["mb"]
+        return (c["c_flops"] * mbf["flops"] * quota_scale(q, self.p, self.q_sat)
+                + c["c_elems"] * mbf["elems"] * mem_scale(q, self.q_mem) + c["c_ops"] * mbf["ops"] + c["c_mb"] * mbf["mb"])
 
     def elementwise_time(self, elems, q):
         """Seconds of ``elems`` elements of element-wise memory traffic at quota q (the
-        fitted element-wise rate, divided over the quota like a micro-batch's)."""
-        return self.coef["c_elems"] * elems * quota_scale(q, self.p, self.q_sat)
+        fitted element-wise rate and bandwidth scaling of a micro-batch's)."""
+        return self.coef["c_elems"] * elems * mem_scale(q, self.q_mem)
 
     def step_time(self, stf: dict):
         """Seconds of the per-step work (optimizer, data) of one rank."""
@@ -222,31 +236,34 @@ def fit_compute(device_type: str, samples: list[ComputeSample], *, q_sat_grid: t
     qs = sorted(set(q.tolist()))
     sat_grid = q_sat_grid if q_sat_grid is not None else tuple([INF] + [v for v in qs[1:]])
     p_grid = P_GRID if len(qs) > 1 else (1.0,)  # one quota level says nothing about p
+    # q_mem: linear bandwidth scaling, or saturated at one of the profiled quotas.
+    mem_grid = tuple([INF] + qs) if len(qs) > 1 else (INF,)
     fits = []
     for p in p_grid:
         for qsat in sat_grid:
-            c, r = _robust_fit(design(mbf, stf, m, q, p, qsat), y)
-            fits.append((p, qsat, c, r))
+            for qmem in mem_grid:
+                c, r = _robust_fit(design(mbf, stf, m, q, p, qsat, qmem), y)
+                fits.append((p, qsat, qmem, c, r))
     # Every candidate (p, q_sat) is judged at one common scale — the best candidate's
     # robust scale — not at its own: at its own, a fit that misses everything by 30%
     # (e.g. p = 0, the few points at another quota written off as outliers) scored
     # as well as one that fits everything to 3%. Ties (exact data) go to the smaller
     # squared error.
-    s0 = max(min(1.4826 * float(np.median(np.abs(f[3]))) for f in fits), 1e-9)
+    s0 = max(min(1.4826 * float(np.median(np.abs(f[-1]))) for f in fits), 1e-9)
     best = None
-    for p, qsat, c, r in fits:
+    for p, qsat, qmem, c, r in fits:
         u = np.abs(r) / (HUBER_K * s0)
         loss = float(np.sum(np.where(u <= 1, 0.5 * u * u, u - 0.5))) + float(r @ r)
         if best is None or loss < best[0] - 1e-15:
-            best = (loss, p, qsat, c, r)
-    _, p, qsat, c, r = best
+            best = (loss, p, qsat, qmem, c, r)
+    _, p, qsat, qmem, c, r = best
     if not (np.isfinite(c).all() and np.isfinite(r).all()):
         out.reason = f"compute fit of {device_type} is not finite"
         return out
     k = int((c > 0).sum()) + (1 if len(qs) > 1 else 0)
     dof = max(1, distinct - k)
     out.coef = dict(zip(COEFS, map(float, c)))
-    out.p, out.q_sat = float(p), float(qsat)
+    out.p, out.q_sat, out.q_mem = float(p), float(qsat), float(qmem)
     # Robust scale (MAD) of the relative residuals, inflated for the fitted parameters.
     # (Degrees of freedom from distinct points: repeats do not pin more parameters.)
     out.rel_sigma = 1.4826 * float(np.median(np.abs(r))) * math.sqrt(distinct / dof)

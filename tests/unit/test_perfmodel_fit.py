@@ -17,10 +17,10 @@ TRUE = {"c_flops": 2e-11, "c_elems": 3e-10, "c_ops": 4e-4, "c_mb": 1e-3, "c_para
 TRUE_P = 0.8
 
 
-def synth_time(s: ComputeSample, coef=TRUE, p=TRUE_P, q_sat=INF) -> float:
+def synth_time(s: ComputeSample, coef=TRUE, p=TRUE_P, q_sat=INF, q_mem=INF) -> float:
     mbf, stf = s.features()
     x = design({k: np.array([v]) for k, v in mbf.items()}, {k: np.array([v]) for k, v in stf.items()},
-               np.array([s.micro_batches]), np.array([s.q]), p, q_sat)
+               np.array([s.micro_batches]), np.array([s.q]), p, q_sat, q_mem)
     return float(x[0] @ np.array([coef[k] for k in COEFS]))
 
 
@@ -63,6 +63,32 @@ def test_quota_saturation_is_found():
     data = [ComputeSample(**{**s.__dict__, "seconds": synth_time(s, q_sat=2.0)}) for s in data]
     fit = fit_compute("cpu", data)
     assert fit.q_sat == 2.0 and fit.p == pytest.approx(TRUE_P)
+
+
+def test_memory_bandwidth_saturation_is_found_and_recovers_the_coefficients():
+    # Element-wise work that no second core speeds up (2 vCPUs sharing one memory
+    # bus): q_mem = 1, while the FLOPs still scale with p.
+    data = [ComputeSample(**{**s.__dict__, "seconds": synth_time(s, q_mem=1.0)}) for s in samples()]
+    fit = fit_compute("cpu", data)
+    assert fit.status == "ok" and fit.q_mem == 1.0 and fit.p == pytest.approx(TRUE_P)
+    for k in COEFS:
+        assert fit.coef[k] == pytest.approx(TRUE[k], rel=1e-4), k
+    # Linear-bandwidth data keeps q_mem = inf (no saturation is invented on a tie).
+    assert fit_compute("cpu", samples()).q_mem == INF
+
+
+def test_bandwidth_bound_model_gains_less_from_a_second_core():
+    # Same fit, two modules: one all FLOPs, one all element-wise traffic. With q_mem = 1
+    # only the first gets faster at 2 cores; the element-wise rate prices a dp bucket
+    # the same at any core count.
+    fit = fit_compute("cpu", [ComputeSample(**{**s.__dict__, "seconds": synth_time(s, q_mem=1.0)})
+                              for s in samples()])
+    flops = {"flops": 1e9, "elems": 0.0, "ops": 0.0, "mb": 0.0}
+    elems = {"flops": 0.0, "elems": 1e7, "ops": 0.0, "mb": 0.0}
+    assert fit.mb_time(flops, 2.0) < 0.7 * fit.mb_time(flops, 1.0)
+    assert fit.mb_time(elems, 2.0) == pytest.approx(fit.mb_time(elems, 1.0))
+    assert fit.elementwise_time(1e7, 2.0) == pytest.approx(fit.elementwise_time(1e7, 1.0))
+    assert fit.mb_time(elems, 0.5) == pytest.approx(2 * fit.mb_time(elems, 1.0))  # half a core: half the bandwidth
 
 
 def test_too_few_profiles_is_insufficient_data():

@@ -12,7 +12,7 @@ from tessera import manifest
 from tessera.modelkey import arch_key, profile_labels, shape_key
 from tessera.perfmodel import Candidate, PerfModel, ProfilePoint
 from tessera.perfmodel import features as F
-from tessera.perfmodel.compute import COEFS, ComputeFit, quota_scale
+from tessera.perfmodel.compute import COEFS, ComputeFit, mem_scale, quota_scale
 from tessera.perfmodel.workload import profiled, quota_curve, workload_of
 from tessera.spec.multimodal import mean_mix, mix_at
 
@@ -142,8 +142,8 @@ def pt(q, seconds, module=MOD, rows=4, steps=6, spread=0.0) -> ProfilePoint:
                         spread=spread)
 
 
-def fit(p=0.8, q_sat=math.inf) -> ComputeFit:
-    return ComputeFit(device_type="cpu", coef={k: 1e-9 for k in COEFS}, p=p, q_sat=q_sat, rel_sigma=0.02, n=12,
+def fit(p=0.8, q_sat=math.inf, q_mem=1.0) -> ComputeFit:
+    return ComputeFit(device_type="cpu", coef={k: 1e-9 for k in COEFS}, p=p, q_sat=q_sat, q_mem=q_mem, rel_sigma=0.02, n=12,
                       status="ok")
 
 
@@ -182,8 +182,8 @@ def _step(f: ComputeFit, c: Candidate, q: float) -> float:
     mbf = F.mb_features(c.batch, c.seq_len, c.layers, c.hidden, c.heads, c.vocab, 1, 1)
     stf = F.step_features(c.seq_len, c.layers, c.hidden, c.vocab, c.seq_len, 1, 1)
     k = f.coef
-    return ((k["c_flops"] * mbf["flops"] + k["c_elems"] * mbf["elems"]) * float(quota_scale(q, f.p, f.q_sat))
-            + k["c_ops"] * mbf["ops"] + k["c_mb"] + k["c_params"] * stf["params"] + k["c_tensors"] * stf["tensors"]
+    return (k["c_flops"] * mbf["flops"] * float(quota_scale(q, f.p, f.q_sat))
+            + k["c_elems"] * mbf["elems"] * float(mem_scale(q, f.q_mem)) + k["c_ops"] * mbf["ops"] + k["c_mb"] + k["c_params"] * stf["params"] + k["c_tensors"] * stf["tensors"]
             + k["c_seq"] * stf["seq"] + k["c_one"])
 
 
@@ -192,8 +192,8 @@ def test_one_profiled_quota_is_scaled_by_the_devices_fitted_curve_or_refused():
     m = PerfModel(version=1, compute={"cpu": f}, profiles={"cpu": [pt(1.0, 0.020)]})
     e = m.estimate(cand(2.0))
     # The ratio of a gpt step of the candidate's backbone at the two quotas: the serial
-    # parts (dispatch, optimizer) stay, so it lies between the parallel part's s(2)/s(1)
-    # and 1.
+    # parts (dispatch, optimizer; element-wise traffic at q_mem = 1) stay, so it lies
+    # between the parallel part's s(2)/s(1) and 1.
     ratio = _step(f, cand(2.0), 2.0) / _step(f, cand(2.0), 1.0)
     par = float(quota_scale(2.0, 0.8, 3.0) / quota_scale(1.0, 0.8, 3.0))
     assert par < ratio < 1.0
