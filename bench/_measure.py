@@ -372,10 +372,11 @@ def profile_points(points: list[tuple[dict, list[int]]], warmup: int,
 # --------------------------------------------------------------------------- comm
 
 
-def comm_table(sizes: list[int] | None = None, reps: int = 7, sync: bool = True) -> tuple[list[dict], float]:
+def comm_table(sizes: list[int] | None = None, reps: int = 7, sync: bool = True,
+               ops: tuple[str, ...] | None = None) -> tuple[list[dict], float]:
     """Gloo loopback micro-benchmark over 2 processes; (rows, device-seconds), with the
-    synchronisation rows (``sync``). The one implementation lives in
-    profilerd/commbench.py (profilerd runs it too)."""
-    from profilerd.commbench import table
+    synchronisation rows (``sync``), of ``ops`` (default: all of commbench's). The one
+    implementation lives in profilerd/commbench.py (profilerd runs it too)."""
+    from profilerd.commbench import OPS, table
 
-    return table(sizes or [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20], reps, sync=sync)
+    return table(sizes or [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20], reps, sync=sync, ops=ops or OPS)

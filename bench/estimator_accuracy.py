@@ -78,7 +78,13 @@ ROUNDS = 5
 # (bench._measure.run_jobs); with MEASURED each, the slower one's window held 0-2 steps.
 PAIR_MEASURED = 2 * MEASURED
 COMM_SIZES = [64 << 10, 512 << 10, 4 << 20]
-COMM_REPS = 4
+# Only the ops the estimates price (tp / dp all-reduces, pipeline sends); all_gather and
+# broadcast were ~half the comm profile's cost and priced nothing. Their time goes into
+# more reps of the two that matter: a blocking op here is bimodal (0.3 ms or 3-4 ms,
+# profilerd.commbench), and 4 reps per size and round once caught only the fast mode
+# (every tp estimate halved).
+COMM_OPS = ("all_reduce", "send_recv")
+COMM_REPS = 8
 
 # Non-gpt workloads (estimated from their own step shape, tessera.perfmodel.workload):
 # name -> (category, job manifest). Each is profiled like a profiling job of the
@@ -457,7 +463,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                     pcost["workload"] += res["device_s"]
                     wprof[name].append(res["steps"])
             elif task[0] == "comm":
-                rows, dev_s = comm_table(sizes=COMM_SIZES, reps=COMM_REPS)
+                rows, dev_s = comm_table(sizes=COMM_SIZES, reps=COMM_REPS, ops=COMM_OPS)
                 pcost["comm"] += dev_s
                 comm_runs.append(rows)
             else:

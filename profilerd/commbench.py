@@ -45,10 +45,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+OPS = ("all_reduce", "all_gather", "broadcast", "send_recv")
 SYNC_CHUNKS = (4, 160)  # matmuls of 128x128 per compute chunk of the sync rows (~0.2 ms, ~8 ms here)
 
 
-def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str, sync: bool = False) -> None:
+def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str, sync: bool = False,
+          ops: tuple[str, ...] = OPS) -> None:
     code = 1
     try:
         cores = sorted(os.sched_getaffinity(0))
@@ -73,13 +75,13 @@ def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str, sync
             x = torch.ones(n)
             outs = [torch.empty(n) for _ in range(2)]
 
-            def ops():
-                yield "all_reduce", lambda: dist.all_reduce(x)
-                yield "all_gather", lambda: dist.all_gather(outs, x)
-                yield "broadcast", lambda: dist.broadcast(x, src=0)
-                yield "send_recv", lambda: dist.send(x, dst=1) if rank == 0 else dist.recv(x, src=0)
+            fns = {"all_reduce": lambda: dist.all_reduce(x),
+                   "all_gather": lambda: dist.all_gather(outs, x),
+                   "broadcast": lambda: dist.broadcast(x, src=0),
+                   "send_recv": lambda: dist.send(x, dst=1) if rank == 0 else dist.recv(x, src=0)}
 
-            for op, fn in ops():
+            for op in ops:
+                fn = fns[op]
                 fn()  # warm-up (connection setup, buffers)
                 ts, base = [], []
                 for _ in range(reps):
@@ -117,18 +119,22 @@ def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str, sync
 
 
 def table(sizes: list[int] | tuple[int, ...] | None = None, reps: int = 7,
-          timeout_s: float = 120.0, sync: bool = False) -> tuple[list[dict], float]:
+          timeout_s: float = 120.0, sync: bool = False, ops: tuple[str, ...] = OPS) -> tuple[list[dict], float]:
     """Run the micro-benchmark (2 forked ranks); (rows, device-seconds); ``sync`` adds
-    the synchronisation rows (module docstring). Raises
-    RuntimeError when a rank fails or times out. Call it from a process without
-    threads that must not be forked (not from a gRPC server)."""
+    the synchronisation rows (module docstring); ``ops`` (a subset of ``OPS``) are the
+    ops measured, in that order. Raises ValueError for an unknown op, RuntimeError when
+    a rank fails or times out. Call it from a process without threads that must not be
+    forked (not from a gRPC server)."""
+    bad = [op for op in ops if op not in OPS]
+    if bad or not ops:
+        raise ValueError(f"ops: unknown {bad or 'none given'}; a subset of {list(OPS)}")
     sizes = list(sizes or DEFAULT_SIZES)
     ctx = mp.get_context("fork")
     port = _free_port()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tessera-comm-") as tmp:
         path = os.path.join(tmp, "rows.json")
-        procs = [ctx.Process(target=_rank, args=(r, port, sizes, reps, path, sync), daemon=True) for r in range(2)]
+        procs = [ctx.Process(target=_rank, args=(r, port, sizes, reps, path, sync, tuple(ops)), daemon=True) for r in range(2)]
         for p in procs:
             p.start()
         for p in procs:

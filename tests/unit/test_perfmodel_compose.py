@@ -204,6 +204,13 @@ def test_straggler_wait_adds_to_multi_rank_plans_only(model):
     # The snapshot keeps the sync fit and gives the same numbers.
     again = PerfModel.from_dict(json.loads(json.dumps(with_sync.to_dict())))
     assert again.estimate(dp).seconds == pytest.approx(b.seconds)
+    # Pipeline stages do not run the same work in lock step: their waits are the
+    # schedule's (fill, drain, bubbles), already priced; only data / tensor replicas
+    # wait for the slowest of them.
+    pp, tp = cand(pp=2, micro_batches=4), cand(tp=2)
+    assert with_sync.estimate(pp).breakdown["straggle"] == 0.0
+    assert with_sync.estimate(pp).seconds == pytest.approx(model.estimate(pp).seconds)
+    assert with_sync.estimate(tp).breakdown["straggle"] > 0
 
 
 def test_batch_uses_each_candidates_schedule(model):

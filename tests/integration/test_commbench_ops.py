@@ -1,0 +1,23 @@
+"""profilerd.commbench measures only the ops it is asked for (real gloo, 2 processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from profilerd.commbench import OPS, table
+
+
+def test_table_measures_the_requested_ops_only():
+    rows, dev_s = table([4 << 10, 64 << 10], reps=2, ops=("all_reduce", "send_recv"))
+    assert {r["op"] for r in rows} == {"all_reduce", "send_recv"}
+    assert sorted((r["op"], r["bytes"]) for r in rows) == sorted(
+        (op, b) for op in ("all_reduce", "send_recv") for b in (4 << 10, 64 << 10))
+    assert all(r["world"] == 2 and r["seconds"] > 0 for r in rows) and dev_s > 0
+
+
+def test_unknown_op_is_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="all_to_all"):
+        table([4 << 10], reps=1, ops=("all_reduce", "all_to_all"))
+    with pytest.raises(ValueError, match="none given"):
+        table([4 << 10], reps=1, ops=())
+    assert OPS == ("all_reduce", "all_gather", "broadcast", "send_recv")
