@@ -232,7 +232,7 @@ def grid(quick: bool) -> list[dict]:
         for b, s in pts:
             single("single_model_size", name, b, s)
     for name, b, s in [("A", 16, 64), ("B", 8, 64), ("C", 8, 64), ("E", 8, 48), ("B", 16, 32), ("D", 8, 64),
-                       ("A", 32, 48), ("E", 4, 64), ("C", 16, 32)]:
+                       ("A", 32, 48), ("E", 4, 64), ("C", 16, 32), ("F", 8, 64)]:
         single("single_quota2", name, b, s, q=2)
     for name, b, s, m in [("A", 16, 64, 4), ("B", 16, 64, 4), ("C", 8, 64, 2), ("D", 8, 64, 2), ("E", 8, 32, 4),
                           ("A", 32, 32, 4), ("B", 8, 64, 2), ("C", 16, 48, 4), ("E", 16, 32, 2), ("D", 4, 128, 2)]:
@@ -257,10 +257,15 @@ def grid(quick: bool) -> list[dict]:
     for name, b, s in [("A", 16, 64), ("B", 8, 64), ("C", 16, 32), ("D", 8, 64), ("E", 8, 64), ("A", 32, 32),
                        ("B", 4, 64), ("C", 8, 64), ("F", 8, 64)]:
         multi("multi_dp2", name, b, s, dp=2)
+    # Data parallelism with gradient accumulation (each replica runs m micro-batches,
+    # then one bucketed all-reduce): the composition no dp point above tested.
+    for name, b, s, m in [("B", 16, 64, 2), ("D", 16, 64, 2), ("F", 16, 32, 4)]:
+        multi("multi_dp2", name, b, s, dp=2, m=m)
     for name, b, s, m in [("A", 16, 64, 1), ("A", 16, 64, 4), ("B", 8, 64, 2), ("C", 16, 64, 4), ("D", 8, 96, 4),
                           ("E", 8, 64, 2), ("B", 16, 32, 4), ("E", 16, 32, 4), ("D", 4, 64, 2), ("F", 8, 64, 2)]:
         multi("multi_pp2", name, b, s, pp=2, m=m)
-    for name, b, s in [("A", 16, 64), ("B", 8, 64), ("E", 8, 32), ("C", 8, 64), ("D", 4, 64), ("F", 8, 32)]:
+    for name, b, s in [("A", 16, 64), ("B", 8, 64), ("E", 8, 32), ("C", 8, 64), ("D", 4, 64), ("F", 8, 32),
+                       ("C", 16, 32)]:
         multi("multi_tp2", name, b, s, tp=2)
     if quick:
         # Two points per category keep every category in the table.
