@@ -331,13 +331,17 @@ def colocation_profile(workload: dict, cores: list[list[int]], warmup: int, meas
             "alone_n": len(alone), "together_n": len(together), "device_s": wall * held}
 
 
-def profile_points(points: list[tuple[dict, list[int]]], warmup: int,
+def profile_points(points: list[tuple[dict, list[int]]], warmup: int | list[int],
                    timeout_s: float = 300.0) -> tuple[list[dict], float]:
     """A cheap profiling job: one process runs each single-rank ``(workload, cores)``
     point in turn, pinned to that point's cores with one thread per core (its quota;
-    ``steps`` = warmup + measured). Returns (per point ``{"step_s", "wall_s"}`` as in
+    ``steps`` = warmup + measured; ``warmup``: one count for every point, or one per
+    point — the process is warm after its first). Returns (per point ``{"step_s", "wall_s"}`` as in
     :func:`run_jobs`, device-seconds of the job: each point's time, model build
     included, times its cores, plus start-up and gaps times the cores held then)."""
+    warm = list(warmup) if isinstance(warmup, (list, tuple)) else [warmup] * len(points)
+    if len(warm) != len(points):
+        raise ValueError(f"warmup: {len(warm)} counts for {len(points)} points")
     ctx = mp.get_context("fork")
     t_begin = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tessera-prof-") as tmp:
@@ -355,7 +359,7 @@ def profile_points(points: list[tuple[dict, list[int]]], warmup: int,
     out = []
     device_s = 0.0
     for k, run in enumerate(runs):
-        st = _steps([run], -1e18, 1e18, warmup, None)
+        st = _steps([run], -1e18, 1e18, warm[k], None)
         out.append({"step_s": statistics.median(st["corrected"]), "wall_s": statistics.median(st["raw"]),
                     "steps": st["corrected"], "raw_steps": st["raw"]})
         device_s += (run[-1][0] - starts[k]) * len(points[k][1])
