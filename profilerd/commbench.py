@@ -1,8 +1,9 @@
 """The communication micro-benchmark: torch.distributed gloo over loopback, 2 processes.
 
 ``table(sizes, reps)`` returns rows ``{"op", "bytes", "world", "seconds"}`` for
-all_reduce, all_gather, broadcast and send/recv, plus the device-seconds it cost. Each
-op is timed *in situ*: right after ~1 ms of compute, without a barrier (ranks arrive
+all_reduce, all_gather, broadcast and send/recv, plus the device-seconds it cost.
+send/recv is one transfer to a receiver already waiting for it (half a ping-pong after
+rank 0's compute: how a pipeline's hops run). Each collective is timed *in situ*: right after ~1 ms of compute, without a barrier (ranks arrive
 with their natural skew, as in a training step), minus the compute alone; the mean
 over ``reps`` (the expected cost, which is what a step's sum of many ops adds up to).
 A barriered, idle-link loop is 2-10x too optimistic on a busy host. The mean, not the
@@ -49,6 +50,35 @@ OPS = ("all_reduce", "all_gather", "broadcast", "send_recv")
 SYNC_CHUNKS = (4, 160)  # matmuls of 128x128 per compute chunk of the sync rows (~0.2 ms, ~8 ms here)
 
 
+def _one_way(dist, rank: int, x, reps: int, work) -> float:
+    """Seconds of one point-to-point transfer of ``x`` to a rank already waiting for it:
+    rank 0 computes, then sends and waits for the echo; rank 1 sits in ``recv`` and
+    echoes at once; half the mean round trip. A pipeline's transfer goes to a stage that
+    is waiting (fill, drain) or finds the data waiting (steady state); the skew between
+    stages is the schedule's, priced by the composition. Timing the sender after equal
+    compute on both ranks (as the collectives are) priced that skew into every hop: ~1 ms
+    for 64 KiB here, where the transfer to a waiting receiver takes ~0.2 ms."""
+    for _ in range(2):  # warm-up (connection setup, buffers)
+        if rank == 0:
+            dist.send(x, dst=1)
+            dist.recv(x, src=1)
+        else:
+            dist.recv(x, src=0)
+            dist.send(x, dst=0)
+    rtt = []
+    for _ in range(reps):
+        if rank == 0:
+            work()
+            t = time.perf_counter()
+            dist.send(x, dst=1)
+            dist.recv(x, src=1)
+            rtt.append(time.perf_counter() - t)
+        else:
+            dist.recv(x, src=0)
+            dist.send(x, dst=0)
+    return max(1e-6, statistics.fmean(rtt) / 2) if rtt else 0.0
+
+
 def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str, sync: bool = False,
           ops: tuple[str, ...] = OPS) -> None:
     code = 1
@@ -77,10 +107,12 @@ def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str, sync
 
             fns = {"all_reduce": lambda: dist.all_reduce(x),
                    "all_gather": lambda: dist.all_gather(outs, x),
-                   "broadcast": lambda: dist.broadcast(x, src=0),
-                   "send_recv": lambda: dist.send(x, dst=1) if rank == 0 else dist.recv(x, src=0)}
+                   "broadcast": lambda: dist.broadcast(x, src=0)}
 
             for op in ops:
+                if op == "send_recv":
+                    rows.append({"op": op, "bytes": n * 4, "world": 2, "seconds": _one_way(dist, rank, x, reps, work)})
+                    continue
                 fn = fns[op]
                 fn()  # warm-up (connection setup, buffers)
                 ts, base = [], []
