@@ -8,11 +8,15 @@ from profilerd.commbench import OPS, table
 
 
 def test_table_measures_the_requested_ops_only():
-    rows, dev_s = table([4 << 10, 64 << 10], reps=2, ops=("all_reduce", "send_recv"))
+    rows, dev_s = table([4 << 10, 8 << 20], reps=3, ops=("all_reduce", "send_recv"))
     assert {r["op"] for r in rows} == {"all_reduce", "send_recv"}
     assert sorted((r["op"], r["bytes"]) for r in rows) == sorted(
-        (op, b) for op in ("all_reduce", "send_recv") for b in (4 << 10, 64 << 10))
+        (op, b) for op in ("all_reduce", "send_recv") for b in (4 << 10, 8 << 20))
     assert all(r["world"] == 2 and r["seconds"] > 0 for r in rows) and dev_s > 0
+    # send/recv to a waiting receiver is a transfer: 8 MiB through loopback takes
+    # milliseconds, 4 KiB well under one (no skew between the ranks' compute in it).
+    p2p = {r["bytes"]: r["seconds"] for r in rows if r["op"] == "send_recv"}
+    assert p2p[8 << 20] > 2 * p2p[4 << 10]
 
 
 def test_unknown_op_is_refused_before_any_process_starts():
