@@ -236,10 +236,17 @@ def main(argv=None) -> dict:
         "model_imbalance": {k: v["model"] for k, v in res.items()},
         "final_loss": {k: v["losses"][-1] for k, v in res.items()},
         "speedup_vs_coupled": base / med[HEAD],
+        # Noise-free, from the FLOP cost model: what the head plan's balance buys over
+        # coupled, and the most any plan could (perfect balance, no padding: coupled's
+        # busiest rank over the even split of the same work).
+        "model_speedup_vs_coupled": res["coupled"]["model"] / res[HEAD]["model"],
+        "model_ceiling_vs_coupled": res["coupled"]["model"],
     }
     cp = out["speedup_vs_coupled_cpu_critical_path"]
     print(f"speedup_vs_coupled = {out['speedup_vs_coupled']:.2f}x (wall); "
           f"{'-' if cp is None else f'{cp:.2f}x'} (CPU critical path); "
+          f"cost model: {out['model_speedup_vs_coupled']:.2f}x, at most {out['model_ceiling_vs_coupled']:.2f}x "
+          f"for any plan of these samples on {a.ranks} ranks; "
           f"load average {os.getloadavg()[0]:.1f}")
     write_json(a.json, out, complete=True, indent=2)
     return out
