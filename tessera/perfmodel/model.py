@@ -358,9 +358,14 @@ class PerfModel:
         # scales it like the rest).
         comm_part = np.maximum(pipe - comp_pipe, 0.0) + np.maximum(per_step - comp_step, 0.0) + loss_ar + straggle
         comm_part = np.where(n_co > 1, comm_part * over * (1.0 + g * (n_co - 1)), comm_part)
-        csig = 0.0
+        # The scatter of the ops the plan uses: every multi-rank step all-reduces (its
+        # loss, and dp / tp), only a pipeline sends. (The largest over every measured op
+        # let a noisy send/recv fit drag every dp / tp estimate's confidence down.)
+        csig = 0.0 * world
         if comm is not None:
-            csig = max((v.get("rel_sigma", 0.0) for v in comm.ops.values()), default=0.0)
+            sig = {op: float(v.get("rel_sigma", 0.0)) for op, v in comm.ops.items()}
+            csig = np.where(pp > 1, max(sig.get("all_reduce", 0.0), sig.get("send_recv", 0.0)),
+                            sig.get("all_reduce", 0.0))
         # The fit's residual scatter, floored at the run-to-run noise of a measured
         # configuration (a noiseless fit cannot predict a new run better than that).
         var = max(fit.rel_sigma, RUN_TO_RUN) ** 2 + (EXTRAP_PER_LOG * d) ** 2 + unseen ** 2 \
