@@ -3,9 +3,10 @@
 ``table(sizes, reps)`` returns rows ``{"op", "bytes", "world", "seconds"}`` for
 all_reduce, all_gather, broadcast and send/recv, plus the device-seconds it cost.
 send/recv is one transfer to a receiver already waiting for it (half a ping-pong after
-rank 0's compute: how a pipeline's hops run). Each collective is timed *in situ*: right after ~1 ms of compute, without a barrier (ranks arrive
-with their natural skew, as in a training step), minus the compute alone; the mean
-over ``reps`` (the expected cost, which is what a step's sum of many ops adds up to).
+rank 0's compute: how a pipeline's hops run). Each collective is timed *in situ*: right
+after ~1 ms of compute, without a barrier (ranks arrive with their natural skew, as in a
+training step), minus the compute alone; the mean over ``reps`` (the expected cost,
+which is what a step's sum of many ops adds up to).
 A barriered, idle-link loop is 2-10x too optimistic on a busy host. The mean, not the
 median: an op that blocks is bimodal where a waiting rank's core goes idle — on this
 project's VM 0.3 ms, or 3-4 ms when the idle vCPU must be woken (about half the
@@ -166,7 +167,8 @@ def table(sizes: list[int] | tuple[int, ...] | None = None, reps: int = 7,
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tessera-comm-") as tmp:
         path = os.path.join(tmp, "rows.json")
-        procs = [ctx.Process(target=_rank, args=(r, port, sizes, reps, path, sync, tuple(ops)), daemon=True) for r in range(2)]
+        procs = [ctx.Process(target=_rank, args=(r, port, sizes, reps, path, sync, tuple(ops)), daemon=True)
+                 for r in range(2)]
         for p in procs:
             p.start()
         for p in procs:

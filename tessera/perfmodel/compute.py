@@ -153,7 +153,8 @@ class ComputeFit:
         """Seconds of one micro-batch's forward + backward (no per-step work) at quota q."""
         c = self.coef
         return (c["c_flops"] * mbf["flops"] * quota_scale(q, self.p, self.q_sat)
-                + c["c_elems"] * mbf["elems"] * mem_scale(q, self.q_mem) + c["c_ops"] * mbf["ops"] + c["c_mb"] * mbf["mb"])
+                + c["c_elems"] * mbf["elems"] * mem_scale(q, self.q_mem)
+                + c["c_ops"] * mbf["ops"] + c["c_mb"] * mbf["mb"])
 
     def elementwise_time(self, elems, q):
         """Seconds of ``elems`` elements of element-wise memory traffic at quota q (the

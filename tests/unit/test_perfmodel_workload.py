@@ -143,8 +143,8 @@ def pt(q, seconds, module=MOD, rows=4, steps=6, spread=0.0) -> ProfilePoint:
 
 
 def fit(p=0.8, q_sat=math.inf, q_mem=1.0) -> ComputeFit:
-    return ComputeFit(device_type="cpu", coef={k: 1e-9 for k in COEFS}, p=p, q_sat=q_sat, q_mem=q_mem, rel_sigma=0.02, n=12,
-                      status="ok")
+    return ComputeFit(device_type="cpu", coef={k: 1e-9 for k in COEFS}, p=p, q_sat=q_sat, q_mem=q_mem,
+                      rel_sigma=0.02, n=12, status="ok")
 
 
 def test_quota_curve_recovers_known_serial_and_parallel_parts():
