@@ -29,3 +29,33 @@ def test_a_colocated_partners_cpu_time_is_the_configuration_and_never_negative()
     assert foreign_wait({"main": 0.010}, {"main": 0.010}, 1, 0.020, extra=0.008) == pytest.approx(0.002)
     assert foreign_wait({"main": 0.001}, {"main": 0.010}, 1, 0.020, extra=0.008) == 0.0
     assert foreign_wait({}, {}, 1, 0.02) == 0.0
+
+
+def _stamps(points, cpu=None):
+    """Stamps of one rank with one thread "m": (wall, cumulative run, cumulative wait)."""
+    return [[t, run if cpu is None else cpu[i], {"m": [run, wait]}, "1", 1] for i, (t, run, wait) in enumerate(points)]
+
+
+def test_time_sliced_partner_is_discounted_over_the_window_not_per_step():
+    from bench._measure import _steps
+
+    # Our 10 ms steps on a core shared with a partner whose steps take 20 ms: in steps 1
+    # and 3 we waited 8 ms while the partner ran, in 2 and 4 it waited for us. The
+    # partner's CPU is known at its own boundaries only (0, 8, 16 ms at 0, 20, 40 ms):
+    # interpolated, each of our steps gets 4 ms. Per step that subtracted 4 ms from
+    # steps 1 and 3 and nothing (never negative) from 2 and 4; over the window the
+    # waits are all the partner's.
+    ours = _stamps([(0.00, 0.000, 0.000), (0.01, 0.002, 0.008), (0.02, 0.012, 0.008), (0.03, 0.014, 0.016),
+                    (0.04, 0.024, 0.016)])
+    partner = _stamps([(0.00, 0.000, 0.0), (0.02, 0.008, 0.0), (0.04, 0.016, 0.0)])
+    st = _steps([ours], -1e18, 1e18, 0, partner)
+    assert st["raw"] == pytest.approx([0.01] * 4)
+    assert st["corrected"] == pytest.approx([0.01] * 4)
+    # 6 ms of the 16 ms waited were another tenant's (the partner ran only 10 ms): spread
+    # over the four steps by duration.
+    partner = _stamps([(0.00, 0.000, 0.0), (0.02, 0.005, 0.0), (0.04, 0.010, 0.0)])
+    st = _steps([ours], -1e18, 1e18, 0, partner)
+    assert st["corrected"] == pytest.approx([0.01 - 0.006 / 4] * 4)
+    # Without a partner the correction stays per step (own threads are stamped exactly).
+    st = _steps([ours], -1e18, 1e18, 0, None)
+    assert st["corrected"] == pytest.approx([0.002, 0.01, 0.002, 0.01])
