@@ -383,3 +383,30 @@ def test_forward_task_refuses_a_task_that_is_not_running():
     with pytest.raises(KeyError):
         e.forward_task("zzz", x)
     assert e.forward_task("b", x).shape == (1, 10, CFG.vocab)
+
+
+def test_threaded_workers_accumulate_into_nodes_pinned_before_they_start():
+    """Every trainable bank leaf's AccumulateGrad node exists before the workers run and
+    is the one their graphs use: no worker creates one (creating it takes the GIL under
+    the leaf's autograd mutex, which deadlocked against a worker indexing the same bank)."""
+    torch.manual_seed(0)
+    e = MuxEngine(GPT(CFG), 32, "spatial", slots=4, micro_batch_tokens=32, workers=2)
+    for t in THREE:
+        e.add_task(t, dataset(t))
+    seen = []
+    orig = e.slot_loss_sums
+
+    def spy(*a, **kw):
+        pinned = {id(n.variable): n for n in e._accumulators}
+        with torch.enable_grad():
+            for b in e.banks.values():
+                node = b.A.view_as(b.A).grad_fn.next_functions[0][0]
+                seen.append(pinned.get(id(b.A)) is node)
+        return orig(*a, **kw)
+
+    e.slot_loss_sums = spy
+    rep = e.step()
+    e.close()
+    assert rep is not None and rep.pack.chunks > 1  # several micro-batches: the threaded path ran
+    assert seen and all(seen)
+    assert e._accumulators == []  # released after the step
