@@ -13,7 +13,9 @@ samples between steps of a group) from the same weights, in the same ranks, inte
 trial by trial; the figure is the run's total wall time (median over trials), with a
 CPU-time critical path beside it (robust to other tenants preempting the ranks) and the
 plan's noise-free imbalance under the cost model. JSON: ``speedup_vs_coupled`` (wall),
-``speedup_vs_coupled_cpu_critical_path``, ``run_s`` per variant.
+``speedup_vs_coupled_cpu_critical_path``, ``run_s`` per variant; under the FLOP cost model,
+``model_speedup_vs_coupled`` (the head plan's) and ``model_ceiling_vs_coupled`` (any plan's:
+coupled's busiest rank over a perfect, padding-free split of the same samples).
 """
 
 from __future__ import annotations
