@@ -22,6 +22,14 @@ Environment variables (read here):
 - ``TESSERA_FAILPOINT`` (tests only): ``executor-spawned`` makes the agent process exit at
   once (``os._exit(FAILPOINT_EXIT)``) right after spawning an executor, before its record is
   completed: the crash window of executor records. Not passed on to executors.
+
+Stalls: an executor whose training made no progress (no ``progress`` event) for
+``stall_timeout_s`` — or for ``STALL_STEPS`` times its longest step so far, if longer —
+after its first one is hung (a collective waiting for a dead peer, a deadlock):
+:meth:`ExecutorManager.check_stalls` first sends SIGUSR1 (the runtime dumps every thread's
+Python stack into its log, ``faulthandler``), then, ``STALL_DUMP_S`` later, kills it; its
+EXITED report says why. A rank that never reports progress (ranks > 0 of most runtimes)
+is not watched: a hang there stops rank 0's progress.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import asyncio
 import collections
 import functools
 import json
+import math
 import os
 import re
 import secrets
@@ -60,6 +69,8 @@ REAP_GRACE_S = 2.0  # default SIGTERM->SIGKILL delay for what an exited leader l
 # ends a wait at once (pidfds).
 REAP_POLL_S = (0.05, 0.5)
 TOKEN_ENV = "TESSERA_EXECUTOR_TOKEN"
+STALL_STEPS = 20  # a stall is at least this many of the executor's longest steps
+STALL_DUMP_S = 2.0  # from the stack-dump signal to the kill
 FAILPOINT_ENV = "TESSERA_FAILPOINT"
 FAILPOINT_EXIT = 86  # the exit code of an agent process stopped by a failpoint
 
@@ -121,6 +132,11 @@ class Executor:
     # Set by a SIGKILL (a stop past its grace, a device fault): the reap of what the leader
     # left (now or once it is gone) sends SIGKILL at once, without a grace.
     kill_requested: asyncio.Event = field(default_factory=asyncio.Event)
+    # Stall watch (check_stalls): monotonic time of its last progress event (0: none yet),
+    # its longest step so far, and when its stack dump was asked for (a stall seen).
+    last_progress: float = 0.0
+    max_step_s: float = 0.0
+    stall_seen: float | None = None
 
     @property
     def grant_id(self) -> str:
@@ -218,6 +234,7 @@ class ExecutorManager:
         parts: Partitions | None = None,
         reap_grace_s: float = REAP_GRACE_S,
         keep_exited: int = KEEP_EXITED,
+        stall_timeout_s: float = 0.0,
     ) -> None:
         # Absolute, once: executors run with it as their cwd and are handed paths under it
         # (their spec file), so a relative one would resolve twice.
@@ -227,6 +244,7 @@ class ExecutorManager:
         self.on_report = on_report
         self.on_step = on_step
         self.report_interval_s = report_interval_s
+        self.stall_timeout_s = stall_timeout_s  # 0: stalls are not watched (check_stalls)
         self.python = python
         # With partitions, every executor runs on a grant (the agent's capacity check);
         # without (older callers), a device is held whole by one allocation.
@@ -749,6 +767,12 @@ class ExecutorManager:
             return
         if ev.get("module") in BREAKDOWN_MODULES:
             ex.modules[ev["module"]] = {k: float(v) for k, v in (ev.get("phases") or {}).items()}
+        ex.last_progress = time.monotonic()
+        ex.stall_seen = None
+        try:
+            ex.max_step_s = max(ex.max_step_s, float(ev.get("step_time_s") or 0.0))
+        except (TypeError, ValueError):
+            pass
         ex.step = int(ev.get("step", ex.step))
         ex.loss = float(ev.get("loss", ex.loss))
         if self.on_step is not None:
@@ -887,6 +911,42 @@ class ExecutorManager:
             self.log.warning("device fault: failing executors", why=why,
                              executors=[f"{e.allocation_id}/r{e.rank}" for e in hit])
         return hit
+
+    def stall_limit(self, ex: Executor) -> float:
+        """Seconds without progress after which ``ex`` counts as stalled (inf: not watched)."""
+        if self.stall_timeout_s <= 0:
+            return math.inf
+        return max(self.stall_timeout_s, STALL_STEPS * ex.max_step_s)
+
+    def check_stalls(self, now: float | None = None) -> list[Executor]:
+        """Kill the running executors whose training stopped (module doc, "Stalls"):
+        the first check past the limit asks for a stack dump (SIGUSR1), one at least
+        ``STALL_DUMP_S`` later kills it (SIGKILL; its EXITED report carries why). One
+        being stopped is left to its stop. Returns the executors killed now. Call
+        periodically (the agent: every few seconds)."""
+        now = time.monotonic() if now is None else now
+        killed: list[Executor] = []
+        for ex in list(self.executors.values()):
+            if not ex.running or ex.last_progress <= 0 or ex.stop_deadline is not None or ex.fault:
+                continue
+            quiet, limit = now - ex.last_progress, self.stall_limit(ex)
+            if quiet <= limit:
+                continue
+            if ex.stall_seen is None:
+                ex.stall_seen = now
+                self.log.warning("executor stalled: asking for its stacks", job_id=ex.job_id,
+                                 allocation=ex.allocation_id, rank=ex.rank, step=ex.step,
+                                 quiet_s=round(quiet, 1), limit_s=round(limit, 1))
+                _signal(ex, signal.SIGUSR1)
+            elif now - ex.stall_seen >= STALL_DUMP_S:
+                ex.fault = (f"stalled: no training progress for {quiet:.0f} s after step {ex.step} (limit "
+                            f"{limit:.0f} s; a hung collective or a deadlock); killed — thread stacks in "
+                            f"{self.log_path(ex.job_id)}")
+                self.log.error("killing a stalled executor", job_id=ex.job_id, allocation=ex.allocation_id,
+                               rank=ex.rank, step=ex.step, quiet_s=round(quiet, 1))
+                _signal(ex, signal.SIGKILL)
+                killed.append(ex)
+        return killed
 
     def check_faults(self) -> list[Executor]:
         """Poll every MPS backend's server log; fail every executor of a GPU whose server

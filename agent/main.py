@@ -75,7 +75,7 @@ class Agent:
         self.parts = Partitions.for_devices(self.devices, mode=cfg.partition_mode, state_dir=state_dir,
                                             mig_allow_changes=False, timeslice_slots=cfg.timeslice_slots)
         self.mgr = ExecutorManager(state_dir, self.devices, self._on_report, self._on_step, cfg.report_interval_s,
-                                   parts=self.parts)
+                                   parts=self.parts, stall_timeout_s=cfg.stall_timeout_s)
         self.channel = grpc.aio.insecure_channel(cfg.controller)
         self.nodes = controller_pb2_grpc.NodeServiceStub(self.channel)
         self.prof = None
@@ -243,6 +243,20 @@ class Agent:
                 self.log.error("fault check failed", error=repr(e), traceback=traceback.format_exc())
 
 
+    async def watch_stalls(self) -> None:
+        """Every few seconds (a tenth of the stall timeout, at most 5 s), ask for the
+        stacks of, then kill, executors whose training stopped
+        (``ExecutorManager.check_stalls``); nothing with ``stall_timeout_s`` 0."""
+        if self.cfg.stall_timeout_s <= 0:
+            return
+        while True:
+            await asyncio.sleep(min(5.0, self.cfg.stall_timeout_s / 10))
+            try:
+                self.mgr.check_stalls()
+            except Exception as e:
+                self.log.error("stall check failed", error=repr(e), traceback=traceback.format_exc())
+
+
 async def serve(cfg: AgentConfig, stop: asyncio.Event | None = None) -> None:
     try:
         agent = Agent(cfg)
@@ -287,6 +301,7 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event | None = None) -> None:
                 await hs.set(n, health_pb2.HealthCheckResponse.SERVING)
             tasks.append(agent.supervise(asyncio.create_task(agent.heartbeats()), "heartbeats", stop))
             tasks.append(agent.supervise(asyncio.create_task(agent.watch_faults()), "fault watcher", stop))
+            tasks.append(agent.supervise(asyncio.create_task(agent.watch_stalls()), "stall watcher", stop))
             await stop.wait()
     finally:
         agent.log.info("agent stopping")
@@ -322,7 +337,8 @@ def check_config(cfg: AgentConfig, sources: dict[str, str] | None = None) -> Non
     """SpecError for a setting out of range, named as ``sources`` says it was given
     (``config.load``'s; else the flag): cpu_devices, cpu_units_per_core and
     timeslice_slots >= 1, a known partition_mode, stop_grace_s >= 0 (0: SIGKILL at once),
-    report_interval_s >= 0 (0: every progress event reported), fault_poll_s > 0."""
+    report_interval_s >= 0 (0: every progress event reported), fault_poll_s > 0,
+    stall_timeout_s >= 0 (0: stalls not watched)."""
     def bad(name: str, why: str) -> SpecError:
         return SpecError((sources or {}).get(name, "--" + name.replace("_", "-")), why)
 
@@ -331,7 +347,7 @@ def check_config(cfg: AgentConfig, sources: dict[str, str] | None = None) -> Non
             raise bad(name, f"must be >= 1, got {getattr(cfg, name)}")
     if cfg.partition_mode not in MODES:
         raise bad("partition_mode", f"must be one of {', '.join(MODES)}, got {cfg.partition_mode!r}")
-    for name in ("stop_grace_s", "report_interval_s"):
+    for name in ("stop_grace_s", "report_interval_s", "stall_timeout_s"):
         if getattr(cfg, name) < 0:
             raise bad(name, f"must be >= 0, got {getattr(cfg, name)}")
     if cfg.fault_poll_s <= 0:

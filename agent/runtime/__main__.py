@@ -11,6 +11,7 @@ process exits 143 anyway, even when blocked inside a collective.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import json
 import os
@@ -80,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         return EXIT_SPEC
     install_sigterm()
+    # SIGUSR1: every thread's Python stack into the log (the agent asks for it before it
+    # kills a stalled executor); faulthandler writes from the signal handler itself, so
+    # it works while the main thread is stuck in a C call or another thread holds the GIL.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     from tessera import log
 
     log.setup("executor", job_id=str(spec.get("job_id", "")), rank=rank, workload=wtype)

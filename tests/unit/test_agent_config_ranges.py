@@ -31,6 +31,7 @@ def served(monkeypatch):
     (["--fault-poll-s", "-1"], "--fault-poll-s: must be > 0"),
     (["--cpu-devices", "0"], "--cpu-devices: must be >= 1"),
     (["--timeslice-slots", "0"], "--timeslice-slots: must be >= 1"),
+    (["--stall-timeout-s", "-1"], "--stall-timeout-s: must be >= 0"),
 ])
 def test_a_setting_out_of_range_is_refused_naming_it(served, capsys, argv, named):
     assert agent_main.main(argv) == 2
@@ -54,3 +55,9 @@ def test_zero_grace_and_interval_are_accepted(served, tmp_path):
     assert agent_main.main(["--stop-grace-s", "0", "--report-interval-s", "0", "--fault-poll-s", "0.1",
                             "--state-dir", str(tmp_path)]) == 0
     assert len(served) == 1 and served[0].stop_grace_s == 0.0
+    assert served[0].stall_timeout_s == 600.0  # stalls are watched by default
+
+
+def test_stall_watch_can_be_turned_off(served, tmp_path):
+    assert agent_main.main(["--stall-timeout-s", "0", "--state-dir", str(tmp_path)]) == 0
+    assert served[0].stall_timeout_s == 0.0
