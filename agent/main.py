@@ -242,7 +242,6 @@ class Agent:
             except Exception as e:
                 self.log.error("fault check failed", error=repr(e), traceback=traceback.format_exc())
 
-
     async def watch_stalls(self) -> None:
         """Every few seconds (a tenth of the stall timeout, at most 5 s), ask for the
         stacks of, then kill, executors whose training stopped

@@ -261,7 +261,7 @@ def fit_compute(device_type: str, samples: list[ComputeSample], *, q_sat_grid: t
     if not (np.isfinite(c).all() and np.isfinite(r).all()):
         out.reason = f"compute fit of {device_type} is not finite"
         return out
-    k = int((c > 0).sum()) + (1 if len(qs) > 1 else 0)
+    k = int((c > 0).sum()) + (2 if len(qs) > 1 else 0)  # + p and q_mem, searched when quotas vary
     dof = max(1, distinct - k)
     out.coef = dict(zip(COEFS, map(float, c)))
     out.p, out.q_sat, out.q_mem = float(p), float(qsat), float(qmem)
