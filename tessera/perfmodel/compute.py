@@ -237,15 +237,17 @@ def fit_compute(device_type: str, samples: list[ComputeSample], *, q_sat_grid: t
     qs = sorted(set(q.tolist()))
     sat_grid = q_sat_grid if q_sat_grid is not None else tuple([INF] + [v for v in qs[1:]])
     p_grid = P_GRID if len(qs) > 1 else (1.0,)  # one quota level says nothing about p
-    # q_mem: linear bandwidth scaling, or saturated at one of the profiled quotas.
-    mem_grid = tuple([INF] + qs) if len(qs) > 1 else (INF,)
+    # q_mem: linear bandwidth scaling, or saturated at one of the profiled quotas below
+    # the top one (saturating at the top one scales every profile like inf: the same
+    # fit, which the tie rule below would never pick).
+    mem_grid = tuple([INF] + qs[:-1]) if len(qs) > 1 else (INF,)
     fits = []
     for p in p_grid:
         for qsat in sat_grid:
             for qmem in mem_grid:
                 c, r = _robust_fit(design(mbf, stf, m, q, p, qsat, qmem), y)
                 fits.append((p, qsat, qmem, c, r))
-    # Every candidate (p, q_sat) is judged at one common scale — the best candidate's
+    # Every candidate (p, q_sat, q_mem) is judged at one common scale — the best candidate's
     # robust scale — not at its own: at its own, a fit that misses everything by 30%
     # (e.g. p = 0, the few points at another quota written off as outliers) scored
     # as well as one that fits everything to 3%. Ties (exact data) go to the smaller
