@@ -156,6 +156,12 @@ def _series(stamps: list) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]
     return t, cpu, waits, runs, int(stamps[-1][4])
 
 
+def less_wait(raw: float, wait: float) -> float:
+    """A step's ``raw`` wall time less the foreign ``wait`` in it, never below a fifth of
+    ``raw`` (a correction that large is a measurement gone wrong, not a faster step)."""
+    return max(0.2 * raw, raw - wait)
+
+
 def step_waits(series: tuple, a: float, b: float, extra: float = 0.0) -> float:
     """:func:`foreign_wait` of one rank (its :func:`_series`) between times a and b."""
     t, _, waits, runs, cores = series
@@ -196,13 +202,13 @@ def _steps(job_stamps: list[list], lo: float, hi: float, warmup: int, partner: l
         spans.append((a, b))
         raw.append(w)
         if pt is None:
-            corr.append(max(0.2 * w, w - max(step_waits(r, a, b) for r in ranks)))
+            corr.append(less_wait(w, max(step_waits(r, a, b) for r in ranks)))
         util.append((cpu0[k + 1] - cpu0[k]) / w)
     if pt is not None and spans:
         a, b = spans[0][0], spans[-1][1]
         extra = float(np.interp(b, pt[0], pt[1]) - np.interp(a, pt[0], pt[1]))
         share = max(step_waits(r, a, b, extra) for r in ranks) / max(sum(raw), 1e-12)
-        corr = [max(0.2 * w, w * (1.0 - share)) for w in raw]
+        corr = [less_wait(w, w * share) for w in raw]
     return {"raw": raw, "corrected": corr, "util": util}
 
 

@@ -369,7 +369,7 @@ def run_workload(workload: dict, cores: list[int], warmup: int, timeout_s: float
     import multiprocessing as mp
     import tempfile
 
-    from bench._measure import _join, _series, step_waits
+    from bench._measure import _join, _series, less_wait, step_waits
 
     ctx = mp.get_context("fork")
     spec = {"job_id": "bench-" + workload["type"], "workload": workload, "threads": len(cores),
@@ -388,8 +388,7 @@ def run_workload(workload: dict, cores: list[int], warmup: int, timeout_s: float
     t, cpu = series[:2]
     corr, util = [], []
     for k, raw in enumerate(rec["step_s"]):
-        wait = step_waits(series, float(t[k]), float(t[k + 1]))
-        corr.append(max(0.2 * raw, raw - wait))
+        corr.append(less_wait(raw, step_waits(series, float(t[k]), float(t[k + 1]))))
         util.append(float(cpu[k + 1] - cpu[k]) / max(float(t[k + 1] - t[k]), 1e-9))
     return {"step_s": statistics.median(corr[warmup:]), "wall_s": statistics.median(rec["step_s"][warmup:]),
             "cpu_util": statistics.median(util[warmup:]), "steps": corr, "raw_steps": rec["step_s"][warmup:],

@@ -23,7 +23,7 @@ Composition (one training step of the runtime's ``gpt`` workload, rank 0's view)
                + 2 * (pp - 1) * alpha_p2p              (the first transfer's latency each way)
     T_step   = T_pipe + max_s [AR_dp(4 * params_s) + dp>1 * bucket_s] + AR_world(16 B) + max_s step_work_s
                (bucket_s: flatten, average and copy back the gradients, 3 element-wise passes)
-               + straggle(world, rank 0's compute)   (waiting for the slowest rank; CommFit.straggle)
+               + straggle(dp * tp, rank 0's compute) (waiting for the slowest replica; CommFit.straggle)
     colocated: T * oversubscription * (1 + g_mode * (colocated - 1)), mode "shared" when
                the quotas oversubscribe the device (time slicing), else "split".
 """
