@@ -30,9 +30,12 @@ Both the raw and the corrected times are reported.
 from __future__ import annotations
 
 import copy
+import faulthandler
 import json
 import multiprocessing as mp
 import os
+import signal
+import sys
 import statistics
 import tempfile
 import time
@@ -104,6 +107,7 @@ def _rank_main(specs: list[dict], cores: list[int], path: str, start_at: float,
     ``signal`` = (n, Event): set the Event once n steps are done."""
     code = 1
     try:
+        dump_on_timeout()
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(int(specs[0].get("threads") or len(cores)))
         from agent.runtime.__main__ import resolve
@@ -225,10 +229,32 @@ def _start(ctx, specs: list[dict], cores: list[int], path: str, start_at: float,
     return p
 
 
+# After a run's timeout: the time its processes get to write their stacks (SIGUSR1,
+# :func:`dump_on_timeout`) before they are killed.
+DUMP_S = 2.0
+
+
+def dump_on_timeout() -> None:
+    """In a forked run: SIGUSR1 writes every thread's Python stack to stderr (the
+    bench's log), so that a run :func:`_join` gives up on says where it hung."""
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+
 def _join(procs: list, timeout_s: float, what) -> None:
+    """Wait for ``procs`` up to ``timeout_s`` in all; the ones still alive then are asked
+    for their stacks (SIGUSR1), given :data:`DUMP_S`, and killed. RuntimeError naming
+    ``what`` unless every one exited 0."""
     deadline = time.monotonic() + timeout_s
     for p in procs:
         p.join(max(0.1, deadline - time.monotonic()))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    for p in alive:
+        p.join(DUMP_S)
         if p.is_alive():
             p.kill()
             p.join()

@@ -325,7 +325,7 @@ def _workload_child(spec: dict, cores: list[int], path: str) -> None:
 
         from agent.runtime.__main__ import resolve
         from agent.runtime.report import Reporter
-        from bench._measure import _stamp
+        from bench._measure import _stamp, dump_on_timeout
 
         import logging
 
@@ -333,6 +333,7 @@ def _workload_child(spec: dict, cores: list[int], path: str) -> None:
 
         # The runners' info lines (task added / ended) would flood the table's terminal.
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+        dump_on_timeout()
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(int(spec["threads"]))
         wtype = spec["workload"]["type"]

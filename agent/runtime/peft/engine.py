@@ -129,7 +129,6 @@ class MuxEngine:
         # (N, C, C) block-causal mask: same result for real tokens, less work.
         self.varlen = True
         self._pool: ThreadPoolExecutor | None = None
-        self._accumulators: list = []  # held during a threaded step (_pin_accumulators)
         # Whole chunks per micro-batch (at least one).
         self.micro_chunks = max(1, micro_batch_tokens // chunk_size)
         self.model = model
@@ -318,37 +317,22 @@ class MuxEngine:
                     ok &= torch.isfinite(p.grad).flatten(1).all(1)
         return ok
 
-    def _pin_accumulators(self) -> list:
-        """The AccumulateGrad node of every trainable leaf, created here on the calling
-        thread; held while workers run, their graphs all accumulate into these.
-
-        Why: PyTorch creates a leaf's node lazily, on the first op that uses the leaf
-        after the last graph holding it was freed — under the leaf's autograd mutex,
-        and it takes the GIL inside (to keep the tensor's Python object alive). A second
-        worker indexing the same bank (``A[s]``) holds the GIL and waits for that mutex
-        in its forward-grad check: a lock-order inversion. Two spatial peft workers
-        deadlocked this way at the start of a step (seen once, in the estimator
-        benchmark). With the node alive no worker creates one."""
-        with torch.enable_grad():
-            return [p.view_as(p).grad_fn.next_functions[0][0] for p in self.model.parameters() if p.requires_grad]
-
     def _run_threaded(self, fn, mbs: list) -> list[torch.Tensor]:
         """``fn`` over ``mbs`` on the worker pool (one intra-op thread each), results in
-        ``mbs`` order; the process's intra-op thread count is restored afterwards. Every
-        trainable leaf's gradient accumulator exists before the workers start
-        (:meth:`_pin_accumulators`)."""
+        ``mbs`` order; the process's intra-op thread count is restored afterwards. The
+        workers' forwards read the banks through aliases made here, before they start
+        (:func:`lora.step_aliases`): no worker runs an op on a leaf."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="mux-mb",
                                             initializer=torch.set_num_threads, initargs=(1,))
         old = torch.get_num_threads()
         torch.set_num_threads(1)
-        self._accumulators = self._pin_accumulators()
         try:
-            futures = [self._pool.submit(fn, mb) for mb in mbs]
-            wait(futures)  # all done (or failed) before the thread count is restored
+            with lora.step_aliases(self.banks.values()):
+                futures = [self._pool.submit(fn, mb) for mb in mbs]
+                wait(futures)  # all done (or failed) before the aliases go and the thread count is restored
             return [f.result() for f in futures]
         finally:
-            self._accumulators = []
             torch.set_num_threads(old)
 
     def set_workers(self, workers: int) -> None:

@@ -22,6 +22,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from dataclasses import dataclass, field
@@ -60,6 +61,13 @@ class LoRABank(nn.Module):
         # Host copy of which slots target this module: the temporal path reads it without
         # a device sync.
         self.host_scale: list[float] = [0.0] * slots
+        # (A, B) that forwards read instead of the parameters while set (step_aliases).
+        self.live: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, B) for a forward: the step's non-leaf aliases while :func:`step_aliases`
+        holds, else the parameters themselves."""
+        return (self.A, self.B) if self.live is None else self.live
 
     @property
     def slots(self) -> int:
@@ -114,20 +122,45 @@ class MuxLoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         ctx = self.ctx
+        a, b = self.bank.factors()
         if ctx.single is not None:
             s = ctx.single
             sc = self.bank.host_scale[s]
             if sc == 0.0:
                 return y  # the task does not target this module
-            return y + ((x @ self.bank.A[s]) * sc) @ self.bank.B[s]
+            return y + ((x @ a[s]) * sc) @ b[s]
         if ctx.chunk_slot is None:
             return y
         if ctx.slots is not None and not any(self.bank.host_scale[s] for s in ctx.slots):
             return y  # no chunk here belongs to a task that targets this module
         idx = ctx.chunk_slot
         # (N, T, in) x (N, in, R) -> (N, T, R); scaling the rank-R intermediate is cheapest.
-        h = torch.bmm(x, self.bank.A.index_select(0, idx)) * self.bank.scale.index_select(0, idx)[:, None, None]
-        return y + torch.bmm(h, self.bank.B.index_select(0, idx))
+        h = torch.bmm(x, a.index_select(0, idx)) * self.bank.scale.index_select(0, idx)[:, None, None]
+        return y + torch.bmm(h, b.index_select(0, idx))
+
+
+@contextlib.contextmanager
+def step_aliases(banks):
+    """While held, every bank's forwards (:meth:`LoRABank.factors`) read non-leaf copies
+    of ``A`` and ``B`` made here, on the calling thread; their gradients flow back into
+    the parameters' ``.grad`` as before. For forwards on several threads at once.
+
+    Why: in PyTorch (2.13) an op on a leaf that requires grad takes the leaf's autograd
+    mutex with the GIL held (the forward-grad check of ``A[s]``, Python indexing), while
+    an op that released the GIL (``index_select``) takes that mutex first and then the
+    GIL inside it (looking up the leaf's gradient accumulator, whose Python object
+    must be kept alive): two workers on the same bank deadlocked that way, 1 step in a
+    few thousand (estimator benchmark, 2026-12-05; gdb showed both stacks). A non-leaf
+    has no accumulator to look up: no op a worker runs touches a leaf."""
+    banks = list(banks)
+    with torch.enable_grad():
+        for bank in banks:
+            bank.live = (bank.A.clone(), bank.B.clone())
+    try:
+        yield
+    finally:
+        for bank in banks:
+            bank.live = None
 
 
 def module_names(cfg_layers: int) -> list[str]:
