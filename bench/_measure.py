@@ -98,16 +98,29 @@ def foreign_wait(waits: dict[str, float], runs: dict[str, float], cores: int, dt
 
 
 def _rank_main(specs: list[dict], cores: list[int], path: str, start_at: float,
-               go=None, signal: tuple | None = None) -> None:
+               go=None, signal: tuple | None = None, stop=None) -> None:
     """One forked rank: pin to ``cores``, then run ``specs`` one after the other (a
     profiling job runs several points of a module in one process). Writes, per spec,
     a stamp (:func:`_stamp`) at the start of every step and at the end —
     hooked on ``comm.TIMER.reset``, which the training loop calls once per step.
     ``go`` (an Event): start the step loop when it is set, not at ``start_at``;
-    ``signal`` = (n, Event): set the Event once n steps are done."""
+    ``signal`` = (n, Event): set the Event once n steps are done. ``stop`` (an Event):
+    when it is set, the runtime leaves at its next step boundary (``train.STOP``, as on
+    SIGTERM; its exit code 143 counts as done)."""
     code = 1
     try:
         dump_on_timeout()
+        if stop is not None:
+            import threading
+
+            from agent.runtime.train import STOP
+
+            def leave() -> None:
+                stop.wait()
+                sys.stdout = open(os.devnull, "w")  # not the runtime's "stopped by SIGTERM" error line
+                STOP.set()
+
+            threading.Thread(target=leave, daemon=True).start()
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(int(specs[0].get("threads") or len(cores)))
         from agent.runtime.__main__ import resolve
@@ -137,6 +150,8 @@ def _rank_main(specs: list[dict], cores: list[int], path: str, start_at: float,
             starts.append(time.monotonic())
             stamps.clear()
             code = int(resolve(spec["workload"]["type"])(spec, Reporter(stream=open(os.devnull, "w"), enabled=False)))
+            if code == 143 and stop is not None and stop.is_set():
+                code = 0  # told to stop: done
             stamps.append(_stamp())
             runs.append(list(stamps))
             if code:
@@ -223,8 +238,8 @@ def make_spec(workload: dict, threads: int) -> dict:
     return {"job_id": "bench", "workload": w, "threads": threads}
 
 
-def _start(ctx, specs: list[dict], cores: list[int], path: str, start_at: float, go=None, signal=None):
-    p = ctx.Process(target=_rank_main, args=(specs, cores, path, start_at, go, signal), daemon=True)
+def _start(ctx, specs: list[dict], cores: list[int], path: str, start_at: float, go=None, signal=None, stop=None):
+    p = ctx.Process(target=_rank_main, args=(specs, cores, path, start_at, go, signal, stop), daemon=True)
     p.start()
     return p
 
@@ -262,6 +277,11 @@ def _join(procs: list, timeout_s: float, what) -> None:
         raise RuntimeError(f"bench run failed: exit codes {[p.exitcode for p in procs]} for {what}")
 
 
+# Colocated jobs run until the slowest has done its steps, at most this many times
+# their own step count (run_jobs).
+PAIR_CAP = 20
+
+
 def run_jobs(jobs: list[dict], warmup: int, timeout_s: float = 300.0) -> list[dict]:
     """Run ``jobs`` concurrently; each is ``{"workload": {...}, "cores": [[rank0 cores], ...]}``
     (one core list per rank; ``workload.steps`` = warmup + measured).
@@ -272,13 +292,19 @@ def run_jobs(jobs: list[dict], warmup: int, timeout_s: float = 300.0) -> list[di
     held (the union of every job's cores, split evenly over the jobs). With several
     jobs only steps inside the window where all of them were measuring count; they
     start their step loops together after a short barrier, which is not counted as
-    device time (a lone job has none). Jobs of unequal speed should run enough steps
-    that the slower one measures at least two inside that window (the faster one ends
-    it); with fewer, the steps that started in it count.
+    device time (a lone job has none). Several jobs run until the slowest has done its
+    ``steps`` (each job's rank 0 signals when it has; then all are told to stop at
+    their next step boundary, :func:`_rank_main`): the faster ones go on meanwhile, so
+    the slower one's measured steps all fall in the window. (A faster job that ended
+    at its own step count cut the window short: a job paired with one of a third of
+    its step time measured 1-2 steps, one of them part alone — read 20-30 % fast.)
     """
     ctx = mp.get_context("fork")
     t_begin = time.monotonic()
-    start_at = t_begin + (0.3 if len(jobs) > 1 else 0.0)
+    several = len(jobs) > 1
+    start_at = t_begin + (0.3 if several else 0.0)
+    stop = ctx.Event() if several else None
+    dones = [ctx.Event() if several else None for _ in jobs]
     procs = []
     with tempfile.TemporaryDirectory(prefix="tessera-bench-") as tmp:
         paths = []
@@ -287,13 +313,26 @@ def run_jobs(jobs: list[dict], warmup: int, timeout_s: float = 300.0) -> list[di
             port = free_port()
             threads = job.get("threads") or len(job["cores"][0])
             paths.append([])
+            w = job["workload"]
+            if several:  # runs until told to stop (a cap, in case a partner never gets there)
+                w = {**w, "steps": PAIR_CAP * int(w["steps"])}
             for r in range(world):
-                spec = make_spec(job["workload"], threads)
+                spec = make_spec(w, threads)
                 spec["dist"] = {"rank": r, "world_size": world, "master_addr": "127.0.0.1",
                                 "master_port": port, "backend": "gloo", "timeout_s": 120}
                 paths[-1].append(os.path.join(tmp, f"job{j}.rank{r}"))
-                procs.append(_start(ctx, [spec], job["cores"][r], paths[-1][-1], start_at))
-        _join(procs, timeout_s, jobs)
+                sig = (int(job["workload"]["steps"]), dones[j]) if several and r == 0 else None
+                procs.append(_start(ctx, [spec], job["cores"][r], paths[-1][-1], start_at, signal=sig, stop=stop))
+        if several:
+            deadline = time.monotonic() + timeout_s
+            pending = list(dones)
+            while pending and time.monotonic() < deadline:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break  # a failed rank: _join reports it
+                pending[0].wait(0.01)
+                pending = [d for d in pending if not d.is_set()]
+            stop.set()
+        _join(procs, max(1.0, timeout_s - (time.monotonic() - t_begin)), jobs)
         wall = time.monotonic() - max(t_begin, start_at)
         stamps = []
         for ps in paths:
@@ -338,7 +377,7 @@ def colocation_profile(workload: dict, cores: list[list[int]], warmup: int, meas
     Returns ``{"alone_s", "together_s", "alone_n", "together_n", "device_s"}``: the
     medians of X's steps (less other tenants' wait; Y's CPU time on a shared core is
     added back, as in :func:`run_jobs`) wholly before the signal or after Y's last
-    step, and wholly inside Y's steps after its first; the run's wall time times the cores
+    step, and wholly inside Y's measured steps (after its warm-up); the run's wall time times the cores
     held. RuntimeError when either side has fewer than 2 steps."""
     ctx = mp.get_context("fork")
     t_begin = time.monotonic()
@@ -359,8 +398,12 @@ def colocation_profile(workload: dict, cores: list[list[int]], warmup: int, meas
         x, y = (json.load(open(p, encoding="utf-8"))[0] for p in paths)
     partner = y if shared else None
     # Y builds its model after the signal (inside the runtime, before its first stamp):
-    # X's steps from the signal to Y's second step are neither alone nor together.
-    go_at, y1, yl = x[warmup + measured][0], y[1][0], y[-1][0]
+    # X's steps from the signal to the end of Y's warm-up are neither alone nor
+    # together. Together = Y's measured steps, as a colocated grid pair counts them
+    # (run_jobs: after every job's warm-up). With Y's warm-up steps 2-3 counted, X's
+    # time-sliced steps read 2.2-2.35x alone where grid twins ran 2.03-2.12x (four
+    # stored runs): Y's first-touch work is not a colocated job's steady state.
+    go_at, y1, yl = x[warmup + measured][0], y[warmup][0], y[-1][0]
     before = _steps([x], -1e18, go_at, warmup, partner)["corrected"]
     after = _steps([x], yl, 1e18, warmup, partner)["corrected"]
     together = _steps([x], y1, yl, warmup, partner)["corrected"]
