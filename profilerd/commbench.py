@@ -3,10 +3,14 @@
 ``table(sizes, reps)`` returns rows ``{"op", "bytes", "world", "seconds"}`` for
 all_reduce, all_gather, broadcast and send/recv, plus the device-seconds it cost.
 send/recv is one transfer to a receiver already waiting for it (half a ping-pong after
-rank 0's compute: how a pipeline's hops run). Each collective is timed *in situ*: right
-after ~1 ms of compute, without a barrier (ranks arrive with their natural skew, as in a
-training step), minus the compute alone; the mean over ``reps`` (the expected cost,
-which is what a step's sum of many ops adds up to).
+rank 0's compute: how a pipeline's hops run). Each collective is timed *in situ*: the
+call itself, issued right after ~1 ms of compute, without a barrier (ranks arrive with
+their natural skew, as in a training step, and the wait for the later one is in the
+call); the mean over ``reps`` (the expected cost, which is what a step's sum of many
+ops adds up to). (Timing compute + op and subtracting a separate compute-alone run, as
+before 2026-12-05, has the same expectation, but the two runs' own jitter — ~5 % of
+the chunk — landed on the row: the sync rows' slope ``kappa`` ranged 0.01-0.17 over
+eight runs. Timing the call alone also halves the benchmark's cost per rep.)
 A barriered, idle-link loop is 2-10x too optimistic on a busy host. The mean, not the
 median: an op that blocks is bimodal where a waiting rank's core goes idle — on this
 project's VM 0.3 ms, or 3-4 ms when the idle vCPU must be woken (about half the
@@ -14,7 +18,8 @@ time), and a median of a few reps lands on either mode.
 
 With ``sync=True`` it adds rows ``{"op": "sync", "bytes": 8, "world": 2, "seconds",
 "compute_s"}``: an 8-byte all-reduce right after a compute chunk of ``compute_s``
-seconds (two chunk lengths), minus the chunk alone. A synchronous step waits at
+seconds (two chunk lengths; the chunk's mean time in the same reps), the call alone
+timed. A synchronous step waits at
 every collective for the slower rank; that wait grows with the compute since the last
 synchronisation (``perfmodel.comm`` fits ``seconds = a + kappa * compute_s``), which a
 1 ms chunk cannot show. Off by default (profilerd streams op/bytes/world/seconds only).
@@ -116,17 +121,13 @@ def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str, sync
                     continue
                 fn = fns[op]
                 fn()  # warm-up (connection setup, buffers)
-                ts, base = [], []
+                ts = []
                 for _ in range(reps):
-                    t = time.perf_counter()
                     work()
-                    base.append(time.perf_counter() - t)
                     t = time.perf_counter()
-                    work()
                     fn()
                     ts.append(time.perf_counter() - t)
-                secs = max(1e-6, statistics.fmean(ts) - statistics.fmean(base))
-                rows.append({"op": op, "bytes": n * 4, "world": 2, "seconds": secs})
+                rows.append({"op": op, "bytes": n * 4, "world": 2, "seconds": max(1e-6, statistics.fmean(ts))})
         if sync:
             x = torch.ones(2)
             for chunk in SYNC_CHUNKS:
@@ -134,14 +135,12 @@ def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str, sync
                 for _ in range(reps):
                     t = time.perf_counter()
                     work(chunk)
-                    base.append(time.perf_counter() - t)
-                    t = time.perf_counter()
-                    work(chunk)
+                    t1 = time.perf_counter()
                     dist.all_reduce(x)
-                    ts.append(time.perf_counter() - t)
-                b = statistics.fmean(base)
-                rows.append({"op": "sync", "bytes": 8, "world": 2, "seconds": max(1e-6, statistics.fmean(ts) - b),
-                             "compute_s": b, "chunk": chunk})
+                    base.append(t1 - t)
+                    ts.append(time.perf_counter() - t1)
+                rows.append({"op": "sync", "bytes": 8, "world": 2, "seconds": max(1e-6, statistics.fmean(ts)),
+                             "compute_s": statistics.fmean(base), "chunk": chunk})
         if rank == 0:
             with open(out_path, "w", encoding="utf-8") as f:
                 json.dump(rows, f)
