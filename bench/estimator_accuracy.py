@@ -89,10 +89,10 @@ COMM_SIZES = [64 << 10, 512 << 10, 4 << 20]
 # profilerd.commbench), and 4 reps per size and round once caught only the fast mode
 # (every tp estimate halved).
 COMM_OPS = ("all_reduce", "send_recv")
-# Each rep times the op alone after its compute chunk (profilerd.commbench): half the
-# cost of the compute-alone + compute-and-op pair of before, so twice the reps (8 ->
-# 16) for about the device time 8 took.
-COMM_REPS = 16
+# Each rep times the op alone after its compute chunk (profilerd.commbench), no
+# compute-alone run beside it: 12 reps cost about what 8 did (16 took 1.0 device-s per
+# round against 0.8).
+COMM_REPS = 12
 
 # Non-gpt workloads (estimated from their own step shape, tessera.perfmodel.workload):
 # name -> (category, job manifest). Each is profiled like a profiling job of the
