@@ -35,8 +35,8 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import sys
 import statistics
+import sys
 import tempfile
 import time
 

@@ -10,7 +10,7 @@ call); the mean over ``reps`` (the expected cost, which is what a step's sum of 
 ops adds up to). (Timing compute + op and subtracting a separate compute-alone run, as
 before 2026-12-05, has the same expectation, but the two runs' own jitter — ~5 % of
 the chunk — landed on the row: the sync rows' slope ``kappa`` ranged 0.01-0.17 over
-eight runs. Timing the call alone also halves the benchmark's cost per rep.)
+eight runs. Timing the call alone also saves a compute chunk per rep.)
 A barriered, idle-link loop is 2-10x too optimistic on a busy host. The mean, not the
 median: an op that blocks is bimodal where a waiting rank's core goes idle — on this
 project's VM 0.3 ms, or 3-4 ms when the idle vCPU must be woken (about half the

@@ -149,9 +149,9 @@ def step_aliases(banks):
     mutex with the GIL held (the forward-grad check of ``A[s]``, Python indexing), while
     an op that released the GIL (``index_select``) takes that mutex first and then the
     GIL inside it (looking up the leaf's gradient accumulator, whose Python object
-    must be kept alive): two workers on the same bank deadlocked that way, 1 step in a
-    few thousand (estimator benchmark, 2026-12-05; gdb showed both stacks). A non-leaf
-    has no accumulator to look up: no op a worker runs touches a leaf."""
+    must be kept alive): two workers on the same bank deadlocked that way, about once in
+    700 two-worker steps (estimator benchmark, 2026-12-05; gdb showed both stacks). A
+    non-leaf has no accumulator to look up: no op a worker runs touches a leaf."""
     banks = list(banks)
     with torch.enable_grad():
         for bank in banks:
