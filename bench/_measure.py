@@ -38,6 +38,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -111,8 +112,6 @@ def _rank_main(specs: list[dict], cores: list[int], path: str, start_at: float,
     try:
         dump_on_timeout()
         if stop is not None:
-            import threading
-
             from agent.runtime.train import STOP
 
             def leave() -> None:
@@ -377,8 +376,8 @@ def colocation_profile(workload: dict, cores: list[list[int]], warmup: int, meas
     Returns ``{"alone_s", "together_s", "alone_n", "together_n", "device_s"}``: the
     medians of X's steps (less other tenants' wait; Y's CPU time on a shared core is
     added back, as in :func:`run_jobs`) wholly before the signal or after Y's last
-    step, and wholly inside Y's measured steps (after its warm-up); the run's wall time times the cores
-    held. RuntimeError when either side has fewer than 2 steps."""
+    step, and wholly inside Y's measured steps (after its warm-up); the run's wall time
+    times the cores held. RuntimeError when either side has fewer than 2 steps."""
     ctx = mp.get_context("fork")
     t_begin = time.monotonic()
     go = ctx.Event()

@@ -7,11 +7,9 @@ Tolerance: float32 throughout; losses and LoRA gradients agree to rtol 1e-4 / at
 from __future__ import annotations
 
 import copy
-
 import threading
 
 import pytest
-
 import torch
 
 from agent.runtime.model import GPT, GPTConfig, lm_loss
