@@ -85,9 +85,9 @@ PAIR_MEASURED = 2 * MEASURED
 COMM_SIZES = [64 << 10, 512 << 10, 4 << 20]
 # Only the ops the estimates price (tp / dp all-reduces, pipeline sends); all_gather and
 # broadcast were ~half the comm profile's cost and priced nothing. Their time goes into
-# more reps of the two that matter: a blocking op here is bimodal (0.3 ms or 3-4 ms,
-# profilerd.commbench), and 4 reps per size and round once caught only the fast mode
-# (every tp estimate halved).
+# more reps of the two that matter: a blocking op was bimodal here (0.3 ms or 3-4 ms
+# until 2026-12-05, when gloo's loop threads went SCHED_BATCH: tessera.gloo), and 4 reps
+# per size and round once caught only the fast mode (every tp estimate halved).
 COMM_OPS = ("all_reduce", "send_recv")
 # Each rep times the op alone after its compute chunk (profilerd.commbench), no
 # compute-alone run beside it: 12 reps cost about what 8 did (16 took 1.0 device-s per
@@ -510,8 +510,8 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
         samples.append(ComputeSample(module=pn, rows=pb, seq=ps, layers=layers, hidden=hidden, heads=heads,
                                      vocab=vocab, q=pq, seconds=step_time(ts), micro_batches=pm, seq_len=ps))
     # Comm rows: every round's, as the estimator fits every row profilerd reports. Not
-    # the least disturbed round as for compute: a blocking op's cost is bimodal here
-    # (profilerd.commbench), and the best of a few rounds keeps only the fast mode —
+    # the least disturbed round as for compute: a blocking op's cost can be bimodal
+    # (profilerd.commbench), and the best of a few rounds kept only the fast mode —
     # which left every multi-rank estimate ~1-2 ms short per synchronisation.
     comm_rows = [row for run in comm_runs for row in run]
     wpoints = [pt for name in shapes for pt in workload_points(name, wprof[name])]

@@ -12,9 +12,10 @@ before 2026-12-05, has the same expectation, but the two runs' own jitter — ~5
 the chunk — landed on the row: the sync rows' slope ``kappa`` ranged 0.01-0.17 over
 eight runs. Timing the call alone also saves a compute chunk per rep.)
 A barriered, idle-link loop is 2-10x too optimistic on a busy host. The mean, not the
-median: an op that blocks is bimodal where a waiting rank's core goes idle — on this
-project's VM 0.3 ms, or 3-4 ms when the idle vCPU must be woken (about half the
-time), and a median of a few reps lands on either mode.
+median: an op can be bimodal (gloo as shipped, on a rank's one core: 0.3 ms, or 3-4 ms
+when gloo's loop thread preempts the collective's worker, 30-50 % of calls; the ranks
+here run that thread SCHED_BATCH, as the runtime's do — tessera.gloo — which removes
+the slow mode), and a median of a few reps lands on either mode.
 
 With ``sync=True`` it adds rows ``{"op": "sync", "bytes": 8, "world": 2, "seconds",
 "compute_s"}``: an 8-byte all-reduce right after a compute chunk of ``compute_s``
@@ -42,6 +43,8 @@ import statistics
 import sys
 import tempfile
 import time
+
+from tessera.gloo import calm_loop_threads
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20)
 
@@ -97,6 +100,7 @@ def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str, sync
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        calm_loop_threads()  # as the runtime's ranks run (tessera.gloo)
         a = torch.randn(128, 128)
 
         def work(n: int = 20) -> None:

@@ -107,8 +107,9 @@ class CommFit:
 def _expected(rows: list[dict]) -> list[dict]:
     """One row per (world, bytes): the mean of its rows' seconds — the expected cost,
     which a step's many ops add up to. The fit runs on relative residuals, and fed the
-    raw rows of a bimodal op (0.3 or 3-4 ms where a waiting rank's idle vCPU must be
-    woken) it lands near the harmonic mean: 0.6 ms for rows averaging 1.1 ms."""
+    raw rows of a bimodal op (gloo as shipped, on a core it shares with its loop thread:
+    0.3 or 3-4 ms, see tessera.gloo) it lands near the harmonic mean: 0.6 ms for rows
+    averaging 1.1 ms."""
     by: dict[tuple, list[float]] = {}
     for r in rows:
         by.setdefault((r["world"], r["bytes"]), []).append(float(r["seconds"]))

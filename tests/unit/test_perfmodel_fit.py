@@ -129,7 +129,7 @@ def test_comm_fit_recovers_latency_and_bandwidth():
 
 
 def test_comm_fit_is_the_expected_cost_of_a_bimodal_op():
-    """A blocking op is fast or slow (an idle vCPU to wake): the fit follows the mean of
+    """A blocking op can be fast or slow (tessera.gloo): the fit follows the mean of
     each size's rows, not the fast mode a relative fit of the raw rows leans to."""
     alpha, beta = 2e-4, 1 / 1e9
     rows, means = [], {}

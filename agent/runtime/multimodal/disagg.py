@@ -37,6 +37,7 @@ from agent.runtime.multimodal.data import SampleMeta, SyntheticData
 from agent.runtime.multimodal.engine import StepStats, check_finite
 from agent.runtime.multimodal.models import MMModel, n_targets
 from agent.runtime.multimodal.reshard import Item, StepPlan
+from tessera.gloo import calm_loop_threads
 
 
 @dataclass
@@ -89,6 +90,7 @@ def init_from_spec(dist_spec: dict, timeout_s: float = 120.0) -> None:
         world_size=dist_spec["world_size"],
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    calm_loop_threads()
 
 
 # Per-module phases every rank adds into the step's all-reduce, so rank 0 (the only

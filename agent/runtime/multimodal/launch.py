@@ -16,6 +16,8 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from tessera.gloo import calm_loop_threads
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -30,6 +32,7 @@ def _child(rank: int, world: int, port: int, out_dir: str, threads: int, fn, arg
     try:
         if world > 1:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+            calm_loop_threads()
         result = fn(rank, world, *args)
         torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
     except BaseException:

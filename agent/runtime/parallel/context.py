@@ -3,7 +3,9 @@
 Contract: :func:`init` joins the job's world (``torch.distributed`` with a TCP
 rendezvous at master_addr:master_port; gloo on CPU, NCCL when asked and CUDA is
 available) and creates the tensor- and data-parallel groups of the plan. Every rank
-creates every group in the same order, as ``new_group`` requires. A world of one
+creates every group in the same order, as ``new_group`` requires; gloo's loop threads
+are then put under SCHED_BATCH (:mod:`tessera.gloo`: 5-8x faster small collectives on
+shared cores). A world of one
 process initialises nothing, so single-process training has no distributed
 dependency at all. Pipeline neighbours talk point-to-point by global rank.
 """
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from agent.runtime.plan import Coord, Plan, coord_of, dp_groups, rank_of, tp_groups
+from tessera.gloo import calm_loop_threads
 
 
 @dataclass
@@ -90,6 +93,7 @@ def init(plan: Plan, dist_spec: dict) -> ParallelContext:
             g = dist.new_group(ranks)
             if rank in ranks:
                 ctx.dp_group = g
+    calm_loop_threads()  # every group's gloo loop thread exists now
     return ctx
 
 
