@@ -11,7 +11,9 @@ Per micro-batch (scale with the rows a rank computes):
 - ``flops``: matmul FLOPs of forward + backward (3x forward), attention at half the
   T^2 work (causal), divided by tp for the sharded blocks.
 - ``elems``: element-wise memory traffic (layer norms, GELU, softmax, residuals,
-  cross-entropy over the vocabulary), in elements.
+  cross-entropy over the vocabulary), in elements; under tp a block's share on
+  sharded tensors (GELU, the qkv split, column-parallel biases: ``TP_SHARDED_ELEMS``)
+  is divided by tp, the rest (layer norms, residuals) is replicated.
 - ``ops``: blocks run (per-operator dispatch overhead dominates small models on CPU).
 Per step (once, whatever the micro-batches):
 - ``params`` (AdamW's element-wise update), ``tensors`` (its per-tensor overhead),
@@ -24,6 +26,12 @@ from __future__ import annotations
 # Parameter tensors of one block (ln1, qkv, proj, ln2, fc, out: weight + bias each).
 TENSORS_PER_BLOCK = 12
 BYTES_PER_ELEM = 4  # fp32 everywhere in the runtime
+# The share of a block's element-wise traffic that tensor parallelism shards: the
+# runtime's block (agent.runtime.parallel.tp.TPBlock) at tp=2 moves 0.785x the bytes of
+# the full block outside its matmuls (1 - f/2 = 0.785: f = 0.43, counted per aten op
+# over forward + backward, the same at hidden 64 and 192; the row-parallel biases'
+# separate adds are in it). tests/unit/test_features_tp.py recounts it.
+TP_SHARDED_ELEMS = 0.43
 
 MB_FEATURES = ("flops", "elems", "ops", "mb")
 STEP_FEATURES = ("params", "tensors", "seq", "one")
@@ -49,7 +57,8 @@ def mb_features(rows, seq, layers, hidden, heads, vocab, embed, head, tp=1):
     flops = 3.0 * 2.0 * tok * (layers * (12.0 * h * h / tp + seq * h / tp) + head * h * vocab)
     # ~20 element-wise passes over (tok, h) per block, softmax over (heads, T, T) / 2,
     # cross-entropy (softmax + grad) over the logits, embedding gather/scatter.
-    elems = tok * (layers * (20.0 * h + 2.0 * heads * seq / tp) + head * 3.0 * vocab + embed * 2.0 * h)
+    block_elems = 20.0 * h * ((1.0 - TP_SHARDED_ELEMS) + TP_SHARDED_ELEMS / tp)
+    elems = tok * (layers * (block_elems + 2.0 * heads * seq / tp) + head * 3.0 * vocab + embed * 2.0 * h)
     ops = layers + 0.5 * (embed + head)
     return {"flops": flops, "elems": elems, "ops": ops + 0.0 * tok, "mb": 1.0 + 0.0 * tok}
 
