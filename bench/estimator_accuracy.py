@@ -578,11 +578,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--quick", action="store_true", help="two grid points per category (< 2 minutes)")
+    ap.add_argument("--rounds", type=int, default=None, metavar="N",
+                    help=f"rounds of profiles and grid, interleaved (default {ROUNDS}; 1 with --quick)")
     args = ap.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if args.device == "cuda":
         return main_cuda(args)
     t0 = time.monotonic()
-    rounds = 1 if args.quick else ROUNDS
+    rounds = args.rounds or (1 if args.quick else ROUNDS)
     load0 = _loadavg()
     points = grid(args.quick)
     model, prof, measured, grid_cost = measure(points, rounds)
