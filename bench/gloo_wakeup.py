@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
+
+import structlog
 
 from agent.runtime.parallel.launch import free_port
 from bench import _measure
@@ -102,6 +105,11 @@ def _summary(ts: list[float]) -> dict:
             "p90_ms": s[int(0.9 * (len(s) - 1))], "slow_frac": sum(v > SLOW_MS for v in s) / len(s), "n": len(s)}
 
 
+def _loadavg() -> list[str]:
+    with open("/proc/loadavg", encoding="ascii") as f:
+        return f.read().split()[:3]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gloo_wakeup", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=80, help="all-reduces per size and run (default 80)")
@@ -111,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(os.sched_getaffinity(0)) < 2:
         print("needs 2 cores", file=sys.stderr)
         return 2
+    # The ranks' info lines (one "joined" per rank and run) would bury the table.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     saved = os.environ.get(gloo.ENV)
     try:
         calls: dict[str, dict[int, list[float]]] = {m: {n: [] for n in SIZES} for m in MODES}
@@ -132,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"allreduce": ar, "steps_ms": st,
            "allreduce_mean_speedup": {n: ar[n]["normal"]["mean_ms"] / ar[n]["batch"]["mean_ms"] for n in ar},
            "step_speedup": {k: v["normal"] / v["batch"] for k, v in st.items()},
-           "reps": args.reps, "rounds": args.rounds, "loadavg": open("/proc/loadavg").read().split()[:3]}
-    print(f"{'all-reduce':>12} | {'normal mean / median / p90 ms, slow':>38} | {'batch mean / median / p90 ms, slow':>38} | mean x")
+           "reps": args.reps, "rounds": args.rounds, "loadavg": _loadavg()}
+    head = [f"{m} mean / median / p90 ms, slow" for m in MODES]
+    print(f"{'all-reduce':>12} | {head[0]:>38} | {head[1]:>38} | mean x")
     for n, d in ar.items():
         cells = [f"{d[m]['mean_ms']:6.2f} / {d[m]['median_ms']:5.2f} / {d[m]['p90_ms']:5.2f}, {d[m]['slow_frac']:4.0%}"
                  for m in MODES]

@@ -6,14 +6,15 @@ collective runs on a ``pt_gloo_runloop`` worker thread; gloo's ``gloo_tcp_loop``
 the same core, the loop thread preempts it on wake-up and then stays on the CPU, in user
 space, until the scheduler's tick takes the core back (a sched_switch trace: the loop
 thread ran 2.8 ms straight while the preempted worker sat runnable; /proc samples of
-its kernel stack: empty, i.e. user code, about half the time). Every such collective takes 2-6 ms instead of 0.2-0.5 ms,
-about 30-45 % of them at random: a 4 KiB all-reduce between two ranks pinned one core
-each averaged 1.35 ms (median 0.19), a 256 KiB one 1.7-2.2 ms (median 0.3-0.4).
+its kernel stack: empty, i.e. user code, about half the time). Every such collective
+takes 2-6 ms instead of 0.2-0.5 ms, 30-55 % of them at random: a 4 KiB all-reduce
+between two ranks pinned one core each averaged 1.35-1.57 ms (median 0.19-0.30), a
+256 KiB one 1.6-2.2 ms (median 0.3-0.4).
 
 The fix: run the loop threads ``SCHED_BATCH``. A batch thread never preempts on
 wake-up, so the worker finishes its part and blocks, and the loop thread then runs
 at once on the idle core; CFS fairness between the threads is unchanged (same nice).
-Same measurement: 0.16 ms mean for 4 KiB, 0.21-0.36 ms for 256 KiB, no slow mode.
+Same measurement: 0.16-0.21 ms mean for 4 KiB, 0.21-0.38 ms for 256 KiB, no slow mode.
 ``python -m bench.gloo_wakeup`` measures it.
 
 Contract: :func:`calm_loop_threads` is idempotent and cheap (one /proc/self/task scan);

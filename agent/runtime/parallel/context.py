@@ -4,8 +4,8 @@ Contract: :func:`init` joins the job's world (``torch.distributed`` with a TCP
 rendezvous at master_addr:master_port; gloo on CPU, NCCL when asked and CUDA is
 available) and creates the tensor- and data-parallel groups of the plan. Every rank
 creates every group in the same order, as ``new_group`` requires; gloo's loop threads
-are then put under SCHED_BATCH (:mod:`tessera.gloo`: 5-8x faster small collectives on
-shared cores). A world of one
+are then put under SCHED_BATCH (:mod:`tessera.gloo`: 3-8x faster collectives on one-core
+ranks). A world of one
 process initialises nothing, so single-process training has no distributed
 dependency at all. Pipeline neighbours talk point-to-point by global rank.
 """
