@@ -119,8 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     if len(os.sched_getaffinity(0)) < 2:
         print("needs 2 cores", file=sys.stderr)
         return 2
-    # The ranks' info lines (one "joined" per rank and run) would bury the table.
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     saved = os.environ.get(gloo.ENV)
     try:
         calls: dict[str, dict[int, list[float]]] = {m: {n: [] for n in SIZES} for m in MODES}
@@ -159,4 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # The ranks' info lines (one "joined" per rank and run) would bury the table. Only
+    # here: main() called in-process (the tests) leaves the caller's logging alone.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     sys.exit(main())

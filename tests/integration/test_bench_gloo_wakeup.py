@@ -26,3 +26,14 @@ def test_bench_writes_its_figures(tmp_path, monkeypatch):
     assert doc["steps_ms"][label]["normal"] > 0 and doc["steps_ms"][label]["batch"] > 0
     assert set(doc["allreduce_mean_speedup"]) == set(doc["allreduce"]) and label in doc["step_speedup"]
     assert os.environ.get("TESSERA_GLOO_BATCH_LOOP") is None  # the bench restores the environment
+
+
+def test_bench_leaves_logging_alone(monkeypatch):
+    """main() in-process must not reconfigure structlog (later tests capture info logs)."""
+    import structlog
+
+    monkeypatch.setattr(gloo_wakeup, "collectives", lambda mode, reps: {n: [0.1] for n in gloo_wakeup.SIZES})
+    monkeypatch.setattr(gloo_wakeup, "step_ms", lambda *a, **k: 1.0)
+    before = structlog.get_config()
+    assert gloo_wakeup.main(["--reps", "1", "--rounds", "1"]) == 0
+    assert structlog.get_config() == before
