@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="times each mode runs, alternating (default 2)")
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = ap.parse_args(argv)
+    if args.reps < 1:
+        ap.error("--reps must be at least 1")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if len(os.sched_getaffinity(0)) < 2:
         print("needs 2 cores", file=sys.stderr)
         return 2

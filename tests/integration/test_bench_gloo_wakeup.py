@@ -37,3 +37,10 @@ def test_bench_leaves_logging_alone(monkeypatch):
     before = structlog.get_config()
     assert gloo_wakeup.main(["--reps", "1", "--rounds", "1"]) == 0
     assert structlog.get_config() == before
+
+
+@pytest.mark.parametrize("flag", ["--reps", "--rounds"])
+def test_bench_rejects_nonpositive_counts(flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        gloo_wakeup.main([flag, "0"])
+    assert e.value.code == 2 and flag in capsys.readouterr().err
