@@ -7,11 +7,12 @@ Part 1: two ranks pinned one core each run an all-reduce of 4 KiB-1 MiB ``--reps
 times, each after ~1 ms of matmul (as in a training step), in both modes, the modes
 alternating ``--rounds`` times; the later rank's time per call (the collective's own
 cost, not the wait for a late partner). Part 2: real training steps of two models under
-dp=2 and tp=2 (bench._measure.run_jobs, gloo over loopback, one core a rank), both
-modes alternating ``--rounds`` times; the median step of the faster round.
+tp=2, dp=2 and pp=2 (4 micro-batches) (bench._measure.run_jobs, gloo over loopback, one
+core a rank), both modes alternating ``--rounds`` times; the median step of the faster
+round.
 
 Prints a table; ``--json`` writes ``allreduce`` (per size and mode: mean/median/p90 ms,
-``slow_frac`` = calls over 1.5 ms), ``steps`` (per config and mode: step ms), and the
+``slow_frac`` = calls over 1.5 ms), ``steps_ms`` (per config and mode), and the
 ratios ``allreduce_mean_speedup`` (per size) and ``step_speedup`` (per config).
 """
 
@@ -45,7 +46,8 @@ CONFIGS = [("A 16x64 tp=2", (2, 64, 4), 16, 64, {"tp": 2}),
 
 
 def _rank(rank: int, port: int, reps: int, q) -> None:
-    os.sched_setaffinity(0, [sorted(os.sched_getaffinity(0))[rank % len(os.sched_getaffinity(0))]])
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, [cores[rank % len(cores)]])
     import torch
     import torch.distributed as dist
 
@@ -105,11 +107,6 @@ def _summary(ts: list[float]) -> dict:
             "p90_ms": s[int(0.9 * (len(s) - 1))], "slow_frac": sum(v > SLOW_MS for v in s) / len(s), "n": len(s)}
 
 
-def _loadavg() -> list[str]:
-    with open("/proc/loadavg", encoding="ascii") as f:
-        return f.read().split()[:3]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gloo_wakeup", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=80, help="all-reduces per size and run (default 80)")
@@ -144,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"allreduce": ar, "steps_ms": st,
            "allreduce_mean_speedup": {n: ar[n]["normal"]["mean_ms"] / ar[n]["batch"]["mean_ms"] for n in ar},
            "step_speedup": {k: v["normal"] / v["batch"] for k, v in st.items()},
-           "reps": args.reps, "rounds": args.rounds, "loadavg": _loadavg()}
+           "reps": args.reps, "rounds": args.rounds, "loadavg": [round(x, 2) for x in os.getloadavg()]}
     head = [f"{m} mean / median / p90 ms, slow" for m in MODES]
     print(f"{'all-reduce':>12} | {head[0]:>38} | {head[1]:>38} | mean x")
     for n, d in ar.items():
