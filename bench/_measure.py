@@ -131,11 +131,14 @@ def _rank_main(specs: list[dict], cores: list[int], path: str, start_at: float,
 
         stamps: list = []
         ends: list = []  # the stamp of the latest step end (progress event)
+        fb: list = []  # per step: its micro-batches' forward + backward seconds (the runtime's phases)
 
         class StepEnd(Reporter):
             def event(self, kind: str, **fields) -> None:
                 if kind == "progress":
                     ends[:] = [_stamp()]
+                    ph = fields.get("phases") or {}
+                    fb.append(float(ph.get("forward", 0.0)) + float(ph.get("backward", 0.0)))
                 super().event(kind, **fields)
 
         orig = comm.TIMER.reset
@@ -152,7 +155,7 @@ def _rank_main(specs: list[dict], cores: list[int], path: str, start_at: float,
         # Colocated jobs start their step loop at the same moment.
         while time.monotonic() < start_at:
             time.sleep(0.001)
-        runs, starts = [], []
+        runs, starts, fbs = [], [], []
         for spec in specs:
             if spec.get("cores"):  # a profiling job sets each point's quota (cores, threads) itself
                 os.sched_setaffinity(0, spec["cores"])
@@ -160,17 +163,21 @@ def _rank_main(specs: list[dict], cores: list[int], path: str, start_at: float,
             starts.append(time.monotonic())
             stamps.clear()
             ends.clear()
+            fb.clear()
             code = int(resolve(spec["workload"]["type"])(spec, StepEnd(stream=open(os.devnull, "w"), enabled=False)))
             if code == 143 and stop is not None and stop.is_set():
                 code = 0  # told to stop: done
             stamps.append(ends[0] if ends else _stamp())
             runs.append(list(stamps))
+            fbs.append(list(fb))
             if code:
                 break
         with open(path, "w", encoding="utf-8") as f:
             json.dump(runs, f)
         with open(path + ".starts", "w", encoding="utf-8") as f:
             json.dump(starts, f)
+        with open(path + ".fb", "w", encoding="utf-8") as f:
+            json.dump(fbs, f)
     finally:
         os._exit(code)
 
@@ -433,7 +440,8 @@ def profile_points(points: list[tuple[dict, list[int]]], warmup: int | list[int]
     point in turn, pinned to that point's cores with one thread per core (its quota;
     ``steps`` = warmup + measured; ``warmup``: one count for every point, or one per
     point — the process is warm after its first). Returns (per point ``{"step_s", "wall_s"}`` as in
-    :func:`run_jobs`, device-seconds of the job: each point's time, model build
+    :func:`run_jobs` and ``mb_frac``: the median forward + backward time of its micro-batches (the
+    runtime's phases) over the median raw step, None when a step did not report them; device-seconds of the job: each point's time, model build
     included, times its cores, plus start-up and gaps times the cores held then)."""
     warm = list(warmup) if isinstance(warmup, (list, tuple)) else [warmup] * len(points)
     if len(warm) != len(points):
@@ -451,13 +459,19 @@ def profile_points(points: list[tuple[dict, list[int]]], warmup: int | list[int]
         _join([_start(ctx, specs, list(points[0][1]), path, 0.0)], timeout_s, [w for w, _ in points])
         runs = json.load(open(path, encoding="utf-8"))
         starts = json.load(open(path + ".starts", encoding="utf-8"))
+        fbs = json.load(open(path + ".fb", encoding="utf-8"))
     t_end = time.monotonic()
     out = []
     device_s = 0.0
     for k, run in enumerate(runs):
         st = _steps([run], -1e18, 1e18, warm[k], None)
-        out.append({"step_s": statistics.median(st["corrected"]), "wall_s": statistics.median(st["raw"]),
-                    "steps": st["corrected"], "raw_steps": st["raw"]})
+        fb = fbs[k][warm[k]:] if k < len(fbs) else []
+        wall = statistics.median(st["raw"])
+        # The share of a step that is its micro-batches' forward + backward (the
+        # runtime's own phases, raw wall time like ``raw``), applied to the corrected step.
+        frac = min(1.0, statistics.median(fb) / wall) if fb and wall > 0 and len(fb) == len(st["raw"]) else None
+        out.append({"step_s": statistics.median(st["corrected"]), "wall_s": wall,
+                    "steps": st["corrected"], "raw_steps": st["raw"], "mb_frac": frac})
         device_s += (run[-1][0] - starts[k]) * len(points[k][1])
     # Start-up and the gaps between points: the process holds the first point's cores
     # until it moves to the next point's (conservatively: the most the two held).

@@ -444,6 +444,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
         for wt in {WORKLOADS[name][1]["type"] for name in shapes}:
             resolve(wt)  # imported once here: no forked run counts the import as device time
     alone: dict[tuple, list[float]] = {}
+    alone_fb: dict[tuple, list[float | None]] = {}  # per round: forward + backward share of the step
     pairs: list[dict] = []  # one colocation row per mode and round; fit_interference takes the median g
     comm_runs: list[list[dict]] = []
     grid_cost = 0.0
@@ -465,6 +466,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                 pcost["compute"] += dev_s
                 for pt, x in zip(pts, meds):
                     alone.setdefault(pt, []).append(x["step_s"])
+                    alone_fb.setdefault(pt, []).append(x.get("mb_frac"))
             elif task[0] == "colo":
                 # Alone and together in one process, seconds apart (bench._measure.
                 # colocation_profile): the ratio is the interference, not the drift of
@@ -507,8 +509,11 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
     samples = []
     for (pn, pb, ps, pq, pm), ts in alone.items():
         layers, hidden, heads, vocab, _ = MODELS[pn]
+        sec = step_time(ts)
+        frac = alone_fb[(pn, pb, ps, pq, pm)][ts.index(sec)]  # the kept round's split
         samples.append(ComputeSample(module=pn, rows=pb, seq=ps, layers=layers, hidden=hidden, heads=heads,
-                                     vocab=vocab, q=pq, seconds=step_time(ts), micro_batches=pm, seq_len=ps))
+                                     vocab=vocab, q=pq, seconds=sec, micro_batches=pm, seq_len=ps,
+                                     mb_seconds=sec * frac if frac else 0.0))
     # Comm rows: every round's, as the estimator fits every row profilerd reports. Not
     # the least disturbed round as for compute: a blocking op's cost can be bimodal
     # (profilerd.commbench), and the best of a few rounds kept only the fast mode —
@@ -523,6 +528,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
     prof = {"cost": pcost, "samples": len(samples), "comm_rows": comm_rows, "pairs": pairs,
             "profile_samples": [dict(x.__dict__) for x in samples],
             "profile_rounds": {"/".join(map(str, k)): v for k, v in alone.items()},
+            "profile_mb_frac_rounds": {"/".join(map(str, k)): v for k, v in alone_fb.items()},
             "workload_profiles": [p.to_dict() for p in wpoints], "workload_wall_s": wall_wl,
             "workload_profile_rounds": {name: wprof[name] for name in shapes}}
     return model, prof, measured, grid_cost
@@ -631,6 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         "estimate_batch_s": res["eval_s"], "grid_points": len(rows),
         "model": model.to_dict(), "rows": rows, "profile_samples": prof["profile_samples"],
         "colocation_pairs": prof["pairs"], "comm_rows": prof["comm_rows"], "profile_rounds": prof["profile_rounds"],
+        "profile_mb_frac_rounds": prof["profile_mb_frac_rounds"],
         "workload_profiles": prof["workload_profiles"], "workload_profile_rounds": prof["workload_profile_rounds"],
         "workload_wall_s": prof["workload_wall_s"],
         "grid_rounds": [{"category": p["category"], "jobs": p["jobs"], "rounds": p["rounds"]} for p in measured],

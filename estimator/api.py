@@ -195,7 +195,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServiceServicer):
             module=p.module, model_key=model_key({"type": workload_of(p.module), "batch_size": p.rows, "model": {
                 "layers": p.layers, "hidden": p.hidden, "seq_len": p.seq_len, "vocab": p.vocab}}), device_type=p.device_type, job_id=p.job_id, rows=p.rows, seq=p.seq_len,
             micro_batches=p.micro_batches, quota=p.quota, steps=p.steps, median_step_time_s=p.median_s, spread=p.spread)
-            for p in models.profiles(self.store.runs)
+            for p in models.profiles(self.store.runs, self.store.run_fb)
             if (not request.module or p.module == request.module)
             and (not request.device_type or p.device_type == request.device_type)]
         return estimator_pb2.ListProfilesResponse(profiles=out, model_version=model.version)

@@ -97,6 +97,15 @@ def run_key(m) -> tuple | None:
     return (m.job_id, lb.get("device_kind", "cpu") or "cpu", lb["module"]) + ints + (threads,)
 
 
+def fb_seconds(phases) -> float:
+    """Forward + backward seconds of a step's ``phases`` map (the runtime's per-step
+    phases), 0.0 when either is missing or either is not a finite number >= 0. Total."""
+    f, b = _num(phases.get("forward", -1.0)), _num(phases.get("backward", -1.0))
+    if f is None or b is None or f < 0 or b < 0:
+        return 0.0
+    return f + b
+
+
 def comm_row(m) -> dict | None:
     """A communication row of a ``kind="comm"`` measurement, or None if malformed
     (every number finite: seconds > 0, world an integer >= 2, bytes >= 0). Total."""
@@ -148,6 +157,7 @@ class Profile:
     steps: int
     median_s: float
     spread: float
+    mb_s: float = 0.0  # median forward + backward of the measured steps; 0: not every step reported it
 
     def point(self) -> ProfilePoint:
         return ProfilePoint(module=self.module, rows=self.rows, seq=self.seq_len, micro_batches=self.micro_batches,
@@ -156,7 +166,8 @@ class Profile:
     def sample(self) -> ComputeSample:
         return ComputeSample(module=self.module, rows=self.rows, seq=self.seq_len, layers=self.layers,
                              hidden=self.hidden, heads=self.heads, vocab=self.vocab, q=self.quota,
-                             seconds=self.median_s, micro_batches=self.micro_batches, seq_len=self.seq_len)
+                             seconds=self.median_s, micro_batches=self.micro_batches, seq_len=self.seq_len,
+                             mb_seconds=self.mb_s)
 
 
 def is_profile(steps: dict[int, float]) -> bool:
@@ -173,14 +184,19 @@ def _median(values: list[float]) -> float:
     return float(v[n // 2]) if n % 2 else float(v[n // 2 - 1] / 2 + v[n // 2] / 2)
 
 
-def profiles(runs: dict[tuple, dict[int, float]]) -> list[Profile]:
+def profiles(runs: dict[tuple, dict[int, float]], fb: dict[tuple, dict[int, float]] | None = None) -> list[Profile]:
     """Profile points of the runs with at least ``MIN_MEASURED`` steps after warm-up
-    (``is_profile``), sorted by (device type, module, job)."""
+    (``is_profile``), sorted by (device type, module, job). ``fb`` (run key -> step ->
+    forward + backward seconds, 0 when a step did not report them) gives a point its
+    ``mb_s`` when every measured step reported them."""
     out = []
     for key, steps in runs.items():
         if not is_profile(steps):
             continue
-        ts = [steps[k] for k in sorted(steps)][WARMUP_STEPS:]
+        order = sorted(steps)[WARMUP_STEPS:]
+        ts = [steps[k] for k in order]
+        fbs = [(fb or {}).get(key, {}).get(k, 0.0) for k in order]
+        mb_s = _median(fbs) if all(v > 0 for v in fbs) else 0.0
         job, dev, module = key[:3]
         layers, hidden, heads, vocab, seq_len, batch, mb = key[3:10]
         med = _median(ts)
@@ -189,15 +205,17 @@ def profiles(runs: dict[tuple, dict[int, float]]) -> list[Profile]:
         if not (math.isfinite(med) and math.isfinite(spread)):  # never served, never a model input
             continue
         out.append(Profile(job, dev, module, layers, hidden, heads, vocab, seq_len, batch, mb, key[10], len(ts), med,
-                           spread))
+                           spread, mb_s if math.isfinite(mb_s) else 0.0))
     return sorted(out, key=lambda p: (p.device_type, p.module, p.job_id))
 
 
-def build_model(runs: dict, comm_rows: list[dict], colocation_rows: list[dict], version: int) -> PerfModel:
+def build_model(runs: dict, comm_rows: list[dict], colocation_rows: list[dict], version: int,
+                fb: dict | None = None) -> PerfModel:
     """Fit every part the data allows (pure apart from numpy): a compute curve per
     device type (it says insufficient_data when too few profiles), profile points per
-    device type, a communication fit per link, interference per device type."""
-    ps = profiles(runs)
+    device type, a communication fit per link, interference per device type. ``fb``:
+    the runs' forward + backward seconds per step (:func:`profiles`)."""
+    ps = profiles(runs, fb)
     lg = log.get(component="estimator.models")
     compute, points = {}, {}
     for dev in sorted({p.device_type for p in ps}):
@@ -303,9 +321,10 @@ class ModelKeeper:
         st = self.store
         rev = st.model_revision
         runs = {k: dict(v) for k, v in st.runs.items()}
+        fb = {k: dict(v) for k, v in st.run_fb.items()}
         comm, colo = list(st.comm_rows), list(st.colocation_rows)
         t0 = time.perf_counter()
-        new = await asyncio.to_thread(build_model, runs, comm, colo, self.model.version)
+        new = await asyncio.to_thread(build_model, runs, comm, colo, self.model.version, fb)
         self._last_fit = self.clock()
         try:
             changed = _canonical(new) != _canonical(self.model)

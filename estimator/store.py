@@ -245,7 +245,7 @@ def slots(m: profiler_pb2.Measurement) -> list[Slot]:
             out.append((("job_model", (m.job_id, m.model_key)), s))
         key = models.run_key(m)
         if key is not None:
-            out.append((("run", key), (m.step, m.step_time_s)))
+            out.append((("run", key), (m.step, m.step_time_s, models.fb_seconds(m.phases))))
     elif m.kind == "comm":
         row = models.comm_row(m)
         if row is not None:
@@ -271,6 +271,7 @@ class Windows:
         self.warmup = warmup
         self.last: dict[str, dict[Hashable, deque[tuple[int, object]]]] = {}
         self.runs: dict[tuple, dict[int, float]] = {}       # run key -> step -> seconds
+        self.run_fb: dict[tuple, dict[int, float]] = {}     # run key -> step -> forward + backward s (0: not reported)
         self.run_records: dict[tuple, dict[int, int]] = {}  # run key -> step -> record index
         self.refs: dict[int, int] = {}
 
@@ -309,22 +310,25 @@ class Windows:
         self._unref(i, dropped)
         return changed, dropped
 
-    def _add_run(self, i: int, key: tuple, value: tuple[int, float], dropped: list[int]) -> bool:
-        step, seconds = value
+    def _add_run(self, i: int, key: tuple, value: tuple, dropped: list[int]) -> bool:
+        step, seconds = value[0], value[1]
+        fb = value[2] if len(value) > 2 else 0.0
         recs = self.run_records.setdefault(key, {})
         vals = self.runs.setdefault(key, {})
+        fbs = self.run_fb.setdefault(key, {})
         self._ref(i)
         if step in recs:  # reported again (e.g. a resent or replayed step): the last one counts
-            old, before = recs[step], vals[step]
-            recs[step], vals[step] = i, seconds
+            old, before, before_fb = recs[step], vals[step], fbs.get(step, 0.0)
+            recs[step], vals[step], fbs[step] = i, seconds, fb
             self._unref(old, dropped)
-            return before != seconds
-        recs[step], vals[step] = i, seconds
+            return before != seconds or before_fb != fb
+        recs[step], vals[step], fbs[step] = i, seconds, fb
         if len(recs) <= self.warmup + self.retention.run_steps:
             return True
         victim = sorted(recs)[self.warmup]  # the oldest measured step
         self._unref(recs.pop(victim), dropped)
         del vals[victim]
+        fbs.pop(victim, None)
         return victim != step
 
     def remove(self, name: str, key: Hashable) -> tuple[bool, list[int]]:
@@ -334,6 +338,7 @@ class Windows:
         if name == "run":
             recs = self.run_records.pop(key, None)
             self.runs.pop(key, None)
+            self.run_fb.pop(key, None)
             held = list(recs.values()) if recs is not None else None
         else:
             d = self.last.get(name, {}).pop(key, None)
@@ -517,6 +522,7 @@ class MeasurementStore:
         # (run key -> {step: seconds}), communication rows, colocation pairs; the
         # revision moves only when one of them changed (device samples do not refit).
         self.runs = self._w.runs
+        self.run_fb = self._w.run_fb  # per run and step: forward + backward seconds (0: not reported)
         self.model_revision = 0
         # Encoded records the windows hold, by record index; insertion order is log order.
         self._blobs: dict[int, bytes] = {}

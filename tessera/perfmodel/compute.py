@@ -99,6 +99,9 @@ class ComputeSample:
     seconds: float     # measured median step time
     micro_batches: int = 1
     seq_len: int = 0   # model's max sequence length (position table); 0 -> seq
+    # Of ``seconds``, the micro-batches' forward + backward (the runtime's phases); 0 =
+    # not measured. It pins the per-micro-batch terms apart from the per-step ones.
+    mb_seconds: float = 0.0
 
     def config(self) -> tuple:
         """The configuration this sample measured (repeats share it)."""
@@ -201,6 +204,15 @@ def _usable(s: ComputeSample) -> bool:
     return all(math.isfinite(v) and v > 0 for v in vals)
 
 
+def _mb_seconds(s: ComputeSample) -> float:
+    """A sample's measured forward + backward seconds, 0 when absent or not a finite number."""
+    try:
+        v = float(s.mb_seconds)
+    except (TypeError, ValueError, OverflowError):
+        return 0.0
+    return v if math.isfinite(v) else 0.0
+
+
 # Keys of the extrapolation box: log-space distance from the profiled ranges.
 RANGE_KEYS = ("tokens", "seq", "layers", "hidden", "vocab", "q")
 MIN_SAMPLES = len(COEFS) + 2  # coefficients + p + one degree of freedom for the residual
@@ -241,11 +253,22 @@ def fit_compute(device_type: str, samples: list[ComputeSample], *, q_sat_grid: t
     # the top one (saturating at the top one scales every profile like inf: the same
     # fit, which the tie rule below would never pick).
     mem_grid = tuple([INF] + qs[:-1]) if len(qs) > 1 else (INF,)
+    # Samples whose forward + backward was measured add a row of their own: that time
+    # against the per-micro-batch columns alone. Without it the split between the
+    # per-micro-batch and the per-step terms rests on how the profiles happen to vary
+    # (tokens and seq move together): per-step work every rank does whole (the data
+    # source, the gradient check) went onto per-token terms that tp, pp and dp divide.
+    mbs = np.array([_mb_seconds(s) for s in samples])
+    split = (mbs > 0) & (mbs < y)
+    y_all = np.concatenate([y, mbs[split]])
     fits = []
     for p in p_grid:
         for qsat in sat_grid:
             for qmem in mem_grid:
-                c, r = _robust_fit(design(mbf, stf, m, q, p, qsat, qmem), y)
+                x = design(mbf, stf, m, q, p, qsat, qmem)
+                xm = x[split].copy()
+                xm[:, len(F.MB_FEATURES):] = 0.0
+                c, r = _robust_fit(np.concatenate([x, xm]), y_all)
                 fits.append((p, qsat, qmem, c, r))
     # Every candidate (p, q_sat, q_mem) is judged at one common scale — the best candidate's
     # robust scale — not at its own: at its own, a fit that misses everything by 30%
@@ -260,6 +283,7 @@ def fit_compute(device_type: str, samples: list[ComputeSample], *, q_sat_grid: t
         if best is None or loss < best[0] - 1e-15:
             best = (loss, p, qsat, qmem, c, r)
     _, p, qsat, qmem, c, r = best
+    r = r[:n]  # the step times' residuals (the split rows only pinned the terms)
     if not (np.isfinite(c).all() and np.isfinite(r).all()):
         out.reason = f"compute fit of {device_type} is not finite"
         return out

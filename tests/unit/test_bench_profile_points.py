@@ -25,3 +25,14 @@ def test_each_point_skips_its_own_warm_up():
     assert [len(x["steps"]) for x in out] == [3, 3]
     with pytest.raises(ValueError, match="warmup"):
         profile_points([(_w(4, 5), core)], [1, 1])
+
+
+def test_each_point_reports_its_forward_backward_share():
+    """The runtime's forward + backward phases of a point's measured steps, over its
+    median step: a share in (0, 1), larger for the larger batch (the optimizer and the
+    data source cost the same per step)."""
+    core = [sorted(os.sched_getaffinity(0))[0]]
+    out, _ = profile_points([(_w(2, 3 + 5), core), (_w(32, 2 + 5), core)], [3, 2])
+    small, large = (x["mb_frac"] for x in out)
+    assert 0 < small < 1 and 0 < large < 1
+    assert large > small
