@@ -439,9 +439,10 @@ def profile_points(points: list[tuple[dict, list[int]]], warmup: int | list[int]
     """A cheap profiling job: one process runs each single-rank ``(workload, cores)``
     point in turn, pinned to that point's cores with one thread per core (its quota;
     ``steps`` = warmup + measured; ``warmup``: one count for every point, or one per
-    point — the process is warm after its first). Returns (per point ``{"step_s", "wall_s"}`` as in
-    :func:`run_jobs` and ``mb_frac``: the median forward + backward time of its micro-batches (the
-    runtime's phases) over the median raw step, None when a step did not report them; device-seconds of the job: each point's time, model build
+    point — the process is warm after its first). Returns (per point ``{"step_s", "wall_s"}``
+    as in :func:`run_jobs`, and ``mb_frac``: the median forward + backward time of its
+    micro-batches (the runtime's phases) over the median raw step, None when a step did
+    not report them; device-seconds of the job: each point's time, model build
     included, times its cores, plus start-up and gaps times the cores held then)."""
     warm = list(warmup) if isinstance(warmup, (list, tuple)) else [warmup] * len(points)
     if len(warm) != len(points):
