@@ -13,7 +13,8 @@ Per micro-batch (scale with the rows a rank computes):
 - ``elems``: element-wise memory traffic (layer norms, GELU, softmax, residuals,
   cross-entropy over the vocabulary), in elements; under tp a block's share on
   sharded tensors (GELU, the qkv split, column-parallel biases: ``TP_SHARDED_ELEMS``)
-  is divided by tp, the rest (layer norms, residuals) is replicated.
+  is divided by tp, the rest (layer norms, residuals) is replicated; tp > 1 adds the
+  copies of what the block all-reduces (``TP_COPY_ELEMS``).
 - ``ops``: blocks run (per-operator dispatch overhead dominates small models on CPU).
 Per step (once, whatever the micro-batches):
 - ``params`` (AdamW's element-wise update), ``tensors`` (its per-tensor overhead),
@@ -32,6 +33,12 @@ BYTES_PER_ELEM = 4  # fp32 everywhere in the runtime
 # over forward + backward, the same at hidden 64 and 192; the row-parallel biases'
 # separate adds are in it). tests/unit/test_features_tp.py recounts it.
 TP_SHARDED_ELEMS = 0.43
+# Under tp > 1 the runtime copies every activation it all-reduces in forward and every
+# gradient it all-reduces in backward (agent.runtime.parallel.comm: ``_ReduceFromTP``,
+# ``_CopyToTP``: ``x.contiguous().clone()``, so that the in-place all-reduce never
+# writes an autograd input): 4 copies of (tokens, hidden) per block, read and written —
+# 8 elements per token and hidden unit, counted per aten op by tests/unit/test_features_tp.py.
+TP_COPY_ELEMS = 8.0
 
 MB_FEATURES = ("flops", "elems", "ops", "mb")
 STEP_FEATURES = ("params", "tensors", "seq", "one")
@@ -57,7 +64,7 @@ def mb_features(rows, seq, layers, hidden, heads, vocab, embed, head, tp=1):
     flops = 3.0 * 2.0 * tok * (layers * (12.0 * h * h / tp + seq * h / tp) + head * h * vocab)
     # ~20 element-wise passes over (tok, h) per block, softmax over (heads, T, T) / 2,
     # cross-entropy (softmax + grad) over the logits, embedding gather/scatter.
-    block_elems = 20.0 * h * ((1.0 - TP_SHARDED_ELEMS) + TP_SHARDED_ELEMS / tp)
+    block_elems = 20.0 * h * ((1.0 - TP_SHARDED_ELEMS) + TP_SHARDED_ELEMS / tp) + TP_COPY_ELEMS * h * (tp > 1)
     elems = tok * (layers * (block_elems + 2.0 * heads * seq / tp) + head * 3.0 * vocab + embed * 2.0 * h)
     ops = layers + 0.5 * (embed + head)
     return {"flops": flops, "elems": elems, "ops": ops + 0.0 * tok, "mb": 1.0 + 0.0 * tok}

@@ -58,4 +58,31 @@ def test_features_unchanged_at_tp1_and_sharded_at_tp2():
     tok = 8 * 64
     assert one["elems"] == tok * (2 * (20.0 * 64 + 2.0 * 4 * 64) + 3.0 * 256 + 2.0 * 64)
     saved = tok * 2 * 20.0 * 64 * F.TP_SHARDED_ELEMS / 2 + tok * 2 * 2.0 * 4 * 64 / 2
-    assert abs((one["elems"] - two["elems"]) - saved) < 1e-6
+    copies = tok * 2 * F.TP_COPY_ELEMS * 64
+    assert abs((one["elems"] - two["elems"]) - (saved - copies)) < 1e-6
+
+
+def test_tp_copies_of_what_a_block_all_reduces_match_the_runtime_block():
+    """In a real tensor-parallel group the block copies every activation it all-reduces
+    (forward) and every gradient (backward); with the all-reduce itself made the
+    identity (the sum of one shard), the extra element traffic over the shard's own work
+    is TP_COPY_ELEMS per token and hidden unit."""
+    from agent.runtime.parallel import comm
+
+    orig = comm.all_reduce
+    comm.all_reduce = lambda t, group=None: t  # the autograd functions look it up at call time
+    try:
+        for hidden in (64, 128):
+            cfg = GPTConfig(vocab=64, seq_len=32, layers=1, hidden=hidden, heads=4)
+            counts = []
+            for group in (None, object()):  # None: no copies; any other group: the runtime's path
+                torch.manual_seed(0)
+                block = TPBlock(cfg, 2, group)
+                x = torch.randn(4, cfg.seq_len, hidden, requires_grad=True)  # fresh: no gradient to accumulate into
+                with _Traffic() as t:
+                    block(x).sum().backward()
+                counts.append(t.elems)
+            per = (counts[1] - counts[0]) / (x.shape[0] * cfg.seq_len * hidden)
+            assert per == F.TP_COPY_ELEMS, (hidden, per)
+    finally:
+        comm.all_reduce = orig
