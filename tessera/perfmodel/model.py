@@ -24,8 +24,12 @@ Composition (one training step of the runtime's ``gpt`` workload, rank 0's view)
     T_step   = T_pipe + max_s [AR_dp(4 * params_s) + dp>1 * bucket_s] + AR_world(16 B) + max_s step_work_s
                (bucket_s: flatten, average and copy back the gradients, 3 element-wise passes)
                + straggle(dp * tp, rank 0's compute) (waiting for the slowest replica; CommFit.straggle)
-    colocated: T * oversubscription * (1 + g_mode * (colocated - 1)), mode "shared" when
-               the quotas oversubscribe the device (time slicing), else "split".
+    colocated: (T + g_mode * (colocated - 1) * C) * oversubscription, C the compute part
+               of T (equal to T for one rank), mode "shared" when the quotas oversubscribe
+               the device (time slicing), else "split". Interference slows compute (shared
+               caches, memory bandwidth); the communication tables were measured with
+               every rank busy already. The ranks of a plan that share one device (a CPU
+               node's cores) are colocated with each other: ``colocated`` counts them.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ class Candidate:
     quota: float = 1.0
     link: str = ""
     module: str = ""
-    colocated: int = 1              # modules sharing the device, this one included
+    colocated: int = 1              # modules (or ranks of this plan) sharing the device, this one included
     oversubscription: float = 1.0   # sum of quotas on the device / its capacity
     schedule: str = "1f1b"
 
@@ -347,7 +351,7 @@ class PerfModel:
         n_co, over = arr("colocated"), np.maximum(arr("oversubscription"), 1.0)
         g = np.array([self.interference.get(dev, {}).get("shared" if c.oversubscription > 1 else "split", 0.0)
                       for c in cs])
-        total = np.where(n_co > 1, total * over * (1.0 + g * (n_co - 1)), total)
+        total = np.where(n_co > 1, (total + g * (n_co - 1) * (comp_pipe + comp_step)) * over, total)
         # Uncertainty: fit residuals, extrapolation, unseen module, comm share, colocation.
         point = {"tokens": rows * m * T, "seq": T, "layers": L / pp, "hidden": h / tp, "vocab": V, "q": q}
         d = extrapolation(fit, point)
@@ -357,7 +361,7 @@ class PerfModel:
         # all-reduce, the loss all-reduce and the straggle (the colocation stretch
         # scales it like the rest).
         comm_part = np.maximum(pipe - comp_pipe, 0.0) + np.maximum(per_step - comp_step, 0.0) + loss_ar + straggle
-        comm_part = np.where(n_co > 1, comm_part * over * (1.0 + g * (n_co - 1)), comm_part)
+        comm_part = np.where(n_co > 1, comm_part * over, comm_part)
         # The scatter of the ops the plan uses: every multi-rank step all-reduces (its
         # loss, and dp / tp), only a pipeline sends. (The largest over every measured op
         # let a noisy send/recv fit drag every dp / tp estimate's confidence down.)

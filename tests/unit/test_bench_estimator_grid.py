@@ -34,3 +34,16 @@ def test_every_category_has_points_and_quick_keeps_two():
     assert all(n >= 2 for n in full.values()) and all(n == 2 for n in quick.values())
     multi = sum(n for c, n in full.items() if c.startswith("multi_"))
     assert multi >= 15, "enough multi-rank points for a per-category MAPE"
+
+
+def test_multi_rank_points_are_estimated_as_ranks_sharing_the_cpu():
+    """A dp / tp / pp point's two ranks run on cores 0 and 1 of one CPU: its candidate
+    counts them as colocated "split" (disjoint cores); a single-rank point is alone."""
+    for pt in ea.grid(False):
+        job = pt["jobs"][0]
+        if job.get("shape") or len(pt["jobs"]) > 1:
+            continue
+        c = ea.candidate(job)
+        world = c.dp * c.tp * c.pp
+        assert c.colocated == world and c.oversubscription == 1.0, pt
+        assert (world > 1) == pt["category"].startswith("multi"), pt

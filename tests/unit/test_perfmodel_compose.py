@@ -299,3 +299,21 @@ def test_comm_uncertainty_counts_only_the_ops_a_plan_uses(model):
         assert m2.estimate(c).rel_std == pytest.approx(model.estimate(c).rel_std)
     pp = cand(pp=2, micro_batches=4)
     assert m2.estimate(pp).rel_std > model.estimate(pp).rel_std
+
+
+def test_ranks_sharing_a_device_interfere_in_compute_not_in_communication(model):
+    """A dp=2 plan whose ranks share one device ("split": each on its own cores) pays the
+    split interference on its compute only: the same extra time whether its collectives
+    are cheap or 200x dearer (the communication tables were measured with both ranks busy)."""
+    dear = PerfModel(compute=model.compute, comm={LINK: fit_comm(LINK, comm_rows(alpha=1e-2))},
+                     interference=model.interference)
+    extra = []
+    for m in (model, dear):
+        own = m.estimate(cand(dp=2, batch=32)).seconds
+        shared = m.estimate(cand(dp=2, batch=32, colocated=2, oversubscription=1.0)).seconds
+        extra.append(shared - own)
+    assert extra[0] > 0
+    assert extra[1] == pytest.approx(extra[0], rel=1e-9)
+    # One rank on its own: all of its time is compute, stretched by 1 + g as before.
+    alone = model.estimate(cand(batch=16)).seconds
+    assert model.estimate(cand(batch=16, colocated=2, oversubscription=1.0)).seconds == pytest.approx(alone * 1.1)
