@@ -528,6 +528,8 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
     wpoints = [pt for name in shapes for pt in workload_points(name, wprof[name])]
     model = PerfModel(version=1, compute={DEVICE: fit_compute(DEVICE, samples)},
                       comm={LINK: fit_comm(LINK, comm_rows)}, interference={DEVICE: fit_interference(pairs)},
+                      interference_ref={DEVICE: {"layers": MODELS[n][0], "hidden": MODELS[n][1], "heads": MODELS[n][2],
+                                                 "vocab": MODELS[n][3], "rows": b, "seq": s_}},
                       profiles={DEVICE: wpoints} if wpoints else {})
     measured = [{**pt, "measured": bst[0], "raw": bst[1], "rounds": pr, "cpu_util": statistics.median(u) if u else None}
                 for pt, bst, pr, u in zip(points, best, per_round, util)]

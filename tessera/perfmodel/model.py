@@ -24,11 +24,13 @@ Composition (one training step of the runtime's ``gpt`` workload, rank 0's view)
     T_step   = T_pipe + max_s [AR_dp(4 * params_s) + dp>1 * bucket_s] + AR_world(16 B) + max_s step_work_s
                (bucket_s: flatten, average and copy back the gradients, 3 element-wise passes)
                + straggle(dp * tp, rank 0's compute) (waiting for the slowest replica; CommFit.straggle)
-    colocated: (T + g_mode * (colocated - 1) * C) * oversubscription, C the compute part
-               of T (equal to T for one rank), mode "shared" when the quotas oversubscribe
-               the device (time slicing), else "split". Interference slows compute (shared
-               caches, memory bandwidth); the communication tables were measured with
-               every rank busy already. The ranks of a plan that share one device (a CPU
+    colocated: (T + g_mode * e * (colocated - 1) * C) * oversubscription, C the compute
+               part of T (equal to T for one rank), mode "shared" when the quotas
+               oversubscribe the device (time slicing), else "split". Interference slows
+               compute (shared caches, memory bandwidth) — its memory-bound part: e is the
+               candidate's element-wise share of compute over that of the module whose
+               pairs gave g (``interference_ref``; 1 without one). The communication tables
+               were measured with every rank busy already. The ranks of a plan that share one device (a CPU
                node's cores) are colocated with each other: ``colocated`` counts them.
 """
 
@@ -109,6 +111,10 @@ class PerfModel:
     compute: dict = field(default_factory=dict)       # device_type -> ComputeFit
     comm: dict = field(default_factory=dict)          # link -> CommFit
     interference: dict = field(default_factory=dict)  # device_type -> {"split": g, "shared": g}
+    # device_type -> shape of the module whose pairs gave ``interference`` ({"layers",
+    # "hidden", "heads", "vocab", "rows", "seq"}; rows per micro-batch): g is scaled by a
+    # candidate's element-wise share of compute over that module's. Absent: g as fitted.
+    interference_ref: dict = field(default_factory=dict)
     # device_type -> profiled points (see ProfilePoint): answers exactly the configurations
     # that were run while the device type has too few profiles for a fitted curve.
     profiles: dict = field(default_factory=dict)
@@ -119,7 +125,9 @@ class PerfModel:
                 "compute": {k: v.to_dict() for k, v in self.compute.items()},
                 "comm": {k: v.to_dict() for k, v in self.comm.items()},
                 "interference": {k: dict(v) for k, v in self.interference.items()},
-                "profiles": {k: [p.to_dict() for p in v] for k, v in self.profiles.items()}}
+                "profiles": {k: [p.to_dict() for p in v] for k, v in self.profiles.items()},
+                **({"interference_ref": {k: dict(v) for k, v in self.interference_ref.items()}}
+                   if self.interference_ref else {})}
 
     @classmethod
     def from_dict(cls, d: dict) -> "PerfModel":
@@ -129,7 +137,9 @@ class PerfModel:
                    compute={k: ComputeFit.from_dict(v) for k, v in d["compute"].items()},
                    comm={k: CommFit.from_dict(v) for k, v in d["comm"].items()},
                    interference={k: {m: float(g) for m, g in v.items()} for k, v in d["interference"].items()},
-                   profiles={k: [ProfilePoint.from_dict(p) for p in v] for k, v in d.get("profiles", {}).items()})
+                   profiles={k: [ProfilePoint.from_dict(p) for p in v] for k, v in d.get("profiles", {}).items()},
+                   interference_ref={k: {f: float(x) for f, x in v.items()}
+                                     for k, v in (d.get("interference_ref") or {}).items()})
 
     # ------------------------------------------------------------------ estimates
     def estimate(self, c: Candidate) -> Estimate:
@@ -274,6 +284,27 @@ class PerfModel:
                 return f"no colocation ({mode}) profile for device type {c.device_type!r}"
         return ""
 
+    def _interference_scale(self, fit: ComputeFit, dev: str, rows, T, layers, h, a, V, head, tp, q):
+        """How much more (or less) a candidate suffers from colocation than the module
+        whose pairs were profiled: the element-wise share of a micro-batch's compute (first
+        stage) over that module's at quota 1. Sharing a core (time slicing: caches refilled
+        after every switch) or a CPU (the other core's memory traffic) slows memory-bound
+        work; large matmuls barely notice: a wide module (hidden 192) measured 12-17 %
+        below the A 8x64 pair's interference where narrow ones matched it. 1 without a
+        reference shape (older snapshots, the estimator service's rows carry none)."""
+        ref = self.interference_ref.get(dev)
+        if not ref:
+            return 1.0
+
+        def share(mbf, qq):
+            return fit.elementwise_time(mbf["elems"], qq) / np.maximum(fit.mb_time(mbf, qq), 1e-300)
+
+        r = share(F.mb_features(ref["rows"], ref["seq"], ref["layers"], ref["hidden"], ref["heads"], ref["vocab"], 1, 1),
+                  1.0)
+        if not r > 0:
+            return 1.0
+        return share(F.mb_features(rows, T, layers, h, a, V, 1, head, tp), q) / r
+
     def _evaluate(self, dev: str, link: str, cs: list[Candidate]) -> list[Estimate]:
         fit: ComputeFit = self.compute[dev]
         comm: CommFit | None = self.comm.get(link) if link else None
@@ -350,7 +381,8 @@ class PerfModel:
         # Colocation: time slicing stretches by the oversubscription, interference by mode.
         n_co, over = arr("colocated"), np.maximum(arr("oversubscription"), 1.0)
         g = np.array([self.interference.get(dev, {}).get("shared" if c.oversubscription > 1 else "split", 0.0)
-                      for c in cs])
+                      for c in cs]) * self._interference_scale(fit, dev, rows, T, base + (extra > 0), h, a, V,
+                                                               single * 1.0, tp, q)
         total = np.where(n_co > 1, (total + g * (n_co - 1) * (comp_pipe + comp_step)) * over, total)
         # Uncertainty: fit residuals, extrapolation, unseen module, comm share, colocation.
         point = {"tokens": rows * m * T, "seq": T, "layers": L / pp, "hidden": h / tp, "vocab": V, "q": q}

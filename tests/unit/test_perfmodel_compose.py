@@ -317,3 +317,25 @@ def test_ranks_sharing_a_device_interfere_in_compute_not_in_communication(model)
     # One rank on its own: all of its time is compute, stretched by 1 + g as before.
     alone = model.estimate(cand(batch=16)).seconds
     assert model.estimate(cand(batch=16, colocated=2, oversubscription=1.0)).seconds == pytest.approx(alone * 1.1)
+
+
+def test_interference_scales_with_the_element_wise_share_of_compute(model):
+    """With the profiled pair's module shape on record, a candidate of that shape gets
+    the fitted g exactly, a wider module (more of its time in matmuls) less, and the
+    snapshot keeps the shape; without it (older snapshots) every candidate gets g."""
+    ref = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 256, "rows": 16, "seq": 64}
+    scaled = PerfModel(compute=model.compute, comm=model.comm, interference=model.interference,
+                       interference_ref={"cpu": ref})
+
+    def stretch(m, **kw):
+        return m.estimate(cand(colocated=2, oversubscription=1.0, **kw)).seconds / m.estimate(cand(**kw)).seconds - 1
+
+    g = model.interference["cpu"]["split"]
+    assert stretch(scaled) == pytest.approx(g)
+    assert stretch(model, hidden=512) == pytest.approx(g)
+    wide = stretch(scaled, hidden=512)
+    assert 0 < wide < 0.8 * g
+    back = PerfModel.from_dict(json.loads(json.dumps(scaled.to_dict())))
+    assert back.interference_ref == {"cpu": {k: float(v) for k, v in ref.items()}}
+    assert stretch(back, hidden=512) == pytest.approx(wide)
+    assert "interference_ref" not in model.to_dict()
