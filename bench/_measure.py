@@ -470,7 +470,8 @@ def profile_points(points: list[tuple[dict, list[int]]], warmup: int | list[int]
         wall = statistics.median(st["raw"])
         # The share of a step that is its micro-batches' forward + backward (the
         # runtime's own phases, raw wall time like ``raw``), applied to the corrected step.
-        frac = min(1.0, statistics.median(fb) / wall) if fb and wall > 0 and len(fb) == len(st["raw"]) else None
+        whole = fb and len(fb) == len(st["raw"]) and all(v > 0 for v in fb)  # every measured step reported them
+        frac = min(1.0, statistics.median(fb) / wall) if whole and wall > 0 else None
         out.append({"step_s": statistics.median(st["corrected"]), "wall_s": wall,
                     "steps": st["corrected"], "raw_steps": st["raw"], "mb_frac": frac})
         device_s += (run[-1][0] - starts[k]) * len(points[k][1])

@@ -18,7 +18,9 @@ scaling. Dispatch overhead (``ops``, ``mb``) and AdamW's per-tensor loop are ser
 Python/C++ work. All coefficients are >= 0. ``c_*`` are found by non-negative least
 squares on relative residuals (MAPE is what we are judged on); ``p``, ``q_sat`` and
 ``q_mem`` by a grid search around it (variable projection), every candidate's robust
-loss at one common scale.
+loss at one common scale. A profile that measured its micro-batches' forward + backward
+(``ComputeSample.mb_seconds``) adds a row of its own: that time against the
+per-micro-batch terms alone, which pins them apart from the per-step ones.
 Pure: numpy only.
 """
 

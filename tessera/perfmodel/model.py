@@ -29,9 +29,10 @@ Composition (one training step of the runtime's ``gpt`` workload, rank 0's view)
                oversubscribe the device (time slicing), else "split". Interference slows
                compute (shared caches, memory bandwidth) — its memory-bound part: e is the
                candidate's element-wise share of compute over that of the module whose
-               pairs gave g (``interference_ref``; 1 without one). The communication tables
-               were measured with every rank busy already. The ranks of a plan that share one device (a CPU
-               node's cores) are colocated with each other: ``colocated`` counts them.
+               pairs gave g (``interference_ref``; 1 without one). The communication
+               tables were measured with every rank busy already. The ranks of a plan
+               that share one device (a CPU node's cores) are colocated with each other:
+               ``colocated`` counts them.
 """
 
 from __future__ import annotations
@@ -289,11 +290,12 @@ class PerfModel:
         whose pairs were profiled: the element-wise share of a micro-batch's compute (first
         stage) over that module's at quota 1. Sharing a core (time slicing: caches refilled
         after every switch) or a CPU (the other core's memory traffic) slows memory-bound
-        work; large matmuls barely notice: a wide module (hidden 192) measured 12-17 %
-        below the A 8x64 pair's interference where narrow ones matched it. 1 without a
-        reference shape (older snapshots, the estimator service's rows carry none)."""
-        ref = self.interference_ref.get(dev)
-        if not ref:
+        work; large matmuls barely notice: with one g for all (the A 8x64 twins'), the
+        time-sliced pairs holding a wide module (hidden 192) read 8-16 % high, narrow
+        ones -4 ... +4 %. 1 without a whole reference shape (older snapshots; the
+        estimator service's colocation rows carry none)."""
+        ref = self.interference_ref.get(dev) or {}
+        if any(k not in ref for k in ("layers", "hidden", "heads", "vocab", "rows", "seq")):
             return 1.0
 
         def share(mbf, qq):
@@ -390,8 +392,8 @@ class PerfModel:
         unseen = np.array([0.0 if c.module in fit.modules else UNSEEN_MODULE for c in cs])
         # The communication share of the time, from the same per-stage terms: tp
         # all-reduces and pipeline sends inside the micro-batches, the dp gradient
-        # all-reduce, the loss all-reduce and the straggle (the colocation stretch
-        # scales it like the rest).
+        # all-reduce, the loss all-reduce and the straggle (time slicing stretches it;
+        # interference does not: the tables were measured with every rank busy).
         comm_part = np.maximum(pipe - comp_pipe, 0.0) + np.maximum(per_step - comp_step, 0.0) + loss_ar + straggle
         comm_part = np.where(n_co > 1, comm_part * over, comm_part)
         # The scatter of the ops the plan uses: every multi-rank step all-reduces (its
