@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from bench import estimator_accuracy as ea
 
 
@@ -47,3 +49,24 @@ def test_multi_rank_points_are_estimated_as_ranks_sharing_the_cpu():
         world = c.dp * c.tp * c.pp
         assert c.colocated == world and c.oversubscription == 1.0, pt
         assert (world > 1) == pt["category"].startswith("multi"), pt
+
+
+def test_a_failed_colocation_profile_is_tried_again_and_its_time_counted():
+    calls = []
+
+    def flaky(wl, cores, warmup, measured):
+        calls.append(cores)
+        if len(calls) == 1:
+            raise RuntimeError("colocation profile: 13 alone and 1 together steps of X (need 2 each)")
+        return {"alone_s": 0.01, "together_s": 0.011, "device_s": 0.5}
+
+    pcost = {"colocation": 0.0}
+    res = ea.colocation_with_retry(flaky, {}, [[0], [1]], pcost)
+    assert res["together_s"] == 0.011 and len(calls) == 2
+    assert pcost["colocation"] >= 0.5  # the retry's, plus the failed attempt's wall time x 2 cores
+
+    def broken(wl, cores, warmup, measured):
+        raise RuntimeError("never enough steps")
+
+    with pytest.raises(RuntimeError, match="never enough"):
+        ea.colocation_with_retry(broken, {}, [[0], [0]], {"colocation": 0.0})
