@@ -190,12 +190,14 @@ def profiles(runs: dict[tuple, dict[int, float]], fb: dict[tuple, dict[int, floa
     forward + backward seconds, 0 when a step did not report them) gives a point its
     ``mb_s`` when every measured step reported them."""
     out = []
+    fb = fb or {}
     for key, steps in runs.items():
         if not is_profile(steps):
             continue
         order = sorted(steps)[WARMUP_STEPS:]
         ts = [steps[k] for k in order]
-        fbs = [(fb or {}).get(key, {}).get(k, 0.0) for k in order]
+        run_fb = fb.get(key, {})
+        fbs = [run_fb.get(k, 0.0) for k in order]
         mb_s = _median(fbs) if all(v > 0 for v in fbs) else 0.0
         job, dev, module = key[:3]
         layers, hidden, heads, vocab, seq_len, batch, mb = key[3:10]
