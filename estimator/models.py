@@ -40,6 +40,7 @@ from tessera.fsutil import atomic_write
 from tessera.measurement import (NUMERIC_LABELS, PROFILE_MIN_MEASURED, PROFILE_WARMUP_STEPS, ROW_VALUES,  # noqa: F401
                                  RUN_INTS, malformed, number)
 from tessera.perfmodel import ComputeFit, ComputeSample, PerfModel, ProfilePoint, fit_comm, fit_compute, fit_interference
+from tessera.perfmodel.features import FEATURES_REV
 from tessera.perfmodel.workload import profiled, workload_of
 
 WARMUP_STEPS = PROFILE_WARMUP_STEPS  # tessera.measurement: the controller's profile_steps follows them too
@@ -303,6 +304,14 @@ class ModelKeeper:
             return
         self.model = model
         self.fitted_revision, self.fitted_at, self.measurements = revision, fitted_at, measurements
+        old = sorted({f.features for f in model.compute.values() if f.features != FEATURES_REV})
+        if old:
+            # Coefficients of other feature counts (an upgrade changed them): served until
+            # the refit from the log that this forces at the next current().
+            self.fitted_revision = -1
+            self.log.info("model fitted under other feature counts; refitting from the measurement log",
+                          version=self.model.version, fitted_features=old, features=FEATURES_REV)
+            return
         self.log.info("model loaded", version=self.model.version, revision=self.fitted_revision,
                       store_revision=self.store.model_revision)
 

@@ -4,11 +4,14 @@ Step time of one rank that runs ``m`` micro-batches of a stage on a quota ``q``
 (CPU cores here; an SM share in (0, 1] on a GPU):
 
     t = m * [ c_flops * flops * s(q) + c_elems * elems * b(q) + c_ops * ops + c_mb ]
+        + c_elems * accum(params, m) * b(q)
         + c_params * params + c_tensors * tensors + c_seq * seq + c_one
 
     s(q) = (1 - p) + p / min(q, q_sat)                          (Amdahl + roofline cap)
     b(q) = min(1, q_mem) / min(q, q_mem)                        (memory bandwidth)
 
+(``accum``: the element-wise work of adding m micro-batches' weight gradients into
+``.grad``, ``features.grad_accum_elems``; priced at the element-wise rate.)
 The FLOP term runs in parallel on the quota, a fraction ``1 - p`` of it does not
 (Amdahl); beyond ``q_sat`` more quota buys nothing (too little work per core or SM).
 Element-wise work is bound by memory bandwidth, which grows with the quota only up
@@ -55,7 +58,8 @@ def design(mbf: dict, stf: dict, m, q, p: float, q_sat: float, q_mem: float = IN
     """Design matrix (n, 8) in COEFS order for features, micro-batches m and quota q."""
     s = quota_scale(q, p, q_sat)
     m = np.asarray(m, dtype=float)
-    cols = [m * mbf["flops"] * s, m * mbf["elems"] * mem_scale(q, q_mem), m * mbf["ops"], m * mbf["mb"],
+    elems = (m * mbf["elems"] + F.grad_accum_elems(stf["params"], m)) * mem_scale(q, q_mem)
+    cols = [m * mbf["flops"] * s, elems, m * mbf["ops"], m * mbf["mb"],
             stf["params"], stf["tensors"], stf["seq"], stf["one"]]
     return np.stack(np.broadcast_arrays(*[np.asarray(c, dtype=float) for c in cols]), axis=-1)
 
@@ -133,6 +137,9 @@ class ComputeFit:
     # Profiled ranges (log-space box) for the extrapolation term of the confidence.
     ranges: dict = field(default_factory=dict)
     modules: dict = field(default_factory=dict)  # module -> multiplicative correction
+    # The feature counts' revision the coefficients were fitted under (features.FEATURES_REV;
+    # 1 for snapshots that predate the field).
+    features: int = F.FEATURES_REV
 
     def to_dict(self) -> dict:
         return {"device_type": self.device_type, "coef": dict(self.coef), "p": self.p,
@@ -140,7 +147,7 @@ class ComputeFit:
                 "q_mem": None if math.isinf(self.q_mem) else self.q_mem,
                 "rel_sigma": None if math.isinf(self.rel_sigma) else self.rel_sigma, "n": self.n,
                 "status": self.status, "reason": self.reason, "ranges": {k: list(v) for k, v in self.ranges.items()},
-                "modules": dict(self.modules)}
+                "modules": dict(self.modules), "features": self.features}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ComputeFit":
@@ -149,7 +156,8 @@ class ComputeFit:
                    q_mem=INF if d.get("q_mem") is None else float(d["q_mem"]),
                    rel_sigma=INF if d.get("rel_sigma") is None else float(d["rel_sigma"]), n=int(d["n"]),
                    status=d["status"], reason=d.get("reason", ""),
-                   ranges={k: tuple(v) for k, v in d.get("ranges", {}).items()}, modules=dict(d.get("modules", {})))
+                   ranges={k: tuple(v) for k, v in d.get("ranges", {}).items()}, modules=dict(d.get("modules", {})),
+                   features=int(d.get("features", 1)))
 
     def vector(self) -> np.ndarray:
         return np.array([self.coef.get(k, 0.0) for k in COEFS])
@@ -165,6 +173,12 @@ class ComputeFit:
         """Seconds of ``elems`` elements of element-wise memory traffic at quota q (the
         fitted element-wise rate and bandwidth scaling of a micro-batch's)."""
         return self.coef["c_elems"] * elems * mem_scale(q, self.q_mem)
+
+    def accumulation_time(self, params, m, q):
+        """Seconds of one step's gradient accumulation over ``m`` micro-batches on a stage
+        of ``params`` parameters at quota q (0 for m = 1; part of the micro-batches'
+        backward, not of the per-step work)."""
+        return self.elementwise_time(F.grad_accum_elems(params, m), q)
 
     def step_time(self, stf: dict):
         """Seconds of the per-step work (optimizer, data) of one rank."""

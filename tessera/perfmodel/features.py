@@ -10,12 +10,14 @@ embeds, the last stage runs ``ln_f``, ``head`` and the loss).
 Per micro-batch (scale with the rows a rank computes):
 - ``flops``: matmul FLOPs of forward + backward (3x forward), attention at half the
   T^2 work (causal), divided by tp for the sharded blocks.
-- ``elems``: element-wise memory traffic (layer norms, GELU, softmax, residuals,
-  cross-entropy over the vocabulary), in elements; under tp a block's share on
+- ``elems``: element-wise memory traffic (layer norms, GELU, residuals, attention's
+  scores (``ATTN_SCORE_ELEMS`` per score), cross-entropy over the vocabulary), in elements; under tp a block's share on
   sharded tensors (GELU, the qkv split, column-parallel biases: ``TP_SHARDED_ELEMS``)
   is divided by tp, the rest (layer norms, residuals) is replicated; tp > 1 adds the
   copies of what the block all-reduces (``TP_COPY_ELEMS``).
 - ``ops``: blocks run (per-operator dispatch overhead dominates small models on CPU).
+- ``grad_accum_elems(params, m)``: the element-wise work of accumulating m
+  micro-batches' weight gradients (in backward, so part of the micro-batches' time).
 Per step (once, whatever the micro-batches):
 - ``params`` (AdamW's element-wise update), ``tensors`` (its per-tensor overhead),
   ``seq`` (the runtime's synthetic data source loops over positions).
@@ -23,6 +25,7 @@ Per step (once, whatever the micro-batches):
 
 from __future__ import annotations
 
+import numpy as np
 
 # Parameter tensors of one block (ln1, qkv, proj, ln2, fc, out: weight + bias each).
 TENSORS_PER_BLOCK = 12
@@ -39,6 +42,32 @@ TP_SHARDED_ELEMS = 0.43
 # writes an autograd input): 4 copies of (tokens, hidden) per block, read and written —
 # 8 elements per token and hidden unit, counted per aten op by tests/unit/test_features_tp.py.
 TP_COPY_ELEMS = 8.0
+# Attention's element-wise work per score (the (T, T) matrix of one head, full square):
+# the runtime's attention (``F.scaled_dot_product_attention``, causal; on CPU the fused
+# flash kernel) scales, masks, exponentiates and sums every score of the causal half
+# forward, and recomputes them and forms their gradients backward. Measured per op
+# (``python -m bench.op_costs``: torch profiler self time, one thread, 13 shapes of the
+# accuracy benchmark's zoo, 2026-12-05): 3.9-12 ns per score forward + backward at
+# T >= 32 (20 ns at T = 16; less at longer T, where the kernel's blocks skip more of the
+# masked half), net of the attention FLOPs that ``flops`` prices 4.8 element units per
+# score (median; one unit = the block's element-wise ops per token and hidden unit / 20,
+# 1.16 ns there). It was 2: the D shapes at T = 128 read ~9 % low.
+ATTN_SCORE_ELEMS = 5.0
+# Gradient accumulation: with m > 1 micro-batches, backward adds each micro-batch's
+# weight gradients into ``.grad`` (autograd's ``AccumulateGrad``: an in-place add per
+# parameter tensor) m - 1 times per step. Measured per op (``python -m bench.op_costs``:
+# ``AccumulateGrad`` + ``add_`` self time, 4 micro-batches against 1, 2026-12-05):
+# 0.34-0.86 ns per parameter and extra micro-batch (less for wide tensors), against
+# ~0.8 ns per unit of the fitted element-wise rate (``c_elems``): 0.75 units. Unpriced,
+# the profiles' several-micro-batch points pulled the per-micro-batch overhead up for
+# every other shape.
+GRAD_ACCUM_ELEMS = 0.75
+
+# Revision of these counts. Fitted coefficients are seconds per unit of *these* counts:
+# a fit made under another revision prices other counts (``ComputeFit.features``), and
+# the estimator refits such a persisted model from its measurements. Bump it whenever a
+# count changes. 2: ATTN_SCORE_ELEMS 2 -> 5, gradient accumulation priced.
+FEATURES_REV = 2
 
 MB_FEATURES = ("flops", "elems", "ops", "mb")
 STEP_FEATURES = ("params", "tensors", "seq", "one")
@@ -62,12 +91,19 @@ def mb_features(rows, seq, layers, hidden, heads, vocab, embed, head, tp=1):
     tok = rows * seq
     h = hidden
     flops = 3.0 * 2.0 * tok * (layers * (12.0 * h * h / tp + seq * h / tp) + head * h * vocab)
-    # ~20 element-wise passes over (tok, h) per block, softmax over (heads, T, T) / 2,
+    # ~20 element-wise passes over (tok, h) per block, attention's scores (heads, T, T),
     # cross-entropy (softmax + grad) over the logits, embedding gather/scatter.
     block_elems = 20.0 * h * ((1.0 - TP_SHARDED_ELEMS) + TP_SHARDED_ELEMS / tp) + TP_COPY_ELEMS * h * (tp > 1)
-    elems = tok * (layers * (block_elems + 2.0 * heads * seq / tp) + head * 3.0 * vocab + embed * 2.0 * h)
+    elems = tok * (layers * (block_elems + ATTN_SCORE_ELEMS * heads * seq / tp) + head * 3.0 * vocab + embed * 2.0 * h)
     ops = layers + 0.5 * (embed + head)
     return {"flops": flops, "elems": elems, "ops": ops + 0.0 * tok, "mb": 1.0 + 0.0 * tok}
+
+
+def grad_accum_elems(params, micro_batches):
+    """Element units of one step's gradient accumulation over ``micro_batches`` on a stage
+    of ``params`` parameters (0 for one micro-batch): ``GRAD_ACCUM_ELEMS`` per parameter
+    and micro-batch after the first."""
+    return GRAD_ACCUM_ELEMS * params * np.maximum(np.asarray(micro_batches, dtype=float) - 1.0, 0.0)
 
 
 def step_features(seq, layers, hidden, vocab, seq_len, embed, head, tp=1):

@@ -349,7 +349,9 @@ class PerfModel:
             mbf = F.mb_features(rows, T, ls, h, a, V, e, hd, tp)
             stf = F.step_features(T, ls, h, V, sl, e, hd, tp)
             sends = (pp > 1) * ((k != "last") * 1.0 + (k != "first") * 1.0)
-            comp = mod * fit.mb_time(mbf, q)
+            # Gradient accumulation (m > 1) happens in the micro-batches' backward: its
+            # share per micro-batch, so that the pipeline's fill and bottleneck carry it.
+            comp = mod * (fit.mb_time(mbf, q) + fit.accumulation_time(stf["params"], m, q) / m)
             t = comp + 4.0 * ls * ar(tp, act) + sends * p2p(act)
             c_mb[k] = np.where(count > 0, comp, 0.0)
             t_mb[k] = np.where(count > 0, t, 0.0)

@@ -111,7 +111,8 @@ def gpt_step(fit: ComputeFit, c, q: float) -> float:
     mbf, stf = ComputeSample(module=c.module, rows=c.batch, seq=c.seq or c.seq_len, layers=c.layers, hidden=c.hidden,
                              heads=c.heads, vocab=c.vocab, q=q, seconds=0.0, micro_batches=c.micro_batches,
                              seq_len=c.seq_len).features()
-    return float(c.micro_batches * fit.mb_time(mbf, q) + fit.step_time(stf))
+    return float(c.micro_batches * fit.mb_time(mbf, q) + fit.accumulation_time(stf["params"], c.micro_batches, q)
+                 + fit.step_time(stf))
 
 
 def _group(points) -> tuple[float, float, int]:

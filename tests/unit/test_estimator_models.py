@@ -269,6 +269,34 @@ async def test_a_model_version_is_durable_before_it_is_served(tmp_path, monkeypa
     store.close()
 
 
+async def test_a_model_fitted_under_other_feature_counts_is_refitted_after_a_restart(tmp_path):
+    """A persisted snapshot whose compute fits priced another revision of the feature counts
+    (an upgrade changed them) is served only until the refit from the measurement log,
+    which its load forces; the refit is a new version under the current counts. A
+    snapshot that predates the field counts as revision 1."""
+    import json
+
+    from estimator.models import ModelKeeper
+    from estimator.store import MeasurementStore
+    from tessera.perfmodel.features import FEATURES_REV
+
+    store = MeasurementStore(tmp_path)
+    await store.append([profiler_pb2.Measurement(source="s", seq=i, kind="step", job_id="j1", step=i,
+                                                 step_time_s=0.01, labels=LABELS) for i in range(1, 8)])
+    keeper = ModelKeeper(store, tmp_path, min_refit_interval_s=0)
+    m = await keeper.current()
+    assert m.version == 1 and m.compute["cpu"].features == FEATURES_REV
+    assert ModelKeeper(store, tmp_path, min_refit_interval_s=0).stale is False
+    doc = json.loads((tmp_path / "model.json").read_text())
+    del doc["snapshot"]["compute"]["cpu"]["features"]
+    (tmp_path / "model.json").write_text(json.dumps(doc))
+    again = ModelKeeper(store, tmp_path, min_refit_interval_s=0)
+    assert again.model.version == 1 and again.model.compute["cpu"].features == 1 and again.stale
+    m2 = await again.current()
+    assert m2.version == 2 and m2.compute["cpu"].features == FEATURES_REV and not again.stale
+    store.close()
+
+
 def test_malformed_is_the_shared_check_profilerd_applies_too():
     import estimator.api
     import estimator.models

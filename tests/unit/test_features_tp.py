@@ -56,8 +56,9 @@ def test_features_unchanged_at_tp1_and_sharded_at_tp2():
     one = F.mb_features(8, 64, 2, 64, 4, 256, 1, 1, tp=1)
     two = F.mb_features(8, 64, 2, 64, 4, 256, 1, 1, tp=2)
     tok = 8 * 64
-    assert one["elems"] == tok * (2 * (20.0 * 64 + 2.0 * 4 * 64) + 3.0 * 256 + 2.0 * 64)
-    saved = tok * 2 * 20.0 * 64 * F.TP_SHARDED_ELEMS / 2 + tok * 2 * 2.0 * 4 * 64 / 2
+    a = F.ATTN_SCORE_ELEMS
+    assert one["elems"] == tok * (2 * (20.0 * 64 + a * 4 * 64) + 3.0 * 256 + 2.0 * 64)
+    saved = tok * 2 * 20.0 * 64 * F.TP_SHARDED_ELEMS / 2 + tok * 2 * a * 4 * 64 / 2
     copies = tok * 2 * F.TP_COPY_ELEMS * 64
     assert abs((one["elems"] - two["elems"]) - (saved - copies)) < 1e-6
 

@@ -91,6 +91,28 @@ def test_data_parallel_pays_the_gradient_buckets_element_wise_passes():
     assert two.seconds - one.seconds == pytest.approx(want, rel=1e-3)
 
 
+def test_micro_batches_pay_the_gradient_accumulation_once_per_extra_micro_batch():
+    """m micro-batches of the same rows: the same per-token work, m - 1 more per-micro-batch
+    overheads, and m - 1 accumulations of every weight gradient (GRAD_ACCUM_ELEMS units
+    per parameter at the fitted element-wise rate); pp = 2 carries each stage's own."""
+    from tessera.perfmodel import features as F
+
+    m = PerfModel(version=1, compute={"cpu": fit_compute("cpu", samples(noise=0.0))},
+                  comm={LINK: fit_comm(LINK, comm_rows(alpha=1e-12, beta=1e-18))})
+    fit = m.compute["cpu"]
+    params = F.stage_params(4, 128, 256, 64, 1, 1)
+    for mb in (2, 4):
+        one, many = m.estimate(cand(batch=16, seq=32)), m.estimate(cand(batch=16, seq=32, micro_batches=mb))
+        assert one.ok and many.ok
+        mbf1 = F.mb_features(16, 32, 4, 128, 4, 256, 1, 1)
+        mbfm = F.mb_features(16 / mb, 32, 4, 128, 4, 256, 1, 1)
+        per_mb = mb * fit.mb_time(mbfm, 1.0) - fit.mb_time(mbf1, 1.0)
+        accum = fit.coef["c_elems"] * F.GRAD_ACCUM_ELEMS * params * (mb - 1)
+        assert accum > 1e-3 * abs(per_mb)  # well above the tolerance below: leaving it out fails
+        assert many.seconds - one.seconds == pytest.approx(per_mb + accum, rel=1e-6)
+    assert F.grad_accum_elems(1000.0, 1) == 0.0 and F.grad_accum_elems(1000.0, 3) == 2000.0 * F.GRAD_ACCUM_ELEMS
+
+
 def test_more_dp_cuts_compute_but_adds_allreduce(model):
     one = model.estimate(cand(batch=32))
     two = model.estimate(cand(batch=32, dp=2))
