@@ -1,0 +1,97 @@
+"""Re-fit stored accuracy runs with this code's performance model.
+
+``python -m bench.estimator_refit RUN.json [RUN.json ...]`` takes JSONs written by
+``python -m bench.estimator_accuracy --json`` (each holds every profile sample,
+colocation pair, comm row and peft/multimodal profile of its run, and the measured grid)
+and re-fits the model from those profiles with the code checked out now, then compares
+it with the same measured grid. It measures nothing: it answers "what would this model
+have estimated on those measurements", so that a change to the model is judged on many
+stored runs of one protocol rather than on one new run of a drifting host. Prints, per
+run, the single-device and multi-rank MAPE as stored and as re-fitted, and the mean
+per category over the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+from bench import estimator_accuracy as ea
+from tessera.perfmodel import Candidate, ComputeSample, PerfModel, fit_compute, fit_interference
+
+
+def refit(run: dict) -> PerfModel:
+    """The model this code fits from a stored run's profiles (its comm fit, interference
+    reference and peft/multimodal profiles as the run stored them)."""
+    stored = PerfModel.from_dict(run["model"])
+    samples = [ComputeSample(**s) for s in run["profile_samples"]]
+    return PerfModel(version=1, compute={ea.DEVICE: fit_compute(ea.DEVICE, samples)}, comm=stored.comm,
+                     interference={ea.DEVICE: fit_interference(run["colocation_pairs"])},
+                     interference_ref=stored.interference_ref, profiles=stored.profiles)
+
+
+def rows(run: dict, model: PerfModel) -> list[dict]:
+    """The run's measured rows with this model's estimate (``estimated_s``, ``ape``)."""
+    cands = []
+    for g in run["grid_rounds"]:
+        jobs = g["jobs"]
+        if len(jobs) > 1:
+            shared = jobs[0]["cores"] == jobs[1]["cores"]
+            cands += [ea.candidate(j, colocated=2, oversub=2.0 if shared else 1.0) for j in jobs]
+        else:
+            cands.append(ea.candidate(jobs[0]))
+    cands = [Candidate(**{**c.__dict__, "seq_len": c.seq}) for c in cands]
+    if len(cands) != len(run["rows"]):
+        raise ValueError(f"{len(cands)} grid candidates against {len(run['rows'])} stored rows: another grid")
+    out = []
+    for r, e in zip(run["rows"], model.estimate_batch(cands)):
+        est = e.seconds if e.ok else None
+        out.append({**r, "estimated_s": est,
+                    "ape": abs(est - r["measured_s"]) / r["measured_s"] * 100 if est is not None else None})
+    return out
+
+
+def summary(rs: list[dict]) -> tuple[float | None, float | None, dict[str, float]]:
+    """(single-device MAPE, multi-rank MAPE, per-category MAPE) over rows with an estimate."""
+    def m(xs):
+        v = [x["ape"] for x in xs if x["ape"] is not None]
+        return statistics.fmean(v) if v else None
+
+    cats = sorted({r["category"] for r in rs})
+    return (m([r for r in rs if not r["category"].startswith("multi_")]),
+            m([r for r in rs if r["category"].startswith("multi_")]),
+            {c: m([r for r in rs if r["category"] == c]) for c in cats})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", metavar="RUN.json")
+    args = ap.parse_args(argv)
+    per_cat: dict[str, list[float]] = {}
+    singles, multis = [], []
+    print(f"{'run':<40} {'single stored':>13} {'re-fit':>7} {'multi stored':>12} {'re-fit':>7}")
+    for path in args.runs:
+        with open(path, encoding="utf-8") as f:
+            run = json.load(f)
+        s, mu, cats = summary(rows(run, refit(run)))
+        singles.append(s)
+        multis.append(mu)
+        for c, v in cats.items():
+            if v is not None:
+                per_cat.setdefault(c, []).append(v)
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        print(f"{path[-40:]:<40} {fmt(run.get('mape_single')):>13} {fmt(s):>7} {fmt(run.get('mape_multi')):>12} "
+              f"{fmt(mu):>7}")
+    ok_s = [v for v in singles if v is not None]
+    ok_m = [v for v in multis if v is not None]
+    if ok_s and ok_m:
+        print(f"mean re-fit: single-device {statistics.fmean(ok_s):.2f} % ({sum(v <= 4 for v in ok_s)} of {len(ok_s)} "
+              f"runs <= 4 %), multi-rank {statistics.fmean(ok_m):.2f} % ({sum(v <= 6 for v in ok_m)} <= 6 %)")
+    print("per category (mean over runs): " + ", ".join(f"{c} {statistics.fmean(v):.2f}" for c, v in per_cat.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
