@@ -11,10 +11,11 @@ Per micro-batch (scale with the rows a rank computes):
 - ``flops``: matmul FLOPs of forward + backward (3x forward), attention at half the
   T^2 work (causal), divided by tp for the sharded blocks.
 - ``elems``: element-wise memory traffic (layer norms, GELU, residuals, attention's
-  scores (``ATTN_SCORE_ELEMS`` per score), cross-entropy over the vocabulary), in elements; under tp a block's share on
-  sharded tensors (GELU, the qkv split, column-parallel biases: ``TP_SHARDED_ELEMS``)
-  is divided by tp, the rest (layer norms, residuals) is replicated; tp > 1 adds the
-  copies of what the block all-reduces (``TP_COPY_ELEMS``).
+  scores: ``ATTN_SCORE_ELEMS`` per score, cross-entropy over the vocabulary), in
+  elements; under tp a block's share on sharded tensors (GELU, the qkv split,
+  column-parallel biases: ``TP_SHARDED_ELEMS``) is divided by tp, the rest (layer
+  norms, residuals) is replicated; tp > 1 adds the copies of what the block
+  all-reduces (``TP_COPY_ELEMS``).
 - ``ops``: blocks run (per-operator dispatch overhead dominates small models on CPU).
 - ``grad_accum_elems(params, m)``: the element-wise work of accumulating m
   micro-batches' weight gradients (in backward, so part of the micro-batches' time).
