@@ -205,6 +205,9 @@ async def test_a_measurement_the_estimator_refuses_is_dropped_and_the_stream_goe
             seqs = [d.add(step("job-5", 0, 0.1)), d.add(step("job-5", 1, float("nan")))]  # one burst: one batch
             seqs += [(await prof.ReportStep(step("job-5", i, 0.1))).seq for i in range(2, 12)]
             await until(lambda: est.store.watermark(d.source) >= seqs[-1], what="the steps after the refused one")
+        # Persisted is not yet acknowledged: profilerd counts a measurement sent when the
+        # estimator's ack reaches it, a moment after the store's watermark moved.
+        await until_sent(prof, 11, "the acknowledgements of the steps after the refused one")
         s = await prof.GetStats(profiler_pb2.GetStatsRequest())
         assert (s.buffered, s.sent, s.dropped, s.connected) == (0, 11, 1, True)
         [ev] = [e for e in logs if e["event"] == "measurement refused; dropped it"]
@@ -255,6 +258,7 @@ async def test_a_measurement_the_store_cannot_index_is_dropped_and_the_stream_go
             seqs = [d.add(step("job-8", 0, 0.1)), d.add(step("poison", 1, 0.1))]  # one burst: one batch
             seqs += [(await prof.ReportStep(step("job-8", i, 0.1))).seq for i in range(2, 12)]
             await until(lambda: est.store.watermark(d.source) >= seqs[-1], what="the steps after the refused one")
+        await until_sent(prof, 11, "the acknowledgements of the steps after the refused one")  # acks trail the store
         s = await prof.GetStats(profiler_pb2.GetStatsRequest())
         assert (s.buffered, s.sent, s.dropped, s.connected, s.stream_errors) == (0, 11, 1, True, 0)
         [ev] = [e for e in logs if e["event"] == "measurement refused; dropped it"]
