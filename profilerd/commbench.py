@@ -4,7 +4,8 @@
 all_reduce, all_gather, broadcast and send/recv, plus the device-seconds it cost.
 send/recv is one transfer to a receiver already waiting for it (half a ping-pong after
 rank 0's compute: how a pipeline's hops run). Each collective is timed *in situ*: the
-call itself, issued right after ~1 ms of compute, without a barrier (ranks arrive with
+call itself, issued right after ~0.5 ms of training-like compute (``CHUNK_UNITS``),
+without a barrier (ranks arrive with
 their natural skew, as in a training step, and the wait for the later one is in the
 call); the mean over ``reps`` (the expected cost, which is what a step's sum of many
 ops adds up to). (Timing compute + op and subtracting a separate compute-alone run, as
@@ -23,7 +24,7 @@ seconds (two chunk lengths; the chunk's mean time in the same reps), the call al
 timed. A synchronous step waits at
 every collective for the slower rank; that wait grows with the compute since the last
 synchronisation (``perfmodel.comm`` fits ``seconds = a + kappa * compute_s``), which a
-1 ms chunk cannot show. Off by default (profilerd streams op/bytes/world/seconds only).
+0.5 ms chunk cannot show. Off by default (profilerd streams op/bytes/world/seconds only).
 
 Run as ``python -m profilerd.commbench [--sizes ...] [--reps N]`` it prints the rows as
 one JSON document: profilerd (``--comm-benchmark``) runs it that way, in a fresh
@@ -56,7 +57,16 @@ def _free_port() -> int:
 
 
 OPS = ("all_reduce", "all_gather", "broadcast", "send_recv")
-SYNC_CHUNKS = (4, 160)  # matmuls of 128x128 per compute chunk of the sync rows (~0.2 ms, ~8 ms here)
+# The compute between two ops, in units of one transformer block's worth of training
+# work: a (64, 256) activation through a 256x256 matmul, layer norm and GELU (~90 us
+# here). A step's collectives follow such work, and what precedes a collective sets its
+# cost: a 256 KiB all-reduce issued after ~0.6 ms of it took 0.32 ms (mean), after
+# 0.2-1 ms of bare 128x128 matmuls (the chunk until 2026-12-05) 0.17-0.19 ms; 64 KiB
+# 0.27 against 0.23, 1 MiB 0.48 against 0.40 (one interleaved run of each, 40 calls per
+# cell). Priced from the matmul chunks, the collectives inside a tp = 2 step read ~half
+# their in-step cost.
+CHUNK_UNITS = 6  # ~0.5 ms before each timed op
+SYNC_CHUNKS = (1, 48)  # units per compute chunk of the sync rows (~0.1 ms, ~4 ms here)
 
 
 def _one_way(dist, rank: int, x, reps: int, work) -> float:
@@ -101,11 +111,13 @@ def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str, sync
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         calm_loop_threads()  # as the runtime's ranks run (tessera.gloo)
-        a = torch.randn(128, 128)
+        act, weight = torch.randn(64, 256), torch.randn(256, 256) / 16.0
+        norm = torch.nn.LayerNorm(256)
 
-        def work(n: int = 20) -> None:
-            for _ in range(n):
-                a @ a
+        def work(n: int = CHUNK_UNITS) -> None:
+            with torch.no_grad():
+                for _ in range(n):
+                    torch.nn.functional.gelu(norm(act @ weight))
 
         for _ in range(5):
             work()
