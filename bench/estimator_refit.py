@@ -19,7 +19,7 @@ import statistics
 import sys
 
 from bench import estimator_accuracy as ea
-from tessera.perfmodel import Candidate, ComputeSample, PerfModel, fit_compute, fit_interference
+from tessera.perfmodel import ComputeSample, PerfModel, fit_compute, fit_interference
 
 
 def refit(run: dict) -> PerfModel:
@@ -33,36 +33,26 @@ def refit(run: dict) -> PerfModel:
 
 
 def rows(run: dict, model: PerfModel) -> list[dict]:
-    """The run's measured rows with this model's estimate (``estimated_s``, ``ape``)."""
-    cands = []
+    """The run's grid rows as ``estimator_accuracy.evaluate`` makes them with ``model``
+    (the benchmark's own candidates and statistics, against the stored measurements)."""
+    stored = iter(run["rows"])
+    measured = []
     for g in run["grid_rounds"]:
-        jobs = g["jobs"]
-        if len(jobs) > 1:
-            shared = jobs[0]["cores"] == jobs[1]["cores"]
-            cands += [ea.candidate(j, colocated=2, oversub=2.0 if shared else 1.0) for j in jobs]
-        else:
-            cands.append(ea.candidate(jobs[0]))
-    cands = [Candidate(**{**c.__dict__, "seq_len": c.seq}) for c in cands]
-    if len(cands) != len(run["rows"]):
-        raise ValueError(f"{len(cands)} grid candidates against {len(run['rows'])} stored rows: another grid")
-    out = []
-    for r, e in zip(run["rows"], model.estimate_batch(cands)):
-        est = e.seconds if e.ok else None
-        out.append({**r, "estimated_s": est,
-                    "ape": abs(est - r["measured_s"]) / r["measured_s"] * 100 if est is not None else None})
-    return out
+        got = [next(stored, None) for _ in g["jobs"]]
+        if None in got:
+            raise ValueError(f"fewer stored rows than the {len(run['grid_rounds'])} grid points' jobs: another grid")
+        measured.append({**g, "measured": [r["measured_s"] for r in got], "raw": [r["measured_raw_s"] for r in got]})
+    if next(stored, None) is not None:
+        raise ValueError("more stored rows than the grid points' jobs: another grid")
+    return ea.evaluate(model, measured)["rows"]
 
 
-def summary(rs: list[dict]) -> tuple[float | None, float | None, dict[str, float]]:
+def summary(rs: list[dict]) -> tuple[float | None, float | None, dict[str, float | None]]:
     """(single-device MAPE, multi-rank MAPE, per-category MAPE) over rows with an estimate."""
-    def m(xs):
-        v = [x["ape"] for x in xs if x["ape"] is not None]
-        return statistics.fmean(v) if v else None
-
     cats = sorted({r["category"] for r in rs})
-    return (m([r for r in rs if not r["category"].startswith("multi_")]),
-            m([r for r in rs if r["category"].startswith("multi_")]),
-            {c: m([r for r in rs if r["category"] == c]) for c in cats})
+    return (ea.mape([r for r in rs if not r["category"].startswith("multi_")]),
+            ea.mape([r for r in rs if r["category"].startswith("multi_")]),
+            {c: ea.mape([r for r in rs if r["category"] == c]) for c in cats})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,18 +69,25 @@ def counts(layers: int, hidden: int, heads: int, vocab: int, batch: int, seq: in
             "other": float(layers)}
 
 
-def measure(shape: tuple, windows: int = 3, steps: int = 3) -> dict[str, float]:
-    """Seconds per step of each group for one shape (fastest window)."""
+def _model(shape: tuple):
+    """(model, tokens, targets) of a shape: the runtime's GPT, seeded, one batch."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    from agent.runtime.model import GPT, GPTConfig, lm_loss
+    from agent.runtime.model import GPT, GPTConfig
 
     _, layers, hidden, heads, vocab, batch, seq = shape
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=vocab, seq_len=seq, layers=layers, hidden=hidden, heads=heads))
-    x = torch.randint(vocab, (batch, seq))
-    y = torch.randint(vocab, (batch, seq))
+    return model, torch.randint(vocab, (batch, seq)), torch.randint(vocab, (batch, seq))
+
+
+def measure(shape: tuple, windows: int = 3, steps: int = 3) -> dict[str, float]:
+    """Seconds per step of each group for one shape (fastest window)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from agent.runtime.model import lm_loss
+
+    model, x, y = _model(shape)
     for _ in range(5):  # warm: allocator, kernels
         lm_loss(model(x), y).backward()
         model.zero_grad(set_to_none=True)
@@ -102,16 +109,12 @@ def accumulation(shape: tuple, micro_batches: int = 4, windows: int = 3, steps: 
     """Seconds per parameter and extra micro-batch of gradient accumulation
     (``AccumulateGrad`` + ``add_`` self time, ``micro_batches`` micro-batches of the
     shape's batch against one; fastest window of each)."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from agent.runtime.model import GPT, GPTConfig, lm_loss
+    from agent.runtime.model import lm_loss
 
-    _, layers, hidden, heads, vocab, batch, seq = shape
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab=vocab, seq_len=seq, layers=layers, hidden=hidden, heads=heads))
-    x = torch.randint(vocab, (batch, seq))
-    y = torch.randint(vocab, (batch, seq))
+    model, x, y = _model(shape)
+    batch = x.shape[0]
 
     def step(m: int) -> None:
         for i in range(m):
