@@ -5,13 +5,15 @@ Step time of one rank that runs ``m`` micro-batches of a stage on a quota ``q``
 
     t = m * [ c_flops * flops * s(q) + c_elems * elems * b(q) + c_ops * ops + c_mb ]
         + c_elems * accum(params, m) * b(q)
-        + c_params * params + c_tensors * tensors + c_seq * seq + c_one
+        + c_params * params + c_tensors * tensors + c_seq * seq + c_cold * cold + c_one
 
     s(q) = (1 - p) + p / min(q, q_sat)                          (Amdahl + roofline cap)
     b(q) = min(1, q_mem) / min(q, q_mem)                        (memory bandwidth)
 
 (``accum``: the element-wise work of adding m micro-batches' weight gradients into
-``.grad``, ``features.grad_accum_elems``; priced at the element-wise rate.)
+``.grad``, ``features.grad_accum_elems``; priced at the element-wise rate. ``cold``:
+one micro-batch's element-wise units, once per step — the per-step work refills the
+caches that the micro-batches' working set evicted, ``features.step_features``.)
 The FLOP term runs in parallel on the quota, a fraction ``1 - p`` of it does not
 (Amdahl); beyond ``q_sat`` more quota buys nothing (too little work per core or SM).
 Element-wise work is bound by memory bandwidth, which grows with the quota only up
@@ -36,7 +38,7 @@ import numpy as np
 
 from tessera.perfmodel import features as F
 
-COEFS = ("c_flops", "c_elems", "c_ops", "c_mb", "c_params", "c_tensors", "c_seq", "c_one")
+COEFS = ("c_flops", "c_elems", "c_ops", "c_mb", "c_params", "c_tensors", "c_seq", "c_cold", "c_one")
 P_GRID = tuple(i / 40 for i in range(41))
 INF = float("inf")
 
@@ -55,12 +57,12 @@ def mem_scale(q, q_mem: float):
 
 
 def design(mbf: dict, stf: dict, m, q, p: float, q_sat: float, q_mem: float = INF) -> np.ndarray:
-    """Design matrix (n, 8) in COEFS order for features, micro-batches m and quota q."""
+    """Design matrix (n, len(COEFS)) in COEFS order for features, micro-batches m and quota q."""
     s = quota_scale(q, p, q_sat)
     m = np.asarray(m, dtype=float)
     elems = (m * mbf["elems"] + F.grad_accum_elems(stf["params"], m)) * mem_scale(q, q_mem)
     cols = [m * mbf["flops"] * s, elems, m * mbf["ops"], m * mbf["mb"],
-            stf["params"], stf["tensors"], stf["seq"], stf["one"]]
+            stf["params"], stf["tensors"], stf["seq"], stf["cold"], stf["one"]]
     return np.stack(np.broadcast_arrays(*[np.asarray(c, dtype=float) for c in cols]), axis=-1)
 
 
@@ -117,7 +119,7 @@ class ComputeSample:
         sl = self.seq_len or self.seq
         mbf = F.mb_features(self.rows / self.micro_batches, self.seq, self.layers, self.hidden, self.heads,
                             self.vocab, 1, 1)
-        stf = F.step_features(self.seq, self.layers, self.hidden, self.vocab, sl, 1, 1)
+        stf = F.step_features(self.seq, self.layers, self.hidden, self.vocab, sl, 1, 1, mb_elems=mbf["elems"])
         return mbf, stf
 
 
@@ -183,7 +185,8 @@ class ComputeFit:
     def step_time(self, stf: dict):
         """Seconds of the per-step work (optimizer, data) of one rank."""
         c = self.coef
-        return c["c_params"] * stf["params"] + c["c_tensors"] * stf["tensors"] + c["c_seq"] * stf["seq"] + c["c_one"] * stf["one"]
+        return (c["c_params"] * stf["params"] + c["c_tensors"] * stf["tensors"] + c["c_seq"] * stf["seq"]
+                + c.get("c_cold", 0.0) * stf["cold"] + c["c_one"] * stf["one"])
 
 
 HUBER_K = 1.345  # Huber's constant: 95% efficiency on clean normal residuals

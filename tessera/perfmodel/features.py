@@ -21,7 +21,11 @@ Per micro-batch (scale with the rows a rank computes):
   micro-batches' weight gradients (in backward, so part of the micro-batches' time).
 Per step (once, whatever the micro-batches):
 - ``params`` (AdamW's element-wise update), ``tensors`` (its per-tensor overhead),
-  ``seq`` (the runtime's synthetic data source loops over positions).
+  ``seq`` (the runtime's synthetic data source loops over positions),
+- ``cold``: one micro-batch's ``elems`` — the per-step work (gradient check, AdamW,
+  ``zero_grad``) runs right after the micro-batches and reads its tensors from where
+  their working set evicted them, so it costs more after bigger micro-batches
+  (``COLD_*`` below: measured).
 """
 
 from __future__ import annotations
@@ -64,14 +68,26 @@ ATTN_SCORE_ELEMS = 5.0
 # every other shape.
 GRAD_ACCUM_ELEMS = 0.75
 
+# The per-step work is slower after bigger micro-batches. Measured (one thread, the runtime's
+# GPT, median of 20 steps, 2026-12-05): gradient check + AdamW + zero_grad of A (2 x 64)
+# took 1.79 ms after 128-token micro-batches and 2.38 ms after 2048-token ones; of B
+# (4 x 128) 6.52 ms after 64 tokens, 7.80 after 1024 — the same parameters, the same
+# work. Touching 64 MB between backward and the check (evicting the caches) made the
+# small case 0.14 / 0.59 ms slower: caches (and TLB) refilled after the micro-batches'
+# working set are a third to a half of it. Per step, the profiles' time outside
+# forward + backward grew the same way (A 2.15 -> 3.08 ms from 128 to 1024 tokens),
+# which the per-step columns could not carry, so the forward + backward rows of the
+# fit pulled the per-micro-batch terms off the step times. ``cold`` prices it at a
+# fitted rate per element-wise unit of one micro-batch (the working set's size), once
+# per step.
 # Revision of these counts. Fitted coefficients are seconds per unit of *these* counts:
 # a fit made under another revision prices other counts (``ComputeFit.features``), and
 # the estimator refits such a persisted model from its measurements. Bump it whenever a
-# count changes. 2: ATTN_SCORE_ELEMS 2 -> 5, gradient accumulation priced.
-FEATURES_REV = 2
+# count changes. 2: ATTN_SCORE_ELEMS 2 -> 5, gradient accumulation priced. 3: ``cold``.
+FEATURES_REV = 3
 
 MB_FEATURES = ("flops", "elems", "ops", "mb")
-STEP_FEATURES = ("params", "tensors", "seq", "one")
+STEP_FEATURES = ("params", "tensors", "seq", "cold", "one")
 ALL_FEATURES = MB_FEATURES + STEP_FEATURES
 
 
@@ -107,12 +123,13 @@ def grad_accum_elems(params, micro_batches):
     return GRAD_ACCUM_ELEMS * params * np.maximum(np.asarray(micro_batches, dtype=float) - 1.0, 0.0)
 
 
-def step_features(seq, layers, hidden, vocab, seq_len, embed, head, tp=1):
-    """Per-step features of one stage (dict of arrays)."""
+def step_features(seq, layers, hidden, vocab, seq_len, embed, head, tp=1, mb_elems=0.0):
+    """Per-step features of one stage (dict of arrays); ``mb_elems``: the ``elems`` of
+    one of its micro-batches (``mb_features``), the ``cold`` feature."""
     params = stage_params(layers, hidden, vocab, seq_len, embed, head, tp)
     tensors = layers * TENSORS_PER_BLOCK + embed * 2 + head * 4
     return {"params": params, "tensors": tensors + 0.0 * params, "seq": seq + 0.0 * params,
-            "one": 1.0 + 0.0 * params}
+            "cold": mb_elems + 0.0 * params, "one": 1.0 + 0.0 * params}
 
 
 def activation_bytes(rows, seq, layers, hidden, heads, vocab, head, tp=1):

@@ -184,7 +184,7 @@ def _step(f: ComputeFit, c: Candidate, q: float) -> float:
     k = f.coef
     return (k["c_flops"] * mbf["flops"] * float(quota_scale(q, f.p, f.q_sat))
             + k["c_elems"] * mbf["elems"] * float(mem_scale(q, f.q_mem)) + k["c_ops"] * mbf["ops"] + k["c_mb"] + k["c_params"] * stf["params"] + k["c_tensors"] * stf["tensors"]
-            + k["c_seq"] * stf["seq"] + k["c_one"])
+            + k["c_seq"] * stf["seq"] + k["c_cold"] * mbf["elems"] + k["c_one"])
 
 
 def test_one_profiled_quota_is_scaled_by_the_devices_fitted_curve_or_refused():
