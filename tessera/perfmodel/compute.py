@@ -5,7 +5,8 @@ Step time of one rank that runs ``m`` micro-batches of a stage on a quota ``q``
 
     t = m * [ c_flops * flops * s(q) + c_elems * elems * b(q) + c_ops * ops + c_mb ]
         + c_elems * accum(params, m) * b(q)
-        + c_params * params + c_tensors * tensors + c_seq * seq + c_cold * cold + c_one
+        + c_params * [params - par_params * (1 - 1/max(q, 1))]
+        + c_tensors * tensors + c_seq * seq + c_cold * cold
 
     s(q) = (1 - p) + p / min(q, q_sat)                          (Amdahl + roofline cap)
     b(q) = min(1, q_mem) / min(q, q_mem)                        (memory bandwidth)
@@ -13,7 +14,10 @@ Step time of one rank that runs ``m`` micro-batches of a stage on a quota ``q``
 (``accum``: the element-wise work of adding m micro-batches' weight gradients into
 ``.grad``, ``features.grad_accum_elems``; priced at the element-wise rate. ``cold``:
 one micro-batch's element-wise units, once per step — the per-step work refills the
-caches that the micro-batches' working set evicted, ``features.step_features``.)
+caches that the micro-batches' working set evicted, ``features.step_features``.
+``par_params``: the parameters in tensors above PyTorch's intra-op grain, whose
+per-step passes — gradient check, AdamW — run on the quota's threads; a quota below
+one core or SM keeps them whole.)
 The FLOP term runs in parallel on the quota, a fraction ``1 - p`` of it does not
 (Amdahl); beyond ``q_sat`` more quota buys nothing (too little work per core or SM).
 Element-wise work is bound by memory bandwidth, which grows with the quota only up
@@ -38,7 +42,7 @@ import numpy as np
 
 from tessera.perfmodel import features as F
 
-COEFS = ("c_flops", "c_elems", "c_ops", "c_mb", "c_params", "c_tensors", "c_seq", "c_cold", "c_one")
+COEFS = ("c_flops", "c_elems", "c_ops", "c_mb", "c_params", "c_tensors", "c_seq", "c_cold")
 P_GRID = tuple(i / 40 for i in range(41))
 INF = float("inf")
 
@@ -56,13 +60,20 @@ def mem_scale(q, q_mem: float):
     return min(1.0, q_mem) / np.minimum(q, q_mem)
 
 
+def step_params(stf: dict, q):
+    """Parameter-passes of the per-step work at quota q: ``params``, with those in tensors
+    above the intra-op grain (``par_params``) divided over q >= 1 threads."""
+    q = np.maximum(np.asarray(q, dtype=float), 1.0)
+    return stf["params"] - stf["par_params"] * (1.0 - 1.0 / q)
+
+
 def design(mbf: dict, stf: dict, m, q, p: float, q_sat: float, q_mem: float = INF) -> np.ndarray:
     """Design matrix (n, len(COEFS)) in COEFS order for features, micro-batches m and quota q."""
     s = quota_scale(q, p, q_sat)
     m = np.asarray(m, dtype=float)
     elems = (m * mbf["elems"] + F.grad_accum_elems(stf["params"], m)) * mem_scale(q, q_mem)
     cols = [m * mbf["flops"] * s, elems, m * mbf["ops"], m * mbf["mb"],
-            stf["params"], stf["tensors"], stf["seq"], stf["cold"], stf["one"]]
+            step_params(stf, q), stf["tensors"], stf["seq"], stf["cold"]]
     return np.stack(np.broadcast_arrays(*[np.asarray(c, dtype=float) for c in cols]), axis=-1)
 
 
@@ -182,11 +193,11 @@ class ComputeFit:
         backward, not of the per-step work)."""
         return self.elementwise_time(F.grad_accum_elems(params, m), q)
 
-    def step_time(self, stf: dict):
-        """Seconds of the per-step work (optimizer, data) of one rank."""
+    def step_time(self, stf: dict, q=1.0):
+        """Seconds of the per-step work (gradient check, optimizer, data) of one rank at quota q."""
         c = self.coef
-        return (c["c_params"] * stf["params"] + c["c_tensors"] * stf["tensors"] + c["c_seq"] * stf["seq"]
-                + c.get("c_cold", 0.0) * stf["cold"] + c["c_one"] * stf["one"])
+        return (c["c_params"] * step_params(stf, q) + c["c_tensors"] * stf["tensors"] + c["c_seq"] * stf["seq"]
+                + c.get("c_cold", 0.0) * stf["cold"])
 
 
 HUBER_K = 1.345  # Huber's constant: 95% efficiency on clean normal residuals

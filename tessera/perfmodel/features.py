@@ -25,7 +25,12 @@ Per step (once, whatever the micro-batches):
 - ``cold``: one micro-batch's ``elems`` — the per-step work (gradient check, AdamW,
   ``zero_grad``) runs right after the micro-batches and reads its tensors from where
   their working set evicted them, so it costs more after bigger micro-batches
-  (``COLD_*`` below: measured).
+  (measured: see FEATURES_REV),
+- ``par_params``: of ``params``, those in tensors of at least ``PAR_GRAIN`` elements,
+  whose per-step element-wise passes PyTorch splits over the quota's threads.
+There is no constant per step: the work every step does whatever the model (the
+runtime's loop, its progress event) is ~0.1 ms, and a constant column was one more
+unknown that two profiled modules cannot tell apart from the per-tensor one.
 """
 
 from __future__ import annotations
@@ -80,14 +85,25 @@ GRAD_ACCUM_ELEMS = 0.75
 # fit pulled the per-micro-batch terms off the step times. ``cold`` prices it at a
 # fitted rate per element-wise unit of one micro-batch (the working set's size), once
 # per step.
+# PyTorch's intra-op grain (``at::internal::GRAIN_SIZE``): an element-wise kernel over a
+# tensor of at least this many elements runs on all intra-op threads, a smaller one on
+# one. The per-step work over the parameters (gradient check + AdamW) measured at 1 and
+# 2 threads (2026-12-05, fifth session; 20-30 tensors, median of 25 steps): 1000- and
+# 8000-element tensors 0.97-0.98x (no speed-up: ~35 us per tensor either way),
+# 65536-element ones 1.63x (1.75x net of the per-tensor part), 262144 2.03x, 2^20 1.84x.
+# A 2-core profile of B (most parameters in such tensors) spent 5.97 ms outside its
+# forward + backward where the 1-core twin spent 7.40; A (none) 2.63 vs 2.73.
+PAR_GRAIN = 32768
+
 # Revision of these counts. Fitted coefficients are seconds per unit of *these* counts:
 # a fit made under another revision prices other counts (``ComputeFit.features``), and
 # the estimator refits such a persisted model from its measurements. Bump it whenever a
 # count changes. 2: ATTN_SCORE_ELEMS 2 -> 5, gradient accumulation priced. 3: ``cold``.
-FEATURES_REV = 3
+# 4: ``par_params``, no constant per step.
+FEATURES_REV = 4
 
 MB_FEATURES = ("flops", "elems", "ops", "mb")
-STEP_FEATURES = ("params", "tensors", "seq", "cold", "one")
+STEP_FEATURES = ("params", "par_params", "tensors", "seq", "cold")
 ALL_FEATURES = MB_FEATURES + STEP_FEATURES
 
 
@@ -123,13 +139,26 @@ def grad_accum_elems(params, micro_batches):
     return GRAD_ACCUM_ELEMS * params * np.maximum(np.asarray(micro_batches, dtype=float) - 1.0, 0.0)
 
 
+def par_params(layers, hidden, vocab, seq_len, embed, head, tp=1):
+    """Of ``stage_params``, the parameters in tensors of at least ``PAR_GRAIN`` elements
+    (the blocks' four weight matrices, tp-sharded; the embedding, position and head
+    tables); biases and norms stay below it up to hidden 8192."""
+    h = np.asarray(hidden, dtype=float)
+
+    def big(n):
+        return n * (n >= PAR_GRAIN)
+
+    return (layers * (big(3.0 * h * h / tp) + big(h * h / tp) + 2.0 * big(4.0 * h * h / tp))
+            + embed * (big(vocab * h) + big(seq_len * h)) + head * big(h * vocab))
+
+
 def step_features(seq, layers, hidden, vocab, seq_len, embed, head, tp=1, mb_elems=0.0):
     """Per-step features of one stage (dict of arrays); ``mb_elems``: the ``elems`` of
     one of its micro-batches (``mb_features``), the ``cold`` feature."""
     params = stage_params(layers, hidden, vocab, seq_len, embed, head, tp)
     tensors = layers * TENSORS_PER_BLOCK + embed * 2 + head * 4
-    return {"params": params, "tensors": tensors + 0.0 * params, "seq": seq + 0.0 * params,
-            "cold": mb_elems + 0.0 * params, "one": 1.0 + 0.0 * params}
+    return {"params": params, "par_params": par_params(layers, hidden, vocab, seq_len, embed, head, tp) + 0.0 * params,
+            "tensors": tensors + 0.0 * params, "seq": seq + 0.0 * params, "cold": mb_elems + 0.0 * params}
 
 
 def activation_bytes(rows, seq, layers, hidden, heads, vocab, head, tp=1):

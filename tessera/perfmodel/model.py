@@ -356,7 +356,7 @@ class PerfModel:
             c_mb[k] = np.where(count > 0, comp, 0.0)
             t_mb[k] = np.where(count > 0, t, 0.0)
             params[k] = np.where(count > 0, stf["params"], 0.0)
-            c_step[k] = np.where(count > 0, mod * fit.step_time(stf), 0.0)
+            c_step[k] = np.where(count > 0, mod * fit.step_time(stf, q), 0.0)
             # dp > 1: the gradients go through one flat bucket — flatten, average, copy
             # back: DP_BUCKET_PASSES element-wise passes over every gradient element.
             bucket = (dp > 1) * mod * fit.elementwise_time(DP_BUCKET_PASSES * params[k], q)

@@ -112,7 +112,7 @@ def gpt_step(fit: ComputeFit, c, q: float) -> float:
                              heads=c.heads, vocab=c.vocab, q=q, seconds=0.0, micro_batches=c.micro_batches,
                              seq_len=c.seq_len).features()
     return float(c.micro_batches * fit.mb_time(mbf, q) + fit.accumulation_time(stf["params"], c.micro_batches, q)
-                 + fit.step_time(stf))
+                 + fit.step_time(stf, q))
 
 
 def _group(points) -> tuple[float, float, int]:

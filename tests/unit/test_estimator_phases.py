@@ -83,5 +83,5 @@ def test_build_model_fits_with_the_split():
     m = build_model(runs, [], [], 1, fb)
     fit = m.compute["cpu"]
     assert fit.status == "ok", fit.reason
-    for k in ("c_params", "c_tensors", "c_seq", "c_cold", "c_one"):
+    for k in ("c_params", "c_tensors", "c_seq", "c_cold"):
         assert fit.coef[k] == pytest.approx(TRUE[k], rel=1e-3), k

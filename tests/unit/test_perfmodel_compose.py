@@ -363,3 +363,26 @@ def test_interference_scales_with_the_element_wise_share_of_compute(model):
     assert back.interference_ref == {"cpu": {k: float(v) for k, v in ref.items()}}
     assert stretch(back, hidden=512) == pytest.approx(wide)
     assert "interference_ref" not in model.to_dict()
+
+
+def test_per_step_work_over_tensors_above_the_grain_divides_over_the_quota():
+    """``par_params`` counts the parameters in tensors of >= PAR_GRAIN elements (tp-sharded);
+    their per-step passes run on q >= 1 threads, the rest — and a quota below one core —
+    stays whole; the per-step ``cold`` term follows one micro-batch's element-wise units."""
+    import numpy as np
+
+    from tessera.perfmodel import features as F
+    from tessera.perfmodel.compute import COEFS, ComputeFit, step_params
+
+    h = 128  # qkv 3h^2 = 49152 and fc / out 4h^2 = 65536 are above 32768; proj h^2 is not
+    assert F.par_params(4, h, 256, 64, 1, 1) == 4 * (3 * h * h + 2 * 4 * h * h) + 256 * h + h * 256
+    assert F.par_params(4, h, 256, 64, 0, 0, tp=2) == 4 * (2 * 4 * h * h / 2)  # 3h^2/2 = 24576 falls below
+    assert F.par_params(2, 64, 256, 64, 1, 1) == 0  # model A: every tensor below the grain
+    stf = F.step_features(64, 4, h, 256, 64, 1, 1, mb_elems=1e6)
+    assert stf["cold"] == 1e6 and 0 < stf["par_params"] < stf["params"]
+    assert step_params(stf, 2.0) == pytest.approx(stf["params"] - stf["par_params"] / 2)
+    assert step_params(stf, 0.5) == step_params(stf, 1.0) == stf["params"]
+    fit = ComputeFit(device_type="cpu", coef={k: (1e-9 if k == "c_params" else 0.0) for k in COEFS}, status="ok")
+    assert fit.step_time(stf, np.array([1.0, 2.0, 4.0])) == pytest.approx(
+        [1e-9 * stf["params"], 1e-9 * (stf["params"] - stf["par_params"] / 2),
+         1e-9 * (stf["params"] - 3 * stf["par_params"] / 4)])

@@ -14,7 +14,7 @@ from tessera.perfmodel.comm import steps_and_volume
 from tessera.perfmodel.compute import COEFS, INF, design, nnls
 
 TRUE = {"c_flops": 2e-11, "c_elems": 3e-10, "c_ops": 4e-4, "c_mb": 1e-3, "c_params": 5e-9,
-        "c_tensors": 2e-5, "c_seq": 1e-5, "c_cold": 1e-10, "c_one": 2e-3}
+        "c_tensors": 2e-5, "c_seq": 1e-5, "c_cold": 1e-10}
 TRUE_P = 0.8
 
 
@@ -55,7 +55,7 @@ def test_fit_with_noise_predicts_within_noise():
     assert 0.01 < fit.rel_sigma < 0.04
     for s in samples():  # noiseless truth
         mbf, stf = s.features()
-        pred = float(fit.mb_time(mbf, s.q) * s.micro_batches + fit.step_time(stf))
+        pred = float(fit.mb_time(mbf, s.q) * s.micro_batches + fit.step_time(stf, s.q))
         assert pred == pytest.approx(s.seconds, rel=0.05)
 
 
@@ -218,24 +218,26 @@ def _worst_step_error(fit) -> float:
     worst = 0.0
     for s in _bench_samples(0.0, 0, True):
         _, stf = s.features()
-        worst = max(worst, abs(float(fit.step_time(stf)) / (s.seconds - s.mb_seconds) - 1))
+        worst = max(worst, abs(float(fit.step_time(stf, s.q)) / (s.seconds - s.mb_seconds) - 1))
     return worst
 
 
 def test_forward_backward_rows_pin_the_per_step_terms():
     """With 2 % noise on the bench's confounded profile set, the measured forward +
     backward of each profile keeps the fitted per-step time (optimizer, data, checks:
-    work every rank of a tp / pp / dp plan does whole) within 16 % of the truth in
+    work every rank of a tp / pp / dp plan does whole) within 30 % of the truth in
     every draw, and cuts the summed worst error of a fit from step times alone by a
-    third. (12 % and a half before the per-step ``cold`` term: one more per-step
-    coefficient that grows with the micro-batch, as the per-micro-batch ones do.)"""
+    third. (12 % and a half before the per-step ``cold`` and ``par_params`` terms: a
+    per-step coefficient that grows with the micro-batch, as the per-micro-batch ones
+    do, and one that the quota divides, as the FLOP term; the per-step part is 2-7 ms
+    of steps of 5-30 ms, so 2 % noise on a step is up to ~15 % on it.)"""
     with_split, without = [], []
     for seed in range(5):
         fit = fit_compute("cpu", _bench_samples(0.02, seed, True))
         assert fit.status == "ok"
         with_split.append(_worst_step_error(fit))
         without.append(_worst_step_error(fit_compute("cpu", _bench_samples(0.02, seed, False))))
-    assert max(with_split) < 0.16, with_split
+    assert max(with_split) < 0.3, with_split
     assert sum(with_split) < 0.67 * sum(without), (with_split, without)
 
 

@@ -183,8 +183,9 @@ def _step(f: ComputeFit, c: Candidate, q: float) -> float:
     stf = F.step_features(c.seq_len, c.layers, c.hidden, c.vocab, c.seq_len, 1, 1)
     k = f.coef
     return (k["c_flops"] * mbf["flops"] * float(quota_scale(q, f.p, f.q_sat))
-            + k["c_elems"] * mbf["elems"] * float(mem_scale(q, f.q_mem)) + k["c_ops"] * mbf["ops"] + k["c_mb"] + k["c_params"] * stf["params"] + k["c_tensors"] * stf["tensors"]
-            + k["c_seq"] * stf["seq"] + k["c_cold"] * mbf["elems"] + k["c_one"])
+            + k["c_elems"] * mbf["elems"] * float(mem_scale(q, f.q_mem)) + k["c_ops"] * mbf["ops"] + k["c_mb"]
+            + k["c_params"] * (stf["params"] - stf["par_params"] * (1 - 1 / max(q, 1.0)))
+            + k["c_tensors"] * stf["tensors"] + k["c_seq"] * stf["seq"] + k["c_cold"] * mbf["elems"])
 
 
 def test_one_profiled_quota_is_scaled_by_the_devices_fitted_curve_or_refused():
@@ -201,7 +202,7 @@ def test_one_profiled_quota_is_scaled_by_the_devices_fitted_curve_or_refused():
     # A backbone whose step is all FLOPs scales by s(q)/s(q0); one that is all overhead not at all.
     flops = ComputeFit(device_type="cpu", coef={k: (1e-9 if k == "c_flops" else 0.0) for k in COEFS}, p=0.8,
                        q_sat=3.0, rel_sigma=0.02, n=12, status="ok")
-    fixed = ComputeFit(device_type="cpu", coef={k: (1e-3 if k == "c_one" else 0.0) for k in COEFS}, p=0.8,
+    fixed = ComputeFit(device_type="cpu", coef={k: (1e-3 if k == "c_tensors" else 0.0) for k in COEFS}, p=0.8,
                        q_sat=3.0, rel_sigma=0.02, n=12, status="ok")
     for g, want in ((flops, 0.020 * par), (fixed, 0.020)):
         got = PerfModel(version=1, compute={"cpu": g}, profiles={"cpu": [pt(1.0, 0.020)]}).estimate(cand(2.0))
