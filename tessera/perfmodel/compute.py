@@ -13,8 +13,8 @@ Step time of one rank that runs ``m`` micro-batches of a stage on a quota ``q``
 
 (``accum``: the element-wise work of adding m micro-batches' weight gradients into
 ``.grad``, ``features.grad_accum_elems``; priced at the element-wise rate. ``cold``:
-one micro-batch's element-wise units, once per step — the per-step work refills the
-caches that the micro-batches' working set evicted, ``features.step_features``.
+the element-wise units of the step's micro-batches, once per step — the per-step work
+refills the caches that their working set evicted, ``features.step_features``.
 ``par_params``: the parameters in tensors above PyTorch's intra-op grain, whose
 per-step passes — gradient check, AdamW — run on the quota's threads; a quota below
 one core or SM keeps them whole.)
@@ -130,7 +130,8 @@ class ComputeSample:
         sl = self.seq_len or self.seq
         mbf = F.mb_features(self.rows / self.micro_batches, self.seq, self.layers, self.hidden, self.heads,
                             self.vocab, 1, 1)
-        stf = F.step_features(self.seq, self.layers, self.hidden, self.vocab, sl, 1, 1, mb_elems=mbf["elems"])
+        stf = F.step_features(self.seq, self.layers, self.hidden, self.vocab, sl, 1, 1,
+                              step_elems=mbf["elems"] * self.micro_batches)
         return mbf, stf
 
 

@@ -22,10 +22,10 @@ Per micro-batch (scale with the rows a rank computes):
 Per step (once, whatever the micro-batches):
 - ``params`` (AdamW's element-wise update), ``tensors`` (its per-tensor overhead),
   ``seq`` (the runtime's synthetic data source loops over positions),
-- ``cold``: one micro-batch's ``elems`` — the per-step work (gradient check, AdamW,
-  ``zero_grad``) runs right after the micro-batches and reads its tensors from where
-  their working set evicted them, so it costs more after bigger micro-batches
-  (measured: see FEATURES_REV),
+- ``cold``: the ``elems`` of the step's micro-batches (m times one's) — the per-step
+  work (gradient check, AdamW, ``zero_grad``) runs right after them and reads its
+  tensors from where their working set evicted them, so it costs more after more
+  tokens (measured: see FEATURES_REV),
 - ``par_params``: of ``params``, those in tensors of at least ``PAR_GRAIN`` elements,
   whose per-step element-wise passes PyTorch splits over the quota's threads.
 There is no constant per step: the work every step does whatever the model (the
@@ -79,12 +79,15 @@ GRAD_ACCUM_ELEMS = 0.75
 # (4 x 128) 6.52 ms after 64 tokens, 7.80 after 1024 — the same parameters, the same
 # work. Touching 64 MB between backward and the check (evicting the caches) made the
 # small case 0.14 / 0.59 ms slower: caches (and TLB) refilled after the micro-batches'
-# working set are a third to a half of it. Per step, the profiles' time outside
-# forward + backward grew the same way (A 2.15 -> 3.08 ms from 128 to 1024 tokens),
-# which the per-step columns could not carry, so the forward + backward rows of the
-# fit pulled the per-micro-batch terms off the step times. ``cold`` prices it at a
-# fitted rate per element-wise unit of one micro-batch (the working set's size), once
-# per step.
+# working set are a third to a half of it. It follows the step's tokens more than one
+# micro-batch's: 1024 tokens in 4 micro-batches of 256 cost A 2.13 ms (1 x 1024: 2.20,
+# 1 x 256: 1.82), B 6.72 (7.30, 6.45) — GPipe holds all m micro-batches' activations
+# until their backward — and the re-fit of the stored runs agrees (multi-rank 5.20 ->
+# 4.93 % against one micro-batch's). Per step, the profiles' time outside forward +
+# backward grew the same way (A 2.15 -> 3.08 ms from 128 to 1024 tokens), which the
+# per-step columns could not carry, so the forward + backward rows of the fit pulled
+# the per-micro-batch terms off the step times. ``cold`` prices it at a fitted rate per
+# element-wise unit of the step's micro-batches, once per step.
 # PyTorch's intra-op grain (``at::internal::GRAIN_SIZE``): an element-wise kernel over a
 # tensor of at least this many elements runs on all intra-op threads, a smaller one on
 # one. The per-step work over the parameters (gradient check + AdamW) measured at 1 and
@@ -99,8 +102,8 @@ PAR_GRAIN = 32768
 # a fit made under another revision prices other counts (``ComputeFit.features``), and
 # the estimator refits such a persisted model from its measurements. Bump it whenever a
 # count changes. 2: ATTN_SCORE_ELEMS 2 -> 5, gradient accumulation priced. 3: ``cold``.
-# 4: ``par_params``, no constant per step.
-FEATURES_REV = 4
+# 4: ``par_params``, no constant per step. 5: ``cold`` over the step's micro-batches.
+FEATURES_REV = 5
 
 MB_FEATURES = ("flops", "elems", "ops", "mb")
 STEP_FEATURES = ("params", "par_params", "tensors", "seq", "cold")
@@ -152,13 +155,13 @@ def par_params(layers, hidden, vocab, seq_len, embed, head, tp=1):
             + embed * (big(vocab * h) + big(seq_len * h)) + head * big(h * vocab))
 
 
-def step_features(seq, layers, hidden, vocab, seq_len, embed, head, tp=1, mb_elems=0.0):
-    """Per-step features of one stage (dict of arrays); ``mb_elems``: the ``elems`` of
-    one of its micro-batches (``mb_features``), the ``cold`` feature."""
+def step_features(seq, layers, hidden, vocab, seq_len, embed, head, tp=1, step_elems=0.0):
+    """Per-step features of one stage (dict of arrays); ``step_elems``: the ``elems`` of
+    all its micro-batches in a step (m x ``mb_features``' one), the ``cold`` feature."""
     params = stage_params(layers, hidden, vocab, seq_len, embed, head, tp)
     tensors = layers * TENSORS_PER_BLOCK + embed * 2 + head * 4
     return {"params": params, "par_params": par_params(layers, hidden, vocab, seq_len, embed, head, tp) + 0.0 * params,
-            "tensors": tensors + 0.0 * params, "seq": seq + 0.0 * params, "cold": mb_elems + 0.0 * params}
+            "tensors": tensors + 0.0 * params, "seq": seq + 0.0 * params, "cold": step_elems + 0.0 * params}
 
 
 def activation_bytes(rows, seq, layers, hidden, heads, vocab, head, tp=1):
