@@ -95,7 +95,7 @@ GRAD_ACCUM_ELEMS = 0.75
 # 8000-element tensors 0.97-0.98x (no speed-up: ~35 us per tensor either way),
 # 65536-element ones 1.63x (1.75x net of the per-tensor part), 262144 2.03x, 2^20 1.84x.
 # A 2-core profile of B (most parameters in such tensors) spent 5.97 ms outside its
-# forward + backward where the 1-core twin spent 7.40; A (none) 2.63 vs 2.73.
+# forward + backward where the 1-core twin spent 7.40; A (none) 2.63 vs 2.73 (run s15e).
 PAR_GRAIN = 32768
 
 # Revision of these counts. Fitted coefficients are seconds per unit of *these* counts:
