@@ -19,12 +19,16 @@ here run that thread SCHED_BATCH, as the runtime's do — tessera.gloo — which
 the slow mode), and a median of a few reps lands on either mode.
 
 With ``sync=True`` it adds rows ``{"op": "sync", "bytes": 8, "world": 2, "seconds",
-"compute_s"}``: an 8-byte all-reduce right after a compute chunk of ``compute_s``
+"compute_s"}`` and one ``{"op": "resume", "bytes": 0, "world": 2, "seconds"}`` (below); an 8-byte all-reduce right after a compute chunk of ``compute_s``
 seconds (two chunk lengths; the chunk's mean time in the same reps), the call alone
 timed. A synchronous step waits at
 every collective for the slower rank; that wait grows with the compute since the last
 synchronisation (``perfmodel.comm`` fits ``seconds = a + kappa * compute_s``), which a
-0.5 ms chunk cannot show. Off by default (profilerd streams op/bytes/world/seconds only).
+0.5 ms chunk cannot show. The resume row is what a blocking op costs the compute after
+it: the mean time of a ``CHUNK_UNITS`` chunk right after an 8-byte all-reduce minus that
+of the same chunk right after another chunk (``perfmodel.comm``: ``CommFit.resume``,
+added to every blocking op of a step). Off by default (profilerd streams
+op/bytes/world/seconds only).
 
 Run as ``python -m profilerd.commbench [--sizes ...] [--reps N]`` it prints the rows as
 one JSON document: profilerd (``--comm-benchmark``) runs it that way, in a fresh
@@ -67,6 +71,12 @@ OPS = ("all_reduce", "all_gather", "broadcast", "send_recv")
 # their in-step cost.
 CHUNK_UNITS = 6  # ~0.5 ms before each timed op
 SYNC_CHUNKS = (1, 48)  # units per compute chunk of the sync rows (~0.1 ms, ~4 ms here)
+# The resume row: compute right after a blocking op is slower than the same compute right
+# after other compute (the rank's caches and its core come back cold from the wait).
+# Measured here (2026-12-05, fifth session; 30 pairs, medians): a 6-unit chunk 0.62 ms
+# after a chunk, 0.69-0.72 after an all-reduce, 0.70-0.73 after ~3.5 ms waiting in recv;
+# a 2-unit chunk +0.08 ms, a 24-unit one +0.10-0.13: a fixed refill, not a slower rate.
+RESUME_REPS_FACTOR = 2
 
 
 def _one_way(dist, rank: int, x, reps: int, work) -> float:
@@ -157,6 +167,21 @@ def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str, sync
                     ts.append(time.perf_counter() - t1)
                 rows.append({"op": "sync", "bytes": 8, "world": 2, "seconds": max(1e-6, statistics.fmean(ts)),
                              "compute_s": statistics.fmean(base), "chunk": chunk})
+            # Resume: a compute chunk right after a blocking op against the same chunk
+            # right after another chunk (RESUME_REPS_FACTOR x reps pairs).
+            after_op, after_chunk = [], []
+            dist.all_reduce(x)
+            for _ in range(RESUME_REPS_FACTOR * reps):
+                t = time.perf_counter()
+                work()
+                t1 = time.perf_counter()
+                work()
+                t2 = time.perf_counter()
+                dist.all_reduce(x)
+                after_op.append(t1 - t)
+                after_chunk.append(t2 - t1)
+            rows.append({"op": "resume", "bytes": 0, "world": 2,
+                         "seconds": max(1e-6, statistics.fmean(after_op) - statistics.fmean(after_chunk))})
         if rank == 0:
             with open(out_path, "w", encoding="utf-8") as f:
                 json.dump(rows, f)

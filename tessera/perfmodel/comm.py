@@ -28,6 +28,12 @@ bench.estimator_accuracy); the wait of a step over ``n`` ranks is
 
 (expected maximum of n standard normals: the wait grows like the largest of n
 jitters). No sync rows: kappa = 0 (snapshots without them load unchanged).
+
+Resume cost: compute right after a blocking op runs slower than the same compute after
+other compute (the rank comes back from the wait with cold caches). Rows ``{"op":
+"resume", "seconds"}`` (a compute chunk after an all-reduce minus the same chunk after a
+chunk) give ``resume`` = their mean, seconds added to every blocking op of a step (the
+composition's all-reduces and in-step pipeline transfers). No resume rows: 0.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from tessera.perfmodel.compute import nnls
 
 OPS = ("all_reduce", "all_gather", "broadcast", "send_recv")
 SYNC = "sync"
+RESUME = "resume"
 # E[max of n iid standard normals] for n = 1..16 (n > 16: sqrt(2 ln n) asymptote).
 _EMAX = (0.0, 0.5642, 0.8463, 1.0294, 1.1630, 1.2672, 1.3522, 1.4236, 1.4850, 1.5388, 1.5864, 1.6292,
          1.6680, 1.7034, 1.7359, 1.7660)
@@ -76,16 +83,24 @@ class CommFit:
     link: str
     ops: dict = field(default_factory=dict)   # op -> {"alpha", "beta", "rel_sigma", "n", "max_bytes"}
     sync: dict = field(default_factory=dict)  # {"a", "kappa", "rel_sigma", "n"}; empty: no sync rows
+    resume: dict = field(default_factory=dict)  # {"seconds", "n"}; empty: no resume rows
 
     def to_dict(self) -> dict:
         d = {"link": self.link, "ops": {k: dict(v) for k, v in self.ops.items()}}
         if self.sync:
             d["sync"] = dict(self.sync)
+        if self.resume:
+            d["resume"] = dict(self.resume)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "CommFit":
-        return cls(link=d["link"], ops={k: dict(v) for k, v in d["ops"].items()}, sync=dict(d.get("sync") or {}))
+        return cls(link=d["link"], ops={k: dict(v) for k, v in d["ops"].items()}, sync=dict(d.get("sync") or {}),
+                   resume=dict(d.get("resume") or {}))
+
+    def resume_time(self) -> float:
+        """Seconds a blocking op costs the compute right after it (0 without resume rows)."""
+        return float(self.resume.get("seconds", 0.0))
 
     def straggle(self, n, compute_s):
         """Expected wait for the slowest of ``n`` ranks over a step whose ranks each
@@ -120,8 +135,12 @@ def _expected(rows: list[dict]) -> list[dict]:
 def fit_comm(link: str, rows: list[dict]) -> CommFit:
     """Fit each op that has at least 2 sizes in ``rows``; ops with fewer are left out
     (the composition then reports insufficient data for plans that need them). Rows
-    of op ``"sync"`` with ``compute_s`` at 2 or more chunk lengths give ``sync``."""
+    of op ``"sync"`` with ``compute_s`` at 2 or more chunk lengths give ``sync``, rows of
+    op ``"resume"`` (seconds > 0) their mean ``resume``."""
     out = CommFit(link=link)
+    rr = [float(r["seconds"]) for r in rows if r["op"] == RESUME and float(r["seconds"]) > 0]
+    if rr:
+        out.resume = {"seconds": float(np.mean(rr)), "n": len(rr)}
     rs = [r for r in rows if r["op"] == SYNC and r.get("compute_s", 0) > 0 and r["seconds"] > 0]
     if len({round(r["compute_s"], 6) for r in rs}) >= 2:
         y = np.array([r["seconds"] for r in rs])

@@ -321,8 +321,11 @@ class PerfModel:
         gpipe = np.array([c.schedule == "gpipe" for c in cs])
         act = rows * T * h * F.BYTES_PER_ELEM
 
+        # Every blocking op also costs the compute after it a refill (CommFit.resume).
+        resume = comm.resume_time() if comm is not None else 0.0
+
         def ar(n, nbytes):
-            return comm.time("all_reduce", n, nbytes) * (n > 1) if comm is not None else 0.0 * n
+            return (comm.time("all_reduce", n, nbytes) + resume) * (n > 1) if comm is not None else 0.0 * n
 
         has_p2p = comm is not None and comm.has("send_recv")
         p2p_lat = comm.time("send_recv", 2, 0.0) if has_p2p else 0.0
@@ -331,7 +334,7 @@ class PerfModel:
             # Steady state: the transport buffers a stage's send and its neighbour's
             # receive finds the data waiting: only the bytes cost per micro-batch. The
             # per-transfer latency is paid on the fill / drain path (added to ``pipe`` below).
-            return comm.time("send_recv", 2, nbytes) - p2p_lat if has_p2p else 0.0 * nbytes
+            return comm.time("send_recv", 2, nbytes) - p2p_lat + resume if has_p2p else 0.0 * nbytes
 
         base, extra = np.floor_divide(L, pp), np.mod(L, pp)
         single = pp == 1

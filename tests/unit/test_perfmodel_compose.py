@@ -237,6 +237,28 @@ def test_straggler_wait_adds_to_multi_rank_plans_only(model):
     assert with_sync.estimate(tp).breakdown["straggle"] > 0
 
 
+def test_resume_rows_add_a_refill_to_every_blocking_op_of_a_step(model):
+    """Resume rows (a compute chunk after a blocking op minus the same chunk after a chunk)
+    fit their mean; a plan pays it once per blocking op: tp = 2 four all-reduces per
+    layer and micro-batch, dp = 2 its gradient bucket, pp = 2 each in-step transfer, and
+    every multi-rank step its loss all-reduce; one rank pays nothing."""
+    r = 1e-4
+    rows = comm_rows() + [{"op": "resume", "bytes": 0, "world": 2, "seconds": s} for s in (0.5 * r, 1.5 * r)]
+    f = fit_comm(LINK, rows)
+    assert f.resume_time() == pytest.approx(r) and f.resume["n"] == 2
+    old = fit_comm(LINK, comm_rows())  # older tables and snapshots: no refill
+    assert old.resume == {} and old.resume_time() == 0.0 and "resume" not in old.to_dict()
+    assert type(f).from_dict(json.loads(json.dumps(f.to_dict()))).resume == f.resume
+    base = replace(model, comm={LINK: old})
+    with_r = replace(model, comm={LINK: f})
+    layers = 4  # cand(): 4 layers
+    for c, ops in ((cand(batch=16), 0), (cand(tp=2), 4 * layers + 1), (cand(tp=2, micro_batches=2), 8 * layers + 1),
+                   (cand(batch=32, dp=2), 2), (cand(pp=2), 2 + 1)):
+        a, b = base.estimate(c), with_r.estimate(c)
+        assert a.ok and b.ok
+        assert b.seconds - a.seconds == pytest.approx(ops * r, rel=1e-6, abs=1e-12), (c, ops)
+
+
 def test_batch_uses_each_candidates_schedule(model):
     g, o = cand(pp=2, micro_batches=4, schedule="gpipe"), cand(pp=2, micro_batches=4, schedule="1f1b")
     eg, eo = model.estimate(g), model.estimate(o)
