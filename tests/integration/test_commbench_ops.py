@@ -25,3 +25,14 @@ def test_unknown_op_is_refused_before_any_process_starts():
     with pytest.raises(ValueError, match="none given"):
         table([4 << 10], reps=1, ops=())
     assert OPS == ("all_reduce", "all_gather", "broadcast", "send_recv")
+
+
+def test_sync_table_adds_the_synchronisation_rows_and_one_resume_row():
+    """``sync=True``: two sync rows (8-byte all-reduce after a short and a long chunk, with
+    the chunk's compute time) and one resume row (a chunk after a blocking op minus the
+    same chunk after a chunk; positive, and well under the ~0.5 ms chunk itself)."""
+    rows, _ = table([4 << 10], reps=3, sync=True, ops=("all_reduce",))
+    sync = [r for r in rows if r["op"] == "sync"]
+    assert len(sync) == 2 and sync[0]["compute_s"] < sync[1]["compute_s"]
+    (resume,) = [r for r in rows if r["op"] == "resume"]
+    assert resume["bytes"] == 0 and resume["world"] == 2 and 0 < resume["seconds"] < 5e-4

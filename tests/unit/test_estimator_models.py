@@ -92,6 +92,19 @@ def test_sync_rows_carry_their_compute_and_give_the_straggler_term():
     assert model.comm["lo"].sync["kappa"] == pytest.approx(0.05, rel=1e-6)
 
 
+def test_resume_rows_reach_the_comm_fit():
+    """profilerd's ``--sync`` table carries ``op="resume"`` rows (bytes 0): the store's row
+    parser keeps them and the fit prices their mean on every blocking op."""
+    rows = [comm_row(profiler_pb2.Measurement(kind="comm", labels={"op": "resume", "link": "lo"},
+                                              values={"bytes": 0, "world": 2, "seconds": s})) for s in (6e-5, 1e-4)]
+    assert all(r is not None and r["op"] == "resume" for r in rows)
+    plain = [comm_row(profiler_pb2.Measurement(kind="comm", labels={"op": "all_reduce", "link": "lo"},
+                                               values={"bytes": b, "world": 2, "seconds": 1e-4 + b * 1e-9}))
+             for b in (4096, 1 << 20)]
+    model = build_model({}, rows + plain, [], 1)
+    assert model.comm["lo"].resume_time() == pytest.approx(8e-5)
+
+
 def test_profile_points_answer_exactly_their_configuration_and_survive_the_snapshot():
     runs = {run_key(step()): {i: 0.02 for i in range(1, 9)}}
     model = PerfModel.from_dict(build_model(runs, [], [], version=4).to_dict())
