@@ -19,12 +19,12 @@ here run that thread SCHED_BATCH, as the runtime's do — tessera.gloo — which
 the slow mode), and a median of a few reps lands on either mode.
 
 With ``sync=True`` it adds rows ``{"op": "sync", "bytes": 8, "world": 2, "seconds",
-"compute_s"}`` and one ``{"op": "resume", "bytes": 0, "world": 2, "seconds"}`` (below); an 8-byte all-reduce right after a compute chunk of ``compute_s``
-seconds (two chunk lengths; the chunk's mean time in the same reps), the call alone
-timed. A synchronous step waits at
-every collective for the slower rank; that wait grows with the compute since the last
-synchronisation (``perfmodel.comm`` fits ``seconds = a + kappa * compute_s``), which a
-0.5 ms chunk cannot show. The resume row is what a blocking op costs the compute after
+"compute_s"}`` and one ``{"op": "resume", "bytes": 0, "world": 2, "seconds"}`` (below).
+A sync row is an 8-byte all-reduce right after a compute chunk of ``compute_s`` seconds
+(two chunk lengths; the chunk's mean time in the same reps), the call alone timed. A
+synchronous step waits at every collective for the slower rank; that wait grows with
+the compute since the last synchronisation (``perfmodel.comm`` fits ``seconds = a +
+kappa * compute_s``), which a 0.5 ms chunk cannot show. The resume row is what a blocking op costs the compute after
 it: the mean time of a ``CHUNK_UNITS`` chunk right after an 8-byte all-reduce minus that
 of the same chunk right after another chunk (``perfmodel.comm``: ``CommFit.resume``,
 added to every blocking op of a step). Off by default (profilerd streams

@@ -28,9 +28,10 @@ Per step (once, whatever the micro-batches):
   tokens (measured: see FEATURES_REV),
 - ``par_params``: of ``params``, those in tensors of at least ``PAR_GRAIN`` elements,
   whose per-step element-wise passes PyTorch splits over the quota's threads.
-There is no constant per step: the work every step does whatever the model (the
-runtime's loop, its progress event) is ~0.1 ms, and a constant column was one more
-unknown that two profiled modules cannot tell apart from the per-tensor one.
+There is no constant per step: a constant column was one more unknown that two profiled
+modules cannot tell apart from the per-tensor one (docs/estimator.md: the fit swung
+between the two); what every step does whatever the model (the runtime's loop, its
+progress event) lands on the per-tensor term.
 """
 
 from __future__ import annotations
@@ -145,7 +146,8 @@ def grad_accum_elems(params, micro_batches):
 def par_params(layers, hidden, vocab, seq_len, embed, head, tp=1):
     """Of ``stage_params``, the parameters in tensors of at least ``PAR_GRAIN`` elements
     (the blocks' four weight matrices, tp-sharded; the embedding, position and head
-    tables); biases and norms stay below it up to hidden 8192."""
+    tables). Biases and norms (at most 4 * hidden elements) count as below it: exact
+    below hidden 8192."""
     h = np.asarray(hidden, dtype=float)
 
     def big(n):
