@@ -149,8 +149,8 @@ class Agent:
                 self.reports.task_done()  # acknowledged or dropped (or the sender cancelled): see serve's drain
 
     async def _on_step(self, ex: Executor, ev: dict) -> None:
-        if self.prof is None:
-            return
+        if self.prof is None or "step_time_s" not in ev:
+            return  # no profiler, or a progress without a step (a resumed run with nothing left)
         m = profiler_pb2.Measurement(
             node=self.cfg.name, kind="step", job_id=ex.job_id, model_key=ex.model_key,
             module=str(ev.get("module", "")), step=int(ev.get("step", 0)), step_time_s=float(ev.get("step_time_s", 0.0)),

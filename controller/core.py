@@ -621,7 +621,9 @@ class Controller:
             if started:
                 transition(job, P.RUNNING, f"executors started on {', '.join(s.node for s in st.placement)}", now)
             if r.kind == K.PROGRESS:
-                st.step, st.loss, st.step_time_s = r.step, r.loss, r.step_time_s
+                # A report without a step time (a resumed run with nothing left to train)
+                # keeps the last one measured.
+                st.step, st.loss, st.step_time_s = r.step, r.loss, r.step_time_s or st.step_time_s
                 if r.modules:
                     st.encoder_share = measured.fold_encoder_share(st.encoder_share, r.modules)
                 if r.HasField("busy"):  # CPU busy fraction of the quota (agent, /proc)

@@ -335,6 +335,13 @@ def train(job: GPTJob, reporter: Reporter) -> int:
             world_size=job.plan.world_size,
             params=job.cfg.num_params(),
         )
+        if start_step >= job.steps:
+            # Resumed from the checkpoint of a run that had already finished (a stop that
+            # raced its last steps: their progress went to an allocation the controller had
+            # replaced): nothing to train. Say where it stands, as its last step would have
+            # (no step time: no step ran here).
+            reporter.event("progress", job_id=job.job_id, module="gpt", step=start_step, total=job.steps,
+                           **({"loss": loss} if loss is not None else {}))
         tokens_per_step = job.batch_size * job.cfg.seq_len
         last_saved = start_step if ckpt is not None else -1
         stopped = False

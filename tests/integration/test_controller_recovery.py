@@ -2,7 +2,8 @@
 jobs of a node already marked NOT_READY are requeued by any later round (not only by the
 round that marked it), a job SCHEDULED whose launch never reached its agent is requeued
 once the node's heartbeats leave it out past the grace period, a late EXITED report of a
-stopped allocation leaves no key behind, and a stray fused task whose cancel failed is
+stopped allocation leaves no key behind, a progress report without a step time keeps the
+last one measured, and a stray fused task whose cancel failed is
 cancelled again at its next report (real gRPC on loopback to a recording agent servicer)."""
 
 from __future__ import annotations
@@ -134,6 +135,21 @@ async def test_exit_of_a_stopped_allocation_leaves_no_key_and_exits_of_the_curre
     await ctl.report(K(kind=K.EXITED, job_id="j-000000000003", allocation_id="a-3", rank=1, exit_code=0, node="n3"))
     assert (await store.get_job("j-000000000003")).value.status.phase == P.SUCCEEDED
     assert await store.rank_exits("a-3") == {}
+
+
+async def test_progress_without_a_step_time_keeps_the_last_measured_one(ctl):
+    """A resumed run with nothing left to train reports where it stands without a step time
+    (agent.runtime.train): the status takes its step and loss, and keeps the step time
+    last measured."""
+    ctl, store, c, now = ctl
+    await store.put_node(node("n4"), None)
+    await store.create_job(job("j-000000000004", P.RUNNING, "n4", "a-4", now[0]), "")
+    await ctl.report(K(kind=K.PROGRESS, job_id="j-000000000004", allocation_id="a-4", rank=0, step=90, loss=2.5,
+                       step_time_s=0.02, node="n4"))
+    await ctl.report(K(kind=K.PROGRESS, job_id="j-000000000004", allocation_id="a-4", rank=0, step=100, loss=2.0,
+                       node="n4"))
+    st = (await store.get_job("j-000000000004")).value.status
+    assert (st.step, st.loss, st.step_time_s) == (100, 2.0, 0.02)
 
 
 class RecordingAgent(agent_pb2_grpc.AgentServiceServicer):

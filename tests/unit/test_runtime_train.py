@@ -152,7 +152,11 @@ def test_resume_of_a_finished_job_reports_done_without_training(tmp_path):
     assert code == 0
     code, again = run_events(spec(steps=3, ckdir=ck))
     assert code == 0
-    assert [e["event"] for e in again] == ["start", "done"]
+    # Its progress says where it stands (the agent reports it: the controller's status
+    # shows the last step even when the run that trained it was already replaced).
+    assert [e["event"] for e in again] == ["start", "progress", "done"]
+    assert again[1]["step"] == again[1]["total"] == 3 and again[1]["loss"] == ev[-1]["final_loss"]
+    assert "step_time_s" not in again[1]
     assert again[-1]["final_loss"] == ev[-1]["final_loss"]
 
 
