@@ -24,11 +24,11 @@ A sync row is an 8-byte all-reduce right after a compute chunk of ``compute_s`` 
 (two chunk lengths; the chunk's mean time in the same reps), the call alone timed. A
 synchronous step waits at every collective for the slower rank; that wait grows with
 the compute since the last synchronisation (``perfmodel.comm`` fits ``seconds = a +
-kappa * compute_s``), which a 0.5 ms chunk cannot show. The resume row is what a blocking op costs the compute after
-it: the mean time of a ``CHUNK_UNITS`` chunk right after an 8-byte all-reduce minus that
-of the same chunk right after another chunk (``perfmodel.comm``: ``CommFit.resume``,
-added to every blocking op of a step). Off by default (profilerd streams
-op/bytes/world/seconds only).
+kappa * compute_s``), which a 0.5 ms chunk cannot show. The resume row is what a
+blocking op costs the compute after it: the mean time of a ``CHUNK_UNITS`` chunk right
+after an 8-byte all-reduce minus that of the same chunk right after another chunk
+(``perfmodel.comm``: ``CommFit.resume``, added to every blocking op of a step). Off by
+default (profilerd streams op/bytes/world/seconds only).
 
 Run as ``python -m profilerd.commbench [--sizes ...] [--reps N]`` it prints the rows as
 one JSON document: profilerd (``--comm-benchmark``) runs it that way, in a fresh

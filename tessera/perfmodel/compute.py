@@ -131,7 +131,7 @@ class ComputeSample:
         mbf = F.mb_features(self.rows / self.micro_batches, self.seq, self.layers, self.hidden, self.heads,
                             self.vocab, 1, 1)
         stf = F.step_features(self.seq, self.layers, self.hidden, self.vocab, sl, 1, 1,
-                              step_elems=mbf["elems"] * self.micro_batches)
+                              mb_elems=mbf["elems"], micro_batches=self.micro_batches)
         return mbf, stf
 
 

@@ -157,9 +157,11 @@ def par_params(layers, hidden, vocab, seq_len, embed, head, tp=1):
             + embed * (big(vocab * h) + big(seq_len * h)) + head * big(h * vocab))
 
 
-def step_features(seq, layers, hidden, vocab, seq_len, embed, head, tp=1, step_elems=0.0):
-    """Per-step features of one stage (dict of arrays); ``step_elems``: the ``elems`` of
-    all its micro-batches in a step (m x ``mb_features``' one), the ``cold`` feature."""
+def step_features(seq, layers, hidden, vocab, seq_len, embed, head, tp=1, mb_elems=0.0, micro_batches=1):
+    """Per-step features of one stage (dict of arrays); ``mb_elems``: the ``elems`` of one
+    of its micro-batches (``mb_features``), of which the step runs ``micro_batches``:
+    ``cold`` is their product, the element-wise units of the step's micro-batches."""
+    step_elems = mb_elems * np.asarray(micro_batches, dtype=float)
     params = stage_params(layers, hidden, vocab, seq_len, embed, head, tp)
     tensors = layers * TENSORS_PER_BLOCK + embed * 2 + head * 4
     return {"params": params, "par_params": par_params(layers, hidden, vocab, seq_len, embed, head, tp) + 0.0 * params,

@@ -350,7 +350,7 @@ class PerfModel:
         t_mb, t_step, params, mem, c_mb, c_step = {}, {}, {}, {}, {}, {}
         for k, (ls, e, hd, count) in kinds.items():
             mbf = F.mb_features(rows, T, ls, h, a, V, e, hd, tp)
-            stf = F.step_features(T, ls, h, V, sl, e, hd, tp, step_elems=m * mbf["elems"])
+            stf = F.step_features(T, ls, h, V, sl, e, hd, tp, mb_elems=mbf["elems"], micro_batches=m)
             sends = (pp > 1) * ((k != "last") * 1.0 + (k != "first") * 1.0)
             # Gradient accumulation (m > 1) happens in the micro-batches' backward: its
             # share per micro-batch, so that the pipeline's fill and bottleneck carry it.

@@ -390,7 +390,7 @@ def test_interference_scales_with_the_element_wise_share_of_compute(model):
 def test_per_step_work_over_tensors_above_the_grain_divides_over_the_quota():
     """``par_params`` counts the parameters in tensors of >= PAR_GRAIN elements (tp-sharded);
     their per-step passes run on q >= 1 threads, the rest — and a quota below one core —
-    stays whole; the per-step ``cold`` term is what it is given (the step's element-wise units)."""
+    stays whole; the per-step ``cold`` term is the step's element-wise units (m x one micro-batch's)."""
     import numpy as np
 
     from tessera.perfmodel import features as F
@@ -400,7 +400,7 @@ def test_per_step_work_over_tensors_above_the_grain_divides_over_the_quota():
     assert F.par_params(4, h, 256, 64, 1, 1) == 4 * (3 * h * h + 2 * 4 * h * h) + 256 * h + h * 256
     assert F.par_params(4, h, 256, 64, 0, 0, tp=2) == 4 * (2 * 4 * h * h / 2)  # 3h^2/2 = 24576 falls below
     assert F.par_params(2, 64, 256, 64, 1, 1) == 0  # model A: every tensor below the grain
-    stf = F.step_features(64, 4, h, 256, 64, 1, 1, step_elems=1e6)
+    stf = F.step_features(64, 4, h, 256, 64, 1, 1, mb_elems=2.5e5, micro_batches=4)
     assert stf["cold"] == 1e6 and 0 < stf["par_params"] < stf["params"]
     assert step_params(stf, 2.0) == pytest.approx(stf["params"] - stf["par_params"] / 2)
     assert step_params(stf, 0.5) == step_params(stf, 1.0) == stf["params"]
