@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import faulthandler
 import json
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -380,7 +381,7 @@ def run_jobs(jobs: list[dict], warmup: int, timeout_s: float = 300.0) -> list[di
 
 
 def colocation_profile(workload: dict, cores: list[list[int]], warmup: int, measured: int,
-                       timeout_s: float = 300.0) -> dict:
+                       timeout_s: float = 300.0, together: int | None = None) -> dict:
     """A module's interference profile in one run, alone and together seconds apart in
     the same process (separate alone and pair runs differ by the host's drift, 20-40%
     here, as much as the interference itself).
@@ -388,9 +389,13 @@ def colocation_profile(workload: dict, cores: list[list[int]], warmup: int, meas
     Job X (``workload``, single rank, on ``cores[0]``) runs ``warmup`` + ``measured``
     steps alone; then it signals its twin Y (the same workload on ``cores[1]``: the same
     cores = time slicing, other cores = split), built and waiting since the start, which
-    runs ``warmup`` + ``measured`` steps; X goes on alone after Y ends. X's
-    ``workload["steps"]`` is replaced so that it outlasts Y by >= ``measured`` steps at
-    up to 2x slow-down (more steps alone are harmless).
+    runs ``warmup`` + ``together`` steps (default ``measured``); X goes on alone after Y
+    ends. X's ``workload["steps"]`` is replaced so that it outlasts Y by ``measured``
+    steps when it makes up to 1.25x Y's steps while Y runs (the same module: about 1x
+    in either mode). Beyond that X has fewer alone steps after Y (its alone time rests
+    on the ``measured`` before); every step X runs alone after those is device time for
+    nothing (with a 2x margin, ~0.25 device-s per round of the benchmark, split cores
+    held throughout).
 
     Returns ``{"alone_s", "together_s", "alone_n", "together_n", "device_s"}``: the
     medians of X's steps (less other tenants' wait; Y's CPU time on a shared core is
@@ -400,8 +405,11 @@ def colocation_profile(workload: dict, cores: list[list[int]], warmup: int, meas
     ctx = mp.get_context("fork")
     t_begin = time.monotonic()
     go = ctx.Event()
-    x_w = {**workload, "steps": warmup + 2 * measured + 2 * (warmup + measured)}
-    y_w = {**workload, "steps": warmup + measured}
+    together = measured if together is None else together
+    if together < 2:
+        raise ValueError(f"together: {together}, expected >= 2")
+    x_w = {**workload, "steps": warmup + 2 * measured + math.ceil(1.25 * (warmup + together))}
+    y_w = {**workload, "steps": warmup + together}
     shared = bool(set(cores[0]) & set(cores[1]))
     with tempfile.TemporaryDirectory(prefix="tessera-colo-") as tmp:
         paths = [os.path.join(tmp, "x"), os.path.join(tmp, "y")]

@@ -78,6 +78,15 @@ WARMUP, MEASURED = 3, 5
 # all 12 points (within 0.3 %; 1 step: up to +1.2 %; 3 profiling runs, 2026-12-04),
 # and save ~5 % of the profiles' device time.
 WARM_WARMUP = 2
+# Steps of the twin (after its warm-up) per mode: the window in which X's steps count as
+# together. Time slicing quantises a shared core's steps (X's ran 20-32 ms where alone it
+# ran 12): with the twin's MEASURED steps X measured 4 together steps, and one round's
+# interference g scattered by sd 0.062 over 8 profiles (2026-12-05, sixth session); with
+# 2 * MEASURED, 9-10 steps and sd 0.011 (mean 0.081 against 0.097). Every shared pair's
+# estimate carries that scatter, and the median over 5 rounds did not remove it (run
+# s17b: rows 0.015, 0.09, -0.036, 0.388, -0.017 -> g 0.015, the ten shared rows -1 ...
+# -12 %). Split cores scatter less (sd 0.03-0.05) and hold two cores: MEASURED there.
+COLO_TOGETHER = {"shared": 2 * MEASURED, "split": MEASURED}
 ROUNDS = 5
 # A held-out colocated pair of unequal modules: each runs WARMUP + PAIR_MEASURED steps,
 # so that the slower one still measures >= MEASURED steps (>= 2 up to a 2.6x speed
@@ -450,8 +459,9 @@ def grid_values(job_rounds: list[tuple], sums: list[float]) -> dict:
             "raw": [statistics.fmean(job_rounds[k][1][j] for k in keep) for j in range(jobs)]}
 
 
-def colocation_with_retry(profile, wl: dict, cores: list[list[int]], pcost: dict, tries: int = 2) -> dict:
-    """``profile(wl, cores, WARMUP, MEASURED)`` (bench._measure.colocation_profile), tried
+def colocation_with_retry(profile, wl: dict, cores: list[list[int]], pcost: dict, tries: int = 2,
+                          **kw) -> dict:
+    """``profile(wl, cores, WARMUP, MEASURED, **kw)`` (bench._measure.colocation_profile), tried
     again when it raises RuntimeError (too few alone or together steps: the twin ran more
     than 2x slower than planned, e.g. under a burst of other work on the host) — one
     failed pair no longer ends a 200 s run. Every attempt's device time counts in
@@ -461,7 +471,7 @@ def colocation_with_retry(profile, wl: dict, cores: list[list[int]], pcost: dict
     for attempt in range(tries):
         t0 = time.monotonic()
         try:
-            res = profile(wl, cores, WARMUP, MEASURED)
+            res = profile(wl, cores, WARMUP, MEASURED, **kw)
         except RuntimeError as e:
             pcost["colocation"] += (time.monotonic() - t0) * held
             if attempt + 1 >= tries:
@@ -531,7 +541,8 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                 # colocation_profile): the ratio is the interference, not the drift of
                 # the host between two runs (which the old alone-then-pair runs measured).
                 for mode in ("shared", "split"):
-                    res = colocation_with_retry(colocation_profile, workload(n, b, s_, 1, steps), colo[mode], pcost)
+                    res = colocation_with_retry(colocation_profile, workload(n, b, s_, 1, steps), colo[mode], pcost,
+                                                together=COLO_TOGETHER[mode])
                     pairs.append({"mode": mode, "colocated": 2, "oversubscription": 2.0 if mode == "shared" else 1.0,
                                   "alone_s": res["alone_s"], "together_s": res["together_s"]})
             elif task[0] == "wprof":

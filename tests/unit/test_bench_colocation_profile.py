@@ -37,3 +37,13 @@ def test_split_cores_profile_runs_both_sides():
     res = colocation_profile(SMALL, [[c[0]], [c[1]]], warmup=2, measured=4)
     assert res["alone_n"] >= 2 and res["together_n"] >= 2
     assert res["together_s"] / res["alone_s"] < 1.4 * 1.5, res  # no time slicing (noise allowance)
+
+
+def test_the_twin_runs_the_given_number_of_together_steps():
+    """``together``: the twin's measured steps, the window of X's together steps (more
+    of them than with ``measured``; fewer than 2 is refused before anything runs)."""
+    core = sorted(os.sched_getaffinity(0))[0]
+    res = colocation_profile(SMALL, [[core], [core]], warmup=2, measured=3, together=8)
+    assert res["together_n"] >= 5 and res["alone_n"] >= 3
+    with pytest.raises(ValueError, match="together"):
+        colocation_profile(SMALL, [[core], [core]], warmup=2, measured=3, together=1)
