@@ -70,3 +70,21 @@ def test_a_failed_colocation_profile_is_tried_again_and_its_time_counted():
 
     with pytest.raises(RuntimeError, match="never enough"):
         ea.colocation_with_retry(broken, {}, [[0], [0]], {"colocation": 0.0})
+
+
+def test_a_point_keeps_the_mean_of_its_least_disturbed_half_of_rounds():
+    """bench step_time: the host only ever slows a run down, so a point's value is the
+    mean of the least disturbed half of its rounds (rounded up), profiles and grid alike."""
+    assert ea.kept_rounds([5.0, 1.0, 4.0, 2.0, 3.0]) == [1, 3, 4]
+    assert ea.step_time([5.0, 1.0, 4.0, 2.0, 3.0]) == pytest.approx(2.0)
+    assert ea.step_time([2.0, 1.0]) == pytest.approx(1.0)  # one of two
+    assert ea.step_time([7.0]) == pytest.approx(7.0)  # --quick: one round
+
+
+def test_a_colocated_pair_keeps_or_drops_its_rounds_as_a_whole():
+    """A pair's rounds are ranked by its jobs' summed step times and each job's value is
+    its mean over the kept rounds; raw (wall) times follow the same rounds."""
+    rounds = [([1.0, 9.0], [1.1, 9.1]), ([2.0, 2.0], [2.1, 2.1]), ([3.0, 3.0], [3.1, 3.1])]
+    sums = [sum(r[0]) for r in rounds]  # 10, 4, 6: keep rounds 1 and 2
+    got = ea.grid_values(rounds, sums)
+    assert got["measured"] == pytest.approx([2.5, 2.5]) and got["raw"] == pytest.approx([2.6, 2.6])
