@@ -232,9 +232,8 @@ def workload_points(name: str, runs: list[list[float]]) -> list:
         got += profiles(per_run)[:1]
     if not got:
         return []
-    meds = [p.median_s for p in got]
-    best = got[min(range(len(got)), key=lambda k: meds[k])].point()
-    return [dataclasses.replace(best, seconds=step_time(meds))]
+    best = min(got, key=lambda p: p.median_s).point()
+    return [dataclasses.replace(best, seconds=step_time([p.median_s for p in got]))]
 
 
 def model_dict(name: str) -> dict:
@@ -447,16 +446,16 @@ def step_time(rounds: list[float]) -> float:
     return float(statistics.fmean(rounds[k] for k in kept_rounds(rounds)))
 
 
-def grid_values(job_rounds: list[tuple], sums: list[float]) -> dict:
+def grid_values(job_rounds: list[tuple]) -> dict:
     """A grid point's ``measured`` and ``raw`` per job from its rounds (``job_rounds``:
-    per round, (step times, raw times) of its jobs; ``sums``: per round, its step times
-    summed): the mean over the kept rounds (:func:`kept_rounds` of the sums — a
-    colocated pair's rounds are kept or dropped as a whole: its two times belong
-    together)."""
+    per round, (step times, raw times) of its jobs): the mean over the kept rounds
+    (:func:`kept_rounds` of ``rounds``, each round's step times summed — a colocated
+    pair's rounds are kept or dropped as a whole: its two times belong together)."""
+    sums = [sum(steps) for steps, _ in job_rounds]
     keep = kept_rounds(sums)
     jobs = len(job_rounds[0][0])
     return {"measured": [statistics.fmean(job_rounds[k][0][j] for k in keep) for j in range(jobs)],
-            "raw": [statistics.fmean(job_rounds[k][1][j] for k in keep) for j in range(jobs)]}
+            "raw": [statistics.fmean(job_rounds[k][1][j] for k in keep) for j in range(jobs)], "rounds": sums}
 
 
 def colocation_with_retry(profile, wl: dict, cores: list[list[int]], pcost: dict, tries: int = 2,
@@ -517,7 +516,6 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
     pairs: list[dict] = []  # one colocation row per mode and round; fit_interference takes the median g
     comm_runs: list[list[dict]] = []
     grid_cost = 0.0
-    per_round: list[list[float]] = [[] for _ in points]  # per round: the point's jobs' step times summed
     job_rounds: list[list[tuple]] = [[] for _ in points]  # per round: (step times, raw times) of its jobs
     util: list[list[float]] = [[] for _ in points]
     colo = {"shared": [[0], [0]], "split": [[0], [1]]}
@@ -567,7 +565,6 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                              "cores": j["cores"]} for j in points[i]["jobs"]]
                     res = run_jobs(jobs, WARMUP)
                 grid_cost += sum(x["device_s"] for x in res)
-                per_round[i].append(sum(x["step_s"] for x in res))
                 job_rounds[i].append(([x["step_s"] for x in res], [x["wall_s"] for x in res]))
                 util[i] += [x["cpu_util"] for x in res if x["cpu_util"] is not None]
             if task[0] == "wprof" or (task[0] == "grid" and points[task[1]]["jobs"][0].get("shape")):
@@ -594,9 +591,9 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                       interference_ref={DEVICE: {"layers": MODELS[n][0], "hidden": MODELS[n][1], "heads": MODELS[n][2],
                                                  "vocab": MODELS[n][3], "rows": b, "seq": s_}},
                       profiles={DEVICE: wpoints} if wpoints else {})
-    measured = [{**pt, **grid_values(jr, pr), "rounds": pr, "job_rounds": [list(x) for x in jr],
+    measured = [{**pt, **grid_values(jr), "job_rounds": [list(x) for x in jr],
                  "cpu_util": statistics.median(u) if u else None}
-                for pt, jr, pr, u in zip(points, job_rounds, per_round, util)]
+                for pt, jr, u in zip(points, job_rounds, util)]
     prof = {"cost": pcost, "samples": len(samples), "comm_rows": comm_rows, "pairs": pairs,
             "profile_samples": [dict(x.__dict__) for x in samples],
             "profile_rounds": {"/".join(map(str, k)): v for k, v in alone.items()},

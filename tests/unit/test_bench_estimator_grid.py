@@ -85,6 +85,6 @@ def test_a_colocated_pair_keeps_or_drops_its_rounds_as_a_whole():
     """A pair's rounds are ranked by its jobs' summed step times and each job's value is
     its mean over the kept rounds; raw (wall) times follow the same rounds."""
     rounds = [([1.0, 9.0], [1.1, 9.1]), ([2.0, 2.0], [2.1, 2.1]), ([3.0, 3.0], [3.1, 3.1])]
-    sums = [sum(r[0]) for r in rounds]  # 10, 4, 6: keep rounds 1 and 2
-    got = ea.grid_values(rounds, sums)
+    got = ea.grid_values(rounds)  # summed 10, 4, 6: keep rounds 1 and 2
     assert got["measured"] == pytest.approx([2.5, 2.5]) and got["raw"] == pytest.approx([2.6, 2.6])
+    assert got["rounds"] == pytest.approx([10.0, 4.0, 6.0])
