@@ -2,7 +2,7 @@
 
     python -m bench.estimator_accuracy [--json PATH] [--device cpu|cuda] [--quick]
 
-1. Cheap profiles (the only thing the model is fitted from): two GPT modules at twelve
+1. Cheap profiles (the only thing the model is fitted from): three GPT modules at fourteen
    (batch, seq, quota, micro-batch) points in one profiling process, a colocation
    profile per mode (split cores / shared core: one module alone, then with its twin
    beside it, then alone again — in one process),
@@ -44,7 +44,8 @@ from tessera.perfmodel import Candidate, ComputeSample, PerfModel, fit_comm, fit
 DEVICE = "cpu"
 LINK = "loopback-gloo"
 
-# Models: name -> (layers, hidden, heads, vocab, seq_len). A and B are profiled.
+# Models: name -> (layers, hidden, heads, vocab, seq_len). A, B and G are profiled; the
+# grid holds A and B and the unseen C-F, never G.
 MODELS = {
     "A": (2, 64, 4, 256, 64),
     "B": (4, 128, 4, 256, 64),
@@ -52,8 +53,9 @@ MODELS = {
     "D": (6, 64, 4, 512, 128),     # unseen: deeper, larger vocab, longer context
     "E": (2, 192, 4, 256, 64),     # unseen: wider than anything profiled
     "F": (5, 80, 4, 256, 64),      # unseen: deeper than B, width between A and C
+    "G": (6, 48, 4, 256, 64),      # profiled only: deeper and narrower than A and B (PROFILE_POINTS)
 }
-PROFILED = ("A", "B")
+PROFILED = ("A", "B", "G")
 
 # (model, batch, seq, quota, micro_batches): profile points per module.
 PROFILE_POINTS = [
@@ -61,10 +63,21 @@ PROFILE_POINTS = [
     ("A", 8, 64, 1, 1), ("A", 8, 64, 2, 1),
     ("B", 2, 32, 1, 1), ("B", 8, 32, 1, 1), ("B", 8, 32, 1, 4), ("B", 4, 16, 1, 1), ("B", 4, 64, 1, 1),
     ("B", 4, 64, 2, 1),
+    ("G", 4, 32, 1, 1), ("G", 8, 64, 1, 1),
 ]  # batch, seq, model size, micro-batches; each 2-core or several-micro-batch point right
 # after its twin (the per-micro-batch cost at 2 and at 4 micro-batches: the grid runs both)
 # (in one process, seconds apart: the quota's speed-up is not confounded with the
-# host's drift, which decides the Amdahl fraction p for every estimate)
+# host's drift, which decides the Amdahl fraction p for every estimate).
+# G, a third module deeper than both (6 layers) at two token counts, separates the
+# per-layer costs from the per-token ones, which two modules whose depth and width grow
+# together (A 2 x 64, B 4 x 128) cannot: fitted on A and B alone, the deep unseen modules
+# read high at few tokens and low at many (over the 29 stored runs s15a-s17l: D 2 x 96
+# +7.4 %, F 4 x 32 +7.3 %; F 16 x 48 -9.4 %, D 8 x 64 -6.1 %). Re-fitting those runs with
+# two grid points of one deep unseen module added to the profiles (that module's rows
+# left out of the score) took single-device MAPE on the rest 4.62 -> 4.39 % (F 4 x 32 and
+# 8 x 64; better in 27 of 29 runs), 4.71 -> 4.55 (D; 25 of 29), 4.93 -> 4.83 (C; 24 of 29),
+# multi-rank down 0.1-0.25 with it. G is none of the grid's modules, so that C-F stay
+# unseen; 6 x 48 keeps its cost ~0.3 device-s per round (its two points ran 13 and 27 ms).
 COLO_PROFILE = ("A", 8, 64)  # alone, with its twin, alone again: one run per mode (colocation_profile)
 
 # One protocol for profiles and grid points alike: WARMUP + MEASURED steps per run,
@@ -641,6 +654,37 @@ def mape(rows: list[dict], key: str = "ape") -> float | None:
     return statistics.fmean(v) if v else None
 
 
+def host_info() -> dict:
+    """What the run ran on: CPU model, usable CPUs, and core 0's caches as sysfs names
+    them (e.g. ``{"L2": "2048K"}``); {} parts where /proc or /sys do not say. Runs of
+    different sessions may land on different machines: stored runs are compared with
+    their hardware known."""
+    out: dict = {"cpus": len(os.sched_getaffinity(0))}
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                out["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    caches = {}
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for idx in sorted(os.listdir(base)):
+            d = os.path.join(base, idx)
+            try:
+                level = open(os.path.join(d, "level")).read().strip()
+                kind = open(os.path.join(d, "type")).read().strip()
+                size = open(os.path.join(d, "size")).read().strip()
+            except OSError:
+                continue
+            caches[f"L{level}" + {"Data": "d", "Instruction": "i"}.get(kind, "")] = size
+    except OSError:
+        pass
+    out["caches"] = caches
+    return out
+
+
 def _loadavg() -> list[str]:
     try:
         return open("/proc/loadavg").read().split()[:3]
@@ -698,7 +742,8 @@ def main(argv: list[str] | None = None) -> int:
                            "max_ape": max((r["ape"] or 0) for r in rows if r["category"] == c),
                            "mean_confidence": statistics.fmean(r["confidence"] for r in rows if r["category"] == c)}
                        for c in cats},
-        "host_cpu_util": contention, "host_loadavg": load, "host_loadavg_start": load0, "rounds": rounds,
+        "host_cpu_util": contention, "host_loadavg": load, "host_loadavg_start": load0, "host": host_info(),
+        "rounds": rounds,
         "warmup_steps": WARMUP, "profile_warm_warmup_steps": WARM_WARMUP, "measured_steps": MEASURED,
         # Run-to-run spread of the grid: per point, (slowest - fastest round) / fastest.
         "round_spread_median": statistics.median((max(p["rounds"]) - min(p["rounds"])) / min(p["rounds"])
