@@ -2,7 +2,7 @@
 
     python -m bench.estimator_accuracy [--json PATH] [--device cpu|cuda] [--quick]
 
-1. Cheap profiles (the only thing the model is fitted from): three GPT modules at thirteen
+1. Cheap profiles (the only thing the model is fitted from): two GPT modules at twelve
    (batch, seq, quota, micro-batch) points in one profiling process, a colocation
    profile per mode (split cores / shared core: one module alone, then with its twin
    beside it, then alone again — in one process),
@@ -44,8 +44,7 @@ from tessera.perfmodel import Candidate, ComputeSample, PerfModel, fit_comm, fit
 DEVICE = "cpu"
 LINK = "loopback-gloo"
 
-# Models: name -> (layers, hidden, heads, vocab, seq_len). A, B and G are profiled; the
-# grid holds A and B and the unseen C-F, never G.
+# Models: name -> (layers, hidden, heads, vocab, seq_len). A and B are profiled.
 MODELS = {
     "A": (2, 64, 4, 256, 64),
     "B": (4, 128, 4, 256, 64),
@@ -53,37 +52,19 @@ MODELS = {
     "D": (6, 64, 4, 512, 128),     # unseen: deeper, larger vocab, longer context
     "E": (2, 192, 4, 256, 64),     # unseen: wider than anything profiled
     "F": (5, 80, 4, 256, 64),      # unseen: deeper than B, width between A and C
-    "G": (6, 48, 4, 256, 64),      # profiled only: deeper and narrower than A and B (PROFILE_POINTS)
 }
-PROFILED = ("A", "B", "G")
+PROFILED = ("A", "B")
 
 # (model, batch, seq, quota, micro_batches): profile points per module.
 PROFILE_POINTS = [
     ("A", 4, 32, 1, 1), ("A", 16, 64, 1, 1), ("A", 32, 32, 1, 1), ("A", 8, 64, 1, 2),
     ("A", 8, 64, 1, 1), ("A", 8, 64, 2, 1),
-    ("B", 2, 32, 1, 1), ("B", 8, 32, 1, 1), ("B", 8, 32, 1, 4), ("B", 4, 64, 1, 1),
+    ("B", 2, 32, 1, 1), ("B", 8, 32, 1, 1), ("B", 8, 32, 1, 4), ("B", 4, 16, 1, 1), ("B", 4, 64, 1, 1),
     ("B", 4, 64, 2, 1),
-    ("G", 4, 32, 1, 1), ("G", 4, 64, 1, 1),
 ]  # batch, seq, model size, micro-batches; each 2-core or several-micro-batch point right
 # after its twin (the per-micro-batch cost at 2 and at 4 micro-batches: the grid runs both)
 # (in one process, seconds apart: the quota's speed-up is not confounded with the
-# host's drift, which decides the Amdahl fraction p for every estimate).
-# G, a third module deeper than both (6 layers) at two token counts, separates the
-# per-layer costs from the per-token ones, which two modules whose depth and width grow
-# together (A 2 x 64, B 4 x 128) cannot: fitted on A and B alone, the deep unseen modules
-# read high at few tokens and low at many (over the 29 stored runs s15a-s17l: D 2 x 96
-# +7.4 %, F 4 x 32 +7.3 %; F 16 x 48 -9.4 %, D 8 x 64 -6.1 %). Re-fitting those runs with
-# two grid points of one deep unseen module added to the profiles (that module's rows
-# left out of the score) took single-device MAPE on the rest 4.62 -> 4.39 % (F 4 x 32 and
-# 8 x 64; better in 27 of 29 runs), 4.71 -> 4.55 (D; 25 of 29), 4.93 -> 4.83 (C; 24 of 29),
-# multi-rank down 0.1-0.25 with it; two points at few tokens did as well (D 2 x 96 and
-# 4 x 64: 4.71 -> 4.48, multi-rank 5.37 -> 5.10; better in 26 of 29). G is none of the
-# grid's modules, so that C-F stay unseen; 6 x 48 at 128 and 256 tokens keeps its cost
-# near 0.2 device-s per round (at 8 x 64 instead of 4 x 64: profiles 5.9 device-s per
-# round and a cost ratio of 10.1x in run s18a). B 4 x 16 (until 2026-12-06) paid for part
-# of it: the fit did as well without it (leaving it out of the 29 stored runs' profiles:
-# 4.69 -> 4.62 %; with the deep points added, 4.48 -> 4.44 %, the seq-16 rows 3.49 ->
-# 3.73 %).
+# host's drift, which decides the Amdahl fraction p for every estimate)
 COLO_PROFILE = ("A", 8, 64)  # alone, with its twin, alone again: one run per mode (colocation_profile)
 
 # One protocol for profiles and grid points alike: WARMUP + MEASURED steps per run,
@@ -662,15 +643,20 @@ def mape(rows: list[dict], key: str = "ape") -> float | None:
 
 def host_info() -> dict:
     """What the run ran on: CPU model, usable CPUs, and core 0's caches as sysfs names
-    them (e.g. ``{"L2": "2048K"}``); {} parts where /proc or /sys do not say. Runs of
-    different sessions may land on different machines: stored runs are compared with
+    them (e.g. ``{"L2": "2048K"}``); a part /proc or /sys does not say is left out. Runs
+    of different sessions may land on different machines: stored runs are compared with
     their hardware known."""
+
+    def read(path: str) -> str:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+
     out: dict = {"cpus": len(os.sched_getaffinity(0))}
     try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                out["cpu_model"] = line.split(":", 1)[1].strip()
-                break
+        models = [ln.split(":", 1)[1].strip() for ln in read("/proc/cpuinfo").splitlines()
+                  if ln.startswith("model name")]
+        if models:
+            out["cpu_model"] = models[0]
     except OSError:
         pass
     caches = {}
@@ -679,9 +665,7 @@ def host_info() -> dict:
         for idx in sorted(os.listdir(base)):
             d = os.path.join(base, idx)
             try:
-                level = open(os.path.join(d, "level")).read().strip()
-                kind = open(os.path.join(d, "type")).read().strip()
-                size = open(os.path.join(d, "size")).read().strip()
+                level, kind, size = (read(os.path.join(d, k)).strip() for k in ("level", "type", "size"))
             except OSError:
                 continue
             caches[f"L{level}" + {"Data": "d", "Instruction": "i"}.get(kind, "")] = size

@@ -90,17 +90,6 @@ def test_a_colocated_pair_keeps_or_drops_its_rounds_as_a_whole():
     assert got["rounds"] == pytest.approx([10.0, 4.0, 6.0])
 
 
-def test_profiled_only_modules_stay_out_of_the_grid():
-    """G is profiled (a third depth for the fit) but no grid job runs it: the grid's
-    unseen modules C-F stay unseen and G's rows would only be profile points again."""
-    profiled_models = {p[0] for p in ea.PROFILE_POINTS}
-    assert profiled_models == set(ea.PROFILED)
-    in_grid = {j.get("model") for pt in ea.grid(False) for j in pt["jobs"]}
-    assert "G" in profiled_models and "G" not in in_grid
-    depth = {m: ea.MODELS[m][0] for m in profiled_models}
-    assert depth["G"] > max(depth["A"], depth["B"])
-
-
 def test_host_info_names_the_cpus_and_caches():
     info = ea.host_info()
     assert info["cpus"] >= 1

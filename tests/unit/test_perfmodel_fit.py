@@ -193,9 +193,9 @@ def test_few_twins_at_another_quota_still_decide_p():
         assert abs(fit.p - TRUE_P) <= 0.2, (trial, fit.p)
 
 
-# The bench's profile set until 2026-12-06 (bench.estimator_accuracy.PROFILE_POINTS, then
-# only A and B): two modules, and tokens and sequence length that move together — the
-# per-step terms are poorly pinned by step times alone.
+# The bench's profile set (bench.estimator_accuracy.PROFILE_POINTS): two modules, and
+# tokens and sequence length that move together — the per-step terms are poorly pinned
+# by step times alone.
 _BENCH_POINTS = [((2, 64), 4, 32, 1, 1), ((2, 64), 16, 64, 1, 1), ((2, 64), 32, 32, 1, 1), ((2, 64), 8, 64, 1, 2),
                  ((2, 64), 8, 64, 1, 1), ((2, 64), 8, 64, 2, 1), ((4, 128), 2, 32, 1, 1), ((4, 128), 8, 32, 1, 1),
                  ((4, 128), 8, 32, 1, 4), ((4, 128), 4, 16, 1, 1), ((4, 128), 4, 64, 1, 1), ((4, 128), 4, 64, 2, 1)]
