@@ -641,11 +641,11 @@ def mape(rows: list[dict], key: str = "ape") -> float | None:
     return statistics.fmean(v) if v else None
 
 
-def host_info() -> dict:
+def host_info(cpuinfo: str = "/proc/cpuinfo", cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> dict:
     """What the run ran on: CPU model, usable CPUs, and core 0's caches as sysfs names
-    them (e.g. ``{"L2": "2048K"}``); a part /proc or /sys does not say is left out. Runs
-    of different sessions may land on different machines: stored runs are compared with
-    their hardware known."""
+    them (e.g. ``{"L1d": "48K", "L2": "2048K"}``); a part /proc or /sys does not say is
+    left out (a cache index missing a file is skipped). Runs of different sessions may
+    land on different machines: stored runs are compared with their hardware known."""
 
     def read(path: str) -> str:
         with open(path, encoding="utf-8") as f:
@@ -653,17 +653,16 @@ def host_info() -> dict:
 
     out: dict = {"cpus": len(os.sched_getaffinity(0))}
     try:
-        models = [ln.split(":", 1)[1].strip() for ln in read("/proc/cpuinfo").splitlines()
+        models = [ln.split(":", 1)[1].strip() for ln in read(cpuinfo).splitlines()
                   if ln.startswith("model name")]
         if models:
             out["cpu_model"] = models[0]
     except OSError:
         pass
     caches = {}
-    base = "/sys/devices/system/cpu/cpu0/cache"
     try:
-        for idx in sorted(os.listdir(base)):
-            d = os.path.join(base, idx)
+        for idx in sorted(os.listdir(cache_dir)):
+            d = os.path.join(cache_dir, idx)
             try:
                 level, kind, size = (read(os.path.join(d, k)).strip() for k in ("level", "type", "size"))
             except OSError:

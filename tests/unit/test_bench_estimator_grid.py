@@ -3,6 +3,7 @@ is a profile point, none is repeated, every category has several points (pure)."
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
@@ -90,8 +91,21 @@ def test_a_colocated_pair_keeps_or_drops_its_rounds_as_a_whole():
     assert got["rounds"] == pytest.approx([10.0, 4.0, 6.0])
 
 
-def test_host_info_names_the_cpus_and_caches():
-    info = ea.host_info()
-    assert info["cpus"] >= 1
-    assert isinstance(info["caches"], dict)
-    assert all(k.startswith("L") for k in info["caches"])
+def test_host_info_names_the_cpus_and_caches(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Test CPU @ 2.0GHz\nprocessor\t: 1\nmodel name\t: Other\n")
+    for idx, (level, kind, size) in enumerate([("1", "Data", "48K"), ("1", "Instruction", "64K"),
+                                               ("2", "Unified", "2048K"), ("3", "Unified", None)]):
+        d = tmp_path / "cache" / f"index{idx}"
+        d.mkdir(parents=True)
+        (d / "level").write_text(level + "\n")
+        (d / "type").write_text(kind + "\n")
+        if size:  # index3 lacks its size: skipped, not a crash
+            (d / "size").write_text(size + "\n")
+    info = ea.host_info(str(cpuinfo), str(tmp_path / "cache"))
+    assert info["cpu_model"] == "Test CPU @ 2.0GHz"
+    assert info["caches"] == {"L1d": "48K", "L1i": "64K", "L2": "2048K"}
+    assert info["cpus"] == len(os.sched_getaffinity(0))
+    # Nothing there at all: no model, no caches, still the CPU count.
+    bare = ea.host_info(str(tmp_path / "none"), str(tmp_path / "none"))
+    assert "cpu_model" not in bare and bare["caches"] == {} and bare["cpus"] >= 1
