@@ -27,7 +27,8 @@ scaling. Dispatch overhead (``ops``, ``mb``) and AdamW's per-tensor loop are ser
 Python/C++ work. All coefficients are >= 0. ``c_*`` are found by non-negative least
 squares on relative residuals (MAPE is what we are judged on); ``p``, ``q_sat`` and
 ``q_mem`` by a grid search around it (variable projection), every candidate's robust
-loss at one common scale. A profile that measured its micro-batches' forward + backward
+loss at one common scale (with two profiled quotas only, ``q_mem`` is the lower one:
+two levels cannot separate it from ``p``; see ``fit_compute``). A profile that measured its micro-batches' forward + backward
 (``ComputeSample.mb_seconds``) adds a row of its own: that time against the
 per-micro-batch terms alone, which pins them apart from the per-step ones.
 Pure: numpy only.
@@ -282,8 +283,21 @@ def fit_compute(device_type: str, samples: list[ComputeSample], *, q_sat_grid: t
     p_grid = P_GRID if len(qs) > 1 else (1.0,)  # one quota level says nothing about p
     # q_mem: linear bandwidth scaling, or saturated at one of the profiled quotas below
     # the top one (saturating at the top one scales every profile like inf: the same
-    # fit, which the tie rule below would never pick).
-    mem_grid = tuple([INF] + qs[:-1]) if len(qs) > 1 else (INF,)
+    # fit, which the tie rule below would never pick). With only two profiled quotas the
+    # data cannot tell the two forms apart: p trades against q_mem and both fit the
+    # twins at the upper quota alike (on this repo's CPU benchmark the fit took p = 0.4-0.6
+    # with inf or p ~ 0.9 with q_mem = 1, run by run), so q_mem is the lower quota there —
+    # the roofline's saturated form. Of 57 stored benchmark runs (2026-12-04 ... 12-06),
+    # the 19 whose fit had taken inf estimated worse in 18 (single-device MAPE 4.68 ->
+    # 4.23 % with the lower quota; the 2-core rows 4.32 -> 3.78 % over all 57 runs), the
+    # 8 of them measured after this was proposed included. Three or more quotas identify
+    # both, and inf stays a candidate.
+    if len(qs) > 2:
+        mem_grid = tuple([INF] + qs[:-1])
+    elif len(qs) == 2:
+        mem_grid = (qs[0],)
+    else:
+        mem_grid = (INF,)
     # Samples whose forward + backward was measured add a row of their own: that time
     # against the per-micro-batch columns alone. Without it the split between the
     # per-micro-batch and the per-step terms rests on how the profiles happen to vary

@@ -78,6 +78,22 @@ def test_memory_bandwidth_saturation_is_found_and_recovers_the_coefficients():
     assert fit_compute("cpu", samples()).q_mem == INF
 
 
+def test_two_quota_levels_fix_q_mem_at_the_lower_three_search_it():
+    """With profiles at two quotas only, p and q_mem are not both identifiable: q_mem is
+    the lower quota (the saturated, roofline form) even on data drawn with linear
+    element-wise scaling; p still scales the FLOPs. Three levels keep inf a candidate
+    and find it."""
+    two = [s for s in samples() if s.q in (1, 2)]
+    fit = fit_compute("cpu", [ComputeSample(**{**s.__dict__, "seconds": synth_time(s)}) for s in two])
+    assert fit.status == "ok" and fit.q_mem == 1.0 and 0.0 < fit.p <= 1.0
+    drawn = [ComputeSample(**{**s.__dict__, "seconds": synth_time(s, q_mem=1.0)}) for s in two]
+    fit = fit_compute("cpu", drawn)
+    assert fit.q_mem == 1.0 and fit.p == pytest.approx(TRUE_P)
+    for k in COEFS:
+        assert fit.coef[k] == pytest.approx(TRUE[k], rel=1e-4), k
+    assert fit_compute("cpu", samples()).q_mem == INF  # 1, 2 and 4 cores: linear data, linear fit
+
+
 def test_bandwidth_bound_model_gains_less_from_a_second_core():
     # Same fit, two modules: one all FLOPs, one all element-wise traffic. With q_mem = 1
     # only the first gets faster at 2 cores; the element-wise rate prices a dp bucket
@@ -187,7 +203,10 @@ def test_few_twins_at_another_quota_still_decide_p():
         for (layers, hidden, vocab, rows, seq, m), q in zip(pts, qs):
             s = ComputeSample(module=f"m{layers}", rows=rows, seq=seq, layers=layers, hidden=hidden, heads=4,
                               vocab=vocab, q=q, seconds=1.0, micro_batches=m)
-            data.append(ComputeSample(**{**s.__dict__, "seconds": synth_time(s) * (1 + 0.03 * rng.standard_normal())}))
+            # Two quota levels: the fit takes the element-wise work as saturated at the
+            # lower one (q_mem = 1), so the truth is drawn from that form.
+            t = synth_time(s, q_mem=1.0) * (1 + 0.03 * rng.standard_normal())
+            data.append(ComputeSample(**{**s.__dict__, "seconds": t}))
         fit = fit_compute("cpu", data)
         assert fit.status == "ok"
         assert abs(fit.p - TRUE_P) <= 0.2, (trial, fit.p)
@@ -208,7 +227,8 @@ def _bench_samples(noise: float, seed: int, split: bool) -> list[ComputeSample]:
     for (layers, hidden), rows, seq, q, m in _BENCH_POINTS:
         s = ComputeSample(module=f"m{layers}", rows=rows, seq=seq, layers=layers, hidden=hidden, heads=4, vocab=256,
                           q=q, seconds=1.0, micro_batches=m)
-        total, per_step = synth_time(s), synth_time(s, coef=_STEP_ONLY)
+        # Two quota levels (1, 2): the fit's form has q_mem = 1 there; so has the truth.
+        total, per_step = synth_time(s, q_mem=1.0), synth_time(s, coef=_STEP_ONLY, q_mem=1.0)
         e1, e2 = 1 + noise * rng.standard_normal(), 1 + noise * rng.standard_normal()
         out.append(replace(s, seconds=total * e1, mb_seconds=(total - per_step) * e2 if split else 0.0))
     return out
