@@ -28,9 +28,10 @@ Python/C++ work. All coefficients are >= 0. ``c_*`` are found by non-negative le
 squares on relative residuals (MAPE is what we are judged on); ``p``, ``q_sat`` and
 ``q_mem`` by a grid search around it (variable projection), every candidate's robust
 loss at one common scale (with two profiled quotas only, ``q_mem`` is the lower one:
-two levels cannot separate it from ``p``; see ``fit_compute``). A profile that measured its micro-batches' forward + backward
-(``ComputeSample.mb_seconds``) adds a row of its own: that time against the
-per-micro-batch terms alone, which pins them apart from the per-step ones.
+two levels cannot separate it from ``p``; see ``fit_compute``). A profile that measured
+its micro-batches' forward + backward (``ComputeSample.mb_seconds``) adds a row of its
+own: that time against the per-micro-batch terms alone, which pins them apart from the
+per-step ones.
 Pure: numpy only.
 """
 
