@@ -74,7 +74,8 @@ def test_build_model_fits_with_the_split():
             [(lh, rs, q) for lh in ((2, 64), (4, 128)) for rs in ((4, 32), (16, 64), (8, 16)) for q in (1, 2)]):
         cs = ComputeSample(module="m", rows=rows, seq=seq, layers=layers, hidden=hidden, heads=4, vocab=256, q=q,
                            seconds=1.0, seq_len=seq)
-        total, per_step = synth_time(cs), synth_time(cs, coef=zero_mb)
+        # Two quota levels (1, 2): the fit's form has q_mem = 1 there; so has the truth.
+        total, per_step = synth_time(cs, q_mem=1.0), synth_time(cs, coef=zero_mb, q_mem=1.0)
         key = (f"j{j}", "cpu", f"gpt:l{layers}-h{hidden}-a4-s{seq}-v256", layers, hidden, 4, 256, seq, rows, 1,
                float(q))
         n = WARMUP_STEPS + 5
