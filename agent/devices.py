@@ -46,14 +46,17 @@ def split_cores(cores: list[int], n: int) -> list[tuple[int, ...]]:
     return out
 
 
-def _cpu_model() -> str:
+def _cpu_model(path: str = "/proc/cpuinfo", default: str = "cpu") -> str:
+    """The first ``model name`` in ``path`` (cpuinfo format), ``default`` when it has
+    none or cannot be read."""
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return "cpu"
+    return default
 
 
 def _mem_total() -> int:

@@ -651,14 +651,12 @@ def host_info(cpuinfo: str = "/proc/cpuinfo", cache_dir: str = "/sys/devices/sys
         with open(path, encoding="utf-8") as f:
             return f.read()
 
+    from agent.devices import _cpu_model
+
     out: dict = {"cpus": len(os.sched_getaffinity(0))}
-    try:
-        models = [ln.split(":", 1)[1].strip() for ln in read(cpuinfo).splitlines()
-                  if ln.startswith("model name")]
-        if models:
-            out["cpu_model"] = models[0]
-    except OSError:
-        pass
+    model = _cpu_model(cpuinfo, default="")
+    if model:
+        out["cpu_model"] = model
     caches = {}
     try:
         for idx in sorted(os.listdir(cache_dir)):
