@@ -19,7 +19,10 @@
    under ``shape_key``), held out as longer runs at quotas 1 and 2.
 3. MAPE per category, single-device (one device, colocation included) and
    multi-rank, and the profiling cost: device-seconds of the profiles versus of
-   measuring the whole grid.
+   measuring the whole grid. Beside each MAPE, the grid's own truth noise
+   (:func:`truth_noise`, ``noise %``; JSON ``truth_noise_single`` / ``_multi``): how far
+   a re-measurement of the grid would differ from this one on this host, the score of
+   a perfect model — a run's MAPE is read against it.
 
 Profiles and grid points are measured by one protocol (WARMUP + MEASURED steps,
 median; ROUNDS rounds, the mean of the least disturbed half of them), and each round
@@ -88,6 +91,8 @@ WARM_WARMUP = 2
 # -12 %). Split cores scatter less (sd 0.03-0.05) and hold two cores: MEASURED there.
 COLO_TOGETHER = {"shared": 2 * MEASURED, "split": MEASURED}
 ROUNDS = 5
+# Bootstrap resamples of a grid point's rounds for its truth noise (:func:`truth_noise`).
+TRUTH_NOISE_BOOTS = 200
 # A held-out colocated pair of unequal modules: each runs WARMUP + PAIR_MEASURED steps,
 # so that the slower one still measures >= MEASURED steps (>= 2 up to a 2.6x speed
 # ratio) before the faster one ends the window in which both run
@@ -458,6 +463,27 @@ def grid_values(job_rounds: list[tuple]) -> dict:
             "raw": [statistics.fmean(job_rounds[k][1][j] for k in keep) for j in range(jobs)], "rounds": sums}
 
 
+def truth_noise(job_rounds: list, boots: int = TRUTH_NOISE_BOOTS, seed: int = 0) -> list[float] | None:
+    """How reproducible a grid point's measured value is, per job (percent): the mean
+    over ``boots`` bootstrap resamples of its rounds (drawn with replacement) of
+    ``|grid_values(resample) - grid_values(rounds)| / grid_values(rounds)``. It is the
+    error a perfect model would score against this run's truth from the host's noise
+    alone (about what a re-measurement of the point would differ by), so that a run's
+    MAPE can be read against its host: the same protocol read 1.3-3.2 % on the quiet
+    hosts of 2026-12-05/06 and 3.6-6.2 % on the noisiest. None with one round.
+    Deterministic (``seed``)."""
+    if len(job_rounds) < 2:
+        return None
+    rng = random.Random(seed)
+    full = grid_values(job_rounds)["measured"]
+    acc = [0.0] * len(full)
+    for _ in range(boots):
+        got = grid_values([job_rounds[rng.randrange(len(job_rounds))] for _ in job_rounds])["measured"]
+        for j, (b, f) in enumerate(zip(got, full)):
+            acc[j] += abs(b - f) / f * 100.0
+    return [a / boots for a in acc]
+
+
 def colocation_with_retry(profile, wl: dict, cores: list[list[int]], pcost: dict, tries: int = 2,
                           **kw) -> dict:
     """``profile(wl, cores, WARMUP, MEASURED, **kw)`` (bench._measure.colocation_profile), tried
@@ -604,9 +630,12 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
 
 
 def evaluate(model: PerfModel, measured: list[dict]) -> dict:
-    cands, truth, raw, cats = [], [], [], []
+    cands, truth, raw, cats, noise = [], [], [], [], []
     for pt in measured:
         jobs = pt["jobs"]
+        # Runs stored before 2026-12-05 kept no per-job rounds: no truth noise there.
+        tn = truth_noise(pt["job_rounds"]) if pt.get("job_rounds") else None
+        noise += tn if tn is not None else [None] * len(jobs)
         if len(jobs) > 1:
             shared = jobs[0]["cores"] == jobs[1]["cores"]
             for j, t, w in zip(jobs, pt["measured"], pt["raw"]):
@@ -625,19 +654,19 @@ def evaluate(model: PerfModel, measured: list[dict]) -> dict:
     ests = model.estimate_batch(cands)
     eval_s = time.perf_counter() - t0
     rows = []
-    for c, e, t, w, cat in zip(cands, ests, truth, raw, cats):
+    for c, e, t, w, cat, tn in zip(cands, ests, truth, raw, cats, noise):
         rows.append({"category": cat, "module": c.module, "batch": c.batch, "seq": c.seq, "quota": c.quota,
                      "dp": c.dp, "tp": c.tp, "pp": c.pp, "micro_batches": c.micro_batches,
                      "colocated": c.colocated, "measured_s": t, "measured_raw_s": w,
                      "estimated_s": e.seconds if e.ok else None, "status": e.status,
                      "confidence": e.confidence, "rel_std": e.rel_std,
                      "ape": abs(e.seconds - t) / t * 100 if e.ok else None,
-                     "ape_raw": abs(e.seconds - w) / w * 100 if e.ok else None})
+                     "ape_raw": abs(e.seconds - w) / w * 100 if e.ok else None, "truth_noise": tn})
     return {"rows": rows, "eval_s": eval_s}
 
 
 def mape(rows: list[dict], key: str = "ape") -> float | None:
-    v = [r[key] for r in rows if r[key] is not None]
+    v = [r[key] for r in rows if r.get(key) is not None]
     return statistics.fmean(v) if v else None
 
 
@@ -718,6 +747,8 @@ def main(argv: list[str] | None = None) -> int:
         "mape_single": mape(single), "mape_multi": mape(multi),
         # Against raw wall times, other tenants' load included (see bench/_measure.py).
         "mape_single_raw": mape(single, "ape_raw"), "mape_multi_raw": mape(multi, "ape_raw"),
+        # The grid's own reproducibility (truth_noise): what a perfect model would score.
+        "truth_noise_single": mape(single, "truth_noise"), "truth_noise_multi": mape(multi, "truth_noise"),
         # Profiles and grid were measured with the same protocol and the same number
         # of rounds: the ratio is the same per round and over all rounds.
         "profiling_cost_ratio": grid_cost / prof_cost if prof_cost else None,
@@ -727,7 +758,8 @@ def main(argv: list[str] | None = None) -> int:
                            "mape_raw": mape([r for r in rows if r["category"] == c], "ape_raw"),
                            "n": sum(r["category"] == c for r in rows),
                            "max_ape": max((r["ape"] or 0) for r in rows if r["category"] == c),
-                           "mean_confidence": statistics.fmean(r["confidence"] for r in rows if r["category"] == c)}
+                           "mean_confidence": statistics.fmean(r["confidence"] for r in rows if r["category"] == c),
+                           "truth_noise": mape([r for r in rows if r["category"] == c], "truth_noise")}
                        for c in cats},
         "host_cpu_util": contention, "host_loadavg": load, "host_loadavg_start": load0, "host": host_info(),
         "rounds": rounds,
@@ -747,13 +779,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     for c in cats:
         out[c] = out["categories"][c]["mape"]
-    print(f"{'category':<20} {'n':>3} {'MAPE %':>7} {'max %':>7} {'raw %':>7} {'conf':>5}")
+    pct = lambda v: f"{'-':>7}" if v is None else f"{v:>7.2f}"  # noqa: E731
+    print(f"{'category':<20} {'n':>3} {'MAPE %':>7} {'max %':>7} {'raw %':>7} {'conf':>5} {'noise %':>7}")
     for c in cats:
         v = out["categories"][c]
         print(f"{c:<20} {v['n']:>3} {v['mape']:>7.2f} {v['max_ape']:>7.2f} {v['mape_raw']:>7.2f} "
-              f"{v['mean_confidence']:>5.2f}")
-    print(f"{'single-device':<20} {len(single):>3} {out['mape_single']:>7.2f} {'':>7} {out['mape_single_raw']:>7.2f}")
-    print(f"{'multi-rank':<20} {len(multi):>3} {out['mape_multi']:>7.2f} {'':>7} {out['mape_multi_raw']:>7.2f}")
+              f"{v['mean_confidence']:>5.2f} {pct(v['truth_noise'])}")
+    print(f"{'single-device':<20} {len(single):>3} {out['mape_single']:>7.2f} {'':>7} {out['mape_single_raw']:>7.2f} "
+          f"{'':>5} {pct(out['truth_noise_single'])}")
+    print(f"{'multi-rank':<20} {len(multi):>3} {out['mape_multi']:>7.2f} {'':>7} {out['mape_multi_raw']:>7.2f} "
+          f"{'':>5} {pct(out['truth_noise_multi'])}")
+    print("noise %: the grid's own reproducibility (bootstrap of each point's rounds) — what a perfect model "
+          "would score on this host")
     print(f"profiling cost per round: {prof_cost / rounds:.1f} device-s of profiles "
           f"({', '.join(f'{k} {v / rounds:.1f}' for k, v in prof['cost'].items())}) vs {grid_cost / rounds:.1f} "
           f"device-s to measure the grid: {out['profiling_cost_ratio']:.1f}x less ({rounds} rounds of both); "

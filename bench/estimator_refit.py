@@ -7,8 +7,9 @@ and re-fits the model from those profiles with the code checked out now, then co
 it with the same measured grid. It measures nothing: it answers "what would this model
 have estimated on those measurements", so that a change to the model is judged on many
 stored runs of one protocol rather than on one new run of a drifting host. Prints, per
-run, the single-device and multi-rank MAPE as stored and as re-fitted, and the mean
-per category over the runs.
+run, the single-device and multi-rank MAPE as stored and as re-fitted and the grid's own
+truth noise (``estimator_accuracy.truth_noise``: what a perfect model would score on
+that run's host), and the mean per category over the runs.
 """
 
 from __future__ import annotations
@@ -61,11 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     per_cat: dict[str, list[float]] = {}
     singles, multis = [], []
-    print(f"{'run':<40} {'single stored':>13} {'re-fit':>7} {'multi stored':>12} {'re-fit':>7}")
+    print(f"{'run':<40} {'single stored':>13} {'re-fit':>7} {'multi stored':>12} {'re-fit':>7} {'noise s/m':>11}")
     for path in args.runs:
         with open(path, encoding="utf-8") as f:
             run = json.load(f)
-        s, mu, cats = summary(rows(run, refit(run)))
+        rs = rows(run, refit(run))
+        s, mu, cats = summary(rs)
+        noise = [ea.mape([r for r in rs if r["category"].startswith("multi_") == multi], "truth_noise")
+                 for multi in (False, True)]
         singles.append(s)
         multis.append(mu)
         for c, v in cats.items():
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                 per_cat.setdefault(c, []).append(v)
         fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
         print(f"{path[-40:]:<40} {fmt(run.get('mape_single')):>13} {fmt(s):>7} {fmt(run.get('mape_multi')):>12} "
-              f"{fmt(mu):>7}")
+              f"{fmt(mu):>7} {fmt(noise[0]) + '/' + fmt(noise[1]):>11}")
     ok_s = [v for v in singles if v is not None]
     ok_m = [v for v in multis if v is not None]
     if ok_s and ok_m:

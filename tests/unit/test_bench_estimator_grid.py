@@ -109,3 +109,22 @@ def test_host_info_names_the_cpus_and_caches(tmp_path):
     # Nothing there at all: no model, no caches, still the CPU count.
     bare = ea.host_info(str(tmp_path / "none"), str(tmp_path / "none"))
     assert "cpu_model" not in bare and bare["caches"] == {} and bare["cpus"] >= 1
+
+
+def test_truth_noise_is_zero_for_a_steady_point_and_grows_with_its_scatter():
+    """bench truth_noise: the bootstrap of a point's rounds — 0 when every round agrees,
+    larger for a point whose rounds scatter more, the same for a scaled copy (relative),
+    per job of a pair, and None with one round (nothing to resample)."""
+    steady = [([2.0], [2.0])] * 5
+    assert ea.truth_noise(steady) == [0.0]
+    calm = [([x], [x]) for x in (1.0, 1.02, 1.04, 1.01, 1.03)]
+    wild = [([x], [x]) for x in (1.0, 1.4, 1.8, 1.1, 1.6)]
+    n_calm, n_wild = ea.truth_noise(calm)[0], ea.truth_noise(wild)[0]
+    assert 0.0 < n_calm < 4.0  # the rounds span 4 %: a resample's mean moves by less
+    assert n_wild > 5 * n_calm
+    scaled = [([10 * x], [10 * x]) for x in (1.0, 1.4, 1.8, 1.1, 1.6)]
+    assert ea.truth_noise(scaled)[0] == pytest.approx(n_wild)
+    pair = [([x, 3.0], [x, 3.0]) for x in (1.0, 1.4, 1.8, 1.1, 1.6)]
+    got = ea.truth_noise(pair)
+    assert len(got) == 2 and got[0] > 0.0
+    assert ea.truth_noise([([1.0], [1.0])]) is None
