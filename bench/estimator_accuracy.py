@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import random
 import statistics
@@ -463,25 +464,40 @@ def grid_values(job_rounds: list[tuple]) -> dict:
             "raw": [statistics.fmean(job_rounds[k][1][j] for k in keep) for j in range(jobs)], "rounds": sums}
 
 
-def truth_noise(job_rounds: list, boots: int = TRUTH_NOISE_BOOTS, seed: int = 0) -> list[float] | None:
-    """How reproducible a grid point's measured value is, per job (percent): the mean
-    over ``boots`` bootstrap resamples of its rounds (drawn with replacement) of
-    ``|grid_values(resample) - grid_values(rounds)| / grid_values(rounds)``. It is the
-    error a perfect model would score against this run's truth from the host's noise
-    alone (about what a re-measurement of the point would differ by), so that a run's
-    MAPE can be read against its host: the same protocol read 1.3-3.2 % on the quiet
-    hosts of 2026-12-05/06 and 3.6-6.2 % on the noisiest. None with one round.
-    Deterministic (``seed``)."""
+def _resampled(job_rounds: list, boots: int, seed: int) -> list[list[float]] | None:
+    """Per bootstrap resample of a point's rounds (drawn with replacement; ``boots`` of
+    them, deterministic for ``seed``): per job, ``grid_values(resample) /
+    grid_values(rounds) - 1``. None with fewer than 2 rounds (nothing to resample)."""
     if len(job_rounds) < 2:
         return None
     rng = random.Random(seed)
     full = grid_values(job_rounds)["measured"]
-    acc = [0.0] * len(full)
-    for _ in range(boots):
-        got = grid_values([job_rounds[rng.randrange(len(job_rounds))] for _ in job_rounds])["measured"]
-        for j, (b, f) in enumerate(zip(got, full)):
-            acc[j] += abs(b - f) / f * 100.0
-    return [a / boots for a in acc]
+    return [[b / f - 1.0 for b, f in zip(grid_values([job_rounds[rng.randrange(len(job_rounds))]
+                                                       for _ in job_rounds])["measured"], full)]
+            for _ in range(boots)]
+
+
+def truth_noise(job_rounds: list, boots: int = TRUTH_NOISE_BOOTS, seed: int = 0) -> list[float] | None:
+    """How reproducible a grid point's measured value is, per job (percent): the mean
+    over ``boots`` bootstrap resamples of its rounds of ``|grid_values(resample) -
+    grid_values(rounds)| / grid_values(rounds)``. It is the error a perfect model would
+    score against this run's truth from the host's noise alone (about what a
+    re-measurement of the point would differ by), so that a run's MAPE can be read
+    against its host: the grid's single-device rows read 1.3-3.2 % on the Intel hosts of
+    the 2026-12-05/06 runs s17a-s18x3 and 3.5-5.6 % on the AMD host of s19a-f
+    (``bench.estimator_refit``). None with one round."""
+    devs = _resampled(job_rounds, boots, seed)
+    if devs is None:
+        return None
+    return [100.0 * sum(abs(d[j]) for d in devs) / boots for j in range(len(devs[0]))]
+
+
+def measurement_spread(rounds: list[float], boots: int = TRUTH_NOISE_BOOTS, seed: int = 0) -> float:
+    """A profile point's ``ComputeSample.spread``: the relative sd of its value
+    (:func:`step_time` of ``rounds``) over bootstrap resamples of the rounds — how far
+    another measurement by this protocol would land. 0 with one round (not known)."""
+    devs = _resampled([([x], [x]) for x in rounds], boots, seed)
+    return math.sqrt(sum(d[0] ** 2 for d in devs) / boots) if devs else 0.0
 
 
 def colocation_with_retry(profile, wl: dict, cores: list[list[int]], pcost: dict, tries: int = 2,
@@ -605,7 +621,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
         frac = statistics.fmean(fracs) if fracs else 0.0
         samples.append(ComputeSample(module=pn, rows=pb, seq=ps, layers=layers, hidden=hidden, heads=heads,
                                      vocab=vocab, q=pq, seconds=sec, micro_batches=pm, seq_len=ps,
-                                     mb_seconds=sec * frac if frac else 0.0))
+                                     mb_seconds=sec * frac if frac else 0.0, spread=measurement_spread(ts)))
     # Comm rows: every round's, as the estimator fits every row profilerd reports. Not
     # the least disturbed rounds as for compute: a blocking op's cost can be bimodal
     # (profilerd.commbench), and the best of a few rounds kept only the fast mode —

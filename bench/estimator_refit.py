@@ -18,9 +18,15 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
 
 from bench import estimator_accuracy as ea
 from tessera.perfmodel import ComputeSample, PerfModel, fit_compute, fit_interference
+
+
+def key(s: ComputeSample) -> str:
+    """A profile point's key in a stored run's ``profile_rounds``."""
+    return "/".join(map(str, (s.module, s.rows, s.seq, s.q, s.micro_batches)))
 
 
 def refit(run: dict) -> PerfModel:
@@ -28,6 +34,10 @@ def refit(run: dict) -> PerfModel:
     reference and peft/multimodal profiles as the run stored them)."""
     stored = PerfModel.from_dict(run["model"])
     samples = [ComputeSample(**s) for s in run["profile_samples"]]
+    # Runs stored before the samples carried their spread: the same figure from their rounds.
+    rounds = run.get("profile_rounds") or {}
+    samples = [s if s.spread or not rounds.get(key(s)) else replace(s, spread=ea.measurement_spread(rounds[key(s)]))
+               for s in samples]
     return PerfModel(version=1, compute={ea.DEVICE: fit_compute(ea.DEVICE, samples)}, comm=stored.comm,
                      interference={ea.DEVICE: fit_interference(run["colocation_pairs"])},
                      interference_ref=stored.interference_ref, profiles=stored.profiles)

@@ -123,6 +123,10 @@ class ComputeSample:
     # Of ``seconds``, the micro-batches' forward + backward (the runtime's phases); 0 =
     # not measured. It pins the per-micro-batch terms apart from the per-step ones.
     mb_seconds: float = 0.0
+    # How reproducible ``seconds`` is as a measurement of its configuration: the relative
+    # standard deviation of another measurement of it by the same protocol (e.g. from the
+    # scatter of repeated runs); 0 = not known. It sets ``ComputeFit.noise``.
+    spread: float = 0.0
 
     def config(self) -> tuple:
         """The configuration this sample measured (repeats share it)."""
@@ -148,6 +152,10 @@ class ComputeFit:
     q_mem: float = INF
     rel_sigma: float = INF      # std of relative residuals (dof-corrected)
     n: int = 0
+    # The profiles' measurement noise on this device (relative sd; 0 = not known):
+    # ``measurement_noise`` of the samples. A noisy host makes a new measurement and the
+    # estimate each land further from the curve, which the uncertainty must say.
+    noise: float = 0.0
     status: str = "insufficient_data"
     reason: str = ""
     # Profiled ranges (log-space box) for the extrapolation term of the confidence.
@@ -162,6 +170,7 @@ class ComputeFit:
                 "q_sat": None if math.isinf(self.q_sat) else self.q_sat,
                 "q_mem": None if math.isinf(self.q_mem) else self.q_mem,
                 "rel_sigma": None if math.isinf(self.rel_sigma) else self.rel_sigma, "n": self.n,
+                "noise": self.noise,
                 "status": self.status, "reason": self.reason, "ranges": {k: list(v) for k, v in self.ranges.items()},
                 "modules": dict(self.modules), "features": self.features}
 
@@ -171,6 +180,7 @@ class ComputeFit:
                    q_sat=INF if d.get("q_sat") is None else float(d["q_sat"]),
                    q_mem=INF if d.get("q_mem") is None else float(d["q_mem"]),
                    rel_sigma=INF if d.get("rel_sigma") is None else float(d["rel_sigma"]), n=int(d["n"]),
+                   noise=float(d.get("noise") or 0.0),
                    status=d["status"], reason=d.get("reason", ""),
                    ranges={k: tuple(v) for k, v in d.get("ranges", {}).items()}, modules=dict(d.get("modules", {})),
                    features=int(d.get("features", 1)))
@@ -244,6 +254,36 @@ def _mb_seconds(s: ComputeSample) -> float:
     except (TypeError, ValueError, OverflowError):
         return 0.0
     return v if math.isfinite(v) else 0.0
+
+
+def _finite(v) -> float | None:
+    try:
+        x = float(v)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def measurement_noise(samples: list[ComputeSample]) -> float:
+    """The relative sd of one profile measurement on this device, from what the samples
+    show (0 when they show nothing): the root mean square of the samples' own
+    ``spread`` (> 0), and the pooled scatter of repeats — samples of one configuration
+    (``config``) measured more than once: sd of log(seconds) about each configuration's
+    mean, n - 1 per configuration. Where both are known, the larger. Pure."""
+    spreads = [x for x in (_finite(s.spread) for s in samples) if x is not None and x > 0]
+    own = math.sqrt(sum(x * x for x in spreads) / len(spreads)) if spreads else 0.0
+    groups: dict[tuple, list[float]] = {}
+    for s in samples:
+        t = _finite(s.seconds)
+        if t is not None and t > 0:
+            groups.setdefault(s.config(), []).append(math.log(t))
+    ss, dof = 0.0, 0
+    for v in groups.values():
+        if len(v) > 1:
+            mu = sum(v) / len(v)
+            ss += sum((x - mu) ** 2 for x in v)
+            dof += len(v) - 1
+    return max(own, math.sqrt(ss / dof) if dof else 0.0)
 
 
 # Keys of the extrapolation box: log-space distance from the profiled ranges.
@@ -340,6 +380,7 @@ def fit_compute(device_type: str, samples: list[ComputeSample], *, q_sat_grid: t
     # Robust scale (MAD) of the relative residuals, inflated for the fitted parameters.
     # (Degrees of freedom from distinct points: repeats do not pin more parameters.)
     out.rel_sigma = 1.4826 * float(np.median(np.abs(r))) * math.sqrt(distinct / dof)
+    out.noise = measurement_noise(samples)
     out.status = "ok"
     tok = [s.rows * s.seq for s in samples]
     vals = {"tokens": tok, "seq": [s.seq for s in samples], "layers": [s.layers for s in samples],

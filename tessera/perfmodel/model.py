@@ -46,8 +46,8 @@ from tessera.perfmodel import features as F
 from tessera.perfmodel.comm import CommFit
 from tessera.perfmodel import workload as W
 from tessera.perfmodel.compute import ComputeFit, extrapolation
-from tessera.perfmodel.priors import (COLOCATION, CONF_TOLERANCE, EXTRAP_PER_LOG, RUN_TO_RUN,  # noqa: F401 (re-exported)
-                                      UNSEEN_MODULE, confidence)
+from tessera.perfmodel.priors import (  # noqa: F401 (re-exported)
+    COLOCATION, CONF_TOLERANCE, EXTRAP_PER_LOG, NOISE_TO_ERROR, RUN_TO_RUN, UNSEEN_MODULE, confidence)
 
 FORMAT = "tessera.perfmodel/1"
 # Element-wise passes over the gradients of a data-parallel step's flat bucket
@@ -410,8 +410,11 @@ class PerfModel:
             csig = np.where(pp > 1, max(sig.get("all_reduce", 0.0), sig.get("send_recv", 0.0)),
                             sig.get("all_reduce", 0.0))
         # The fit's residual scatter, floored at the run-to-run noise of a measured
-        # configuration (a noiseless fit cannot predict a new run better than that).
-        var = max(fit.rel_sigma, RUN_TO_RUN) ** 2 + (EXTRAP_PER_LOG * d) ** 2 + unseen ** 2 \
+        # configuration (a noiseless fit cannot predict a new run better than that): the
+        # prior's, or what the profiles measured on this device when they show more (a
+        # noisy host: a new run and the estimate each carry it).
+        floor = max(RUN_TO_RUN, NOISE_TO_ERROR * fit.noise)
+        var = max(fit.rel_sigma, floor) ** 2 + (EXTRAP_PER_LOG * d) ** 2 + unseen ** 2 \
             + (csig * comm_part / np.maximum(total, 1e-12)) ** 2 + (COLOCATION * (n_co > 1)) ** 2
         rel = np.sqrt(var)
         out = []

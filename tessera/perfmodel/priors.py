@@ -10,6 +10,9 @@ EXTRAP_PER_LOG = 0.04   # per natural-log unit of extrapolation outside the prof
 UNSEEN_MODULE = 0.02    # a module never profiled itself (a curve fitted on others)
 COLOCATION = 0.04       # a colocation mode fitted from few pairs
 RUN_TO_RUN = 0.03       # another run of the same configuration differs by ~3% (placement, host)
+# A new measurement and the estimate (fitted from profiles measured the same way) each
+# carry the host's measurement noise (ComputeFit.noise): their difference ~sqrt(2) of it.
+NOISE_TO_ERROR = 2 ** 0.5
 CONF_TOLERANCE = 0.10   # confidence = P(|relative error| < 10%) under a normal error
 
 

@@ -408,3 +408,26 @@ def test_per_step_work_over_tensors_above_the_grain_divides_over_the_quota():
     assert fit.step_time(stf, np.array([1.0, 2.0, 4.0])) == pytest.approx(
         [1e-9 * stf["params"], 1e-9 * (stf["params"] - stf["par_params"] / 2),
          1e-9 * (stf["params"] - 3 * stf["par_params"] / 4)])
+
+
+def test_a_noisy_hosts_profiles_lower_the_confidence_and_the_snapshot_keeps_it(model):
+    """Profiles that scatter more than the run-to-run prior (ComputeFit.noise) widen
+    every estimate's uncertainty (a new run and the estimate each carry that noise);
+    quiet ones leave it at the prior. Snapshots carry the noise; older ones load as 0."""
+    from tessera.perfmodel.priors import NOISE_TO_ERROR, RUN_TO_RUN
+
+    quiet_fit = fit_compute("cpu", [replace(s, spread=0.01) for s in samples(noise=0.01)])
+    noisy_fit = fit_compute("cpu", [replace(s, spread=0.08) for s in samples(noise=0.01)])
+    assert NOISE_TO_ERROR * quiet_fit.noise < RUN_TO_RUN < NOISE_TO_ERROR * noisy_fit.noise
+    quiet = PerfModel(version=1, compute={"cpu": quiet_fit}, comm=model.comm, interference=model.interference)
+    noisy = PerfModel(version=1, compute={"cpu": noisy_fit}, comm=model.comm, interference=model.interference)
+    for c in (cand(), cand(dp=2, batch=32), cand(colocated=2, oversubscription=2.0)):
+        q, n = quiet.estimate(c), noisy.estimate(c)
+        assert n.seconds == pytest.approx(q.seconds)  # the curve is the same
+        assert n.rel_std > q.rel_std and n.confidence < q.confidence
+    assert model.estimate(cand()).rel_std == pytest.approx(quiet.estimate(cand()).rel_std)
+    assert noisy.estimate(cand()).rel_std >= NOISE_TO_ERROR * 0.08
+    snap = json.loads(json.dumps(noisy.to_dict()))
+    assert PerfModel.from_dict(snap).compute["cpu"].noise == pytest.approx(0.08)
+    del snap["compute"]["cpu"]["noise"]
+    assert PerfModel.from_dict(snap).compute["cpu"].noise == 0.0

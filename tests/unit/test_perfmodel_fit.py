@@ -271,3 +271,23 @@ def test_unusable_forward_backward_is_ignored():
         assert fit.status == "ok" and fit.p == base.p
         for k in COEFS:
             assert fit.coef[k] == pytest.approx(base.coef[k], rel=1e-9, abs=1e-15), (bad, k)
+
+
+def test_measurement_noise_comes_from_spreads_and_from_repeats():
+    """ComputeFit.noise: the RMS of the samples' own spread, or the pooled scatter of
+    repeated configurations (sd of log seconds, n - 1 each), the larger where both are
+    known; 0 when the samples show nothing."""
+    from tessera.perfmodel.compute import measurement_noise
+
+    base = samples()
+    assert measurement_noise(base) == 0.0
+    assert fit_compute("cpu", base).noise == 0.0
+    spread = [replace(s, spread=0.03 if i % 2 else 0.04) for i, s in enumerate(base)]
+    assert measurement_noise(spread) == pytest.approx(math.sqrt((0.03 ** 2 + 0.04 ** 2) / 2))
+    # Each configuration measured twice, 10 % apart: log(1.1) / sqrt(2) about their mean.
+    twice = base + [replace(s, seconds=s.seconds * 1.1) for s in base]
+    assert measurement_noise(twice) == pytest.approx(math.log(1.1) / math.sqrt(2), rel=1e-9)
+    assert measurement_noise(twice + spread) > measurement_noise(spread)  # the repeats' is larger
+    assert fit_compute("cpu", spread).noise == pytest.approx(measurement_noise(spread))
+    # Not numbers: ignored, not fatal.
+    assert measurement_noise([replace(base[0], spread=float("nan")), replace(base[1], spread="x")]) == 0.0
