@@ -247,21 +247,19 @@ def _usable(s: ComputeSample) -> bool:
     return all(math.isfinite(v) and v > 0 for v in vals)
 
 
-def _mb_seconds(s: ComputeSample) -> float:
-    """A sample's measured forward + backward seconds, 0 when absent or not a finite number."""
-    try:
-        v = float(s.mb_seconds)
-    except (TypeError, ValueError, OverflowError):
-        return 0.0
-    return v if math.isfinite(v) else 0.0
-
-
 def _finite(v) -> float | None:
+    """``v`` as a finite float, None when it is not one."""
     try:
         x = float(v)
     except (TypeError, ValueError, OverflowError):
         return None
     return x if math.isfinite(x) else None
+
+
+def _mb_seconds(s: ComputeSample) -> float:
+    """A sample's measured forward + backward seconds, 0 when absent or not a finite number."""
+    v = _finite(s.mb_seconds)
+    return 0.0 if v is None else v
 
 
 def measurement_noise(samples: list[ComputeSample]) -> float:
