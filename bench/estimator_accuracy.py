@@ -44,6 +44,7 @@ import sys
 import time
 
 from tessera.perfmodel import Candidate, ComputeSample, PerfModel, fit_comm, fit_compute, fit_interference
+from tessera.perfmodel.priors import CONF_TOLERANCE
 
 DEVICE = "cpu"
 LINK = "loopback-gloo"
@@ -686,6 +687,30 @@ def mape(rows: list[dict], key: str = "ape") -> float | None:
     return statistics.fmean(v) if v else None
 
 
+def calibration(rows: list[dict]) -> dict | None:
+    """How well the estimates' uncertainty matched their errors over ``rows`` with an
+    estimate: ``within_tolerance`` (the share whose error was within the confidence's
+    tolerance, ``CONF_TOLERANCE``: 10 %), ``mean_confidence`` (what the estimates
+    claimed for that: equal to it when calibrated) and ``rms_z`` (root mean square of
+    error / ``rel_std``: 1 when calibrated, above 1 over-confident). None without rows."""
+    ok = [r for r in rows if r.get("ape") is not None and r.get("rel_std")]
+    if not ok:
+        return None
+    return {"within_tolerance": sum(r["ape"] <= CONF_TOLERANCE * 100 for r in ok) / len(ok),
+            "mean_confidence": statistics.fmean(r["confidence"] for r in ok),
+            "rms_z": math.sqrt(statistics.fmean((r["ape"] / 100 / r["rel_std"]) ** 2 for r in ok))}
+
+
+def calibration_line(single: dict | None, multi: dict | None) -> str:
+    """One printed line of :func:`calibration` for single-device and multi-rank rows."""
+    def one(name: str, c: dict | None) -> str:
+        if c is None:
+            return f"{name} -"
+        return (f"{name} {c['within_tolerance'] * 100:.0f} % of rows within {CONF_TOLERANCE * 100:.0f} % at mean "
+                f"confidence {c['mean_confidence']:.2f} (RMS error / rel_std {c['rms_z']:.2f})")
+    return "calibration: " + one("single-device", single) + "; " + one("multi-rank", multi)
+
+
 def host_info(cpuinfo: str = "/proc/cpuinfo", cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> dict:
     """What the run ran on: CPU model, usable CPUs, and core 0's caches as sysfs names
     them (e.g. ``{"L1d": "48K", "L2": "2048K"}``); a part /proc or /sys does not say is
@@ -765,6 +790,8 @@ def main(argv: list[str] | None = None) -> int:
         "mape_single_raw": mape(single, "ape_raw"), "mape_multi_raw": mape(multi, "ape_raw"),
         # The grid's own reproducibility (truth_noise): what a perfect model would score.
         "truth_noise_single": mape(single, "truth_noise"), "truth_noise_multi": mape(multi, "truth_noise"),
+        # Did the estimates' confidence match their errors (calibration)?
+        "calibration_single": calibration(single), "calibration_multi": calibration(multi),
         # Profiles and grid were measured with the same protocol and the same number
         # of rounds: the ratio is the same per round and over all rounds.
         "profiling_cost_ratio": grid_cost / prof_cost if prof_cost else None,
@@ -807,6 +834,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'':>5} {pct(out['truth_noise_multi'])}")
     print("noise %: the grid's own reproducibility (bootstrap of each point's rounds) — what a perfect model "
           "would score on this host")
+    print(calibration_line(out["calibration_single"], out["calibration_multi"]))
     print(f"profiling cost per round: {prof_cost / rounds:.1f} device-s of profiles "
           f"({', '.join(f'{k} {v / rounds:.1f}' for k, v in prof['cost'].items())}) vs {grid_cost / rounds:.1f} "
           f"device-s to measure the grid: {out['profiling_cost_ratio']:.1f}x less ({rounds} rounds of both); "

@@ -9,7 +9,8 @@ have estimated on those measurements", so that a change to the model is judged o
 stored runs of one protocol rather than on one new run of a drifting host. Prints, per
 run, the single-device and multi-rank MAPE as stored and as re-fitted and the grid's own
 truth noise (``estimator_accuracy.truth_noise``: what a perfect model would score on
-that run's host), and the mean per category over the runs.
+that run's host) and how well the re-fitted estimates' confidence matched their errors
+(``estimator_accuracy.calibration``), and the mean per category over the runs.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs", nargs="+", metavar="RUN.json")
     args = ap.parse_args(argv)
     per_cat: dict[str, list[float]] = {}
-    singles, multis = [], []
+    singles, multis, cals = [], [], []
     print(f"{'run':<40} {'single stored':>13} {'re-fit':>7} {'multi stored':>12} {'re-fit':>7} {'noise s/m':>11}")
     for path in args.runs:
         with open(path, encoding="utf-8") as f:
@@ -80,19 +81,27 @@ def main(argv: list[str] | None = None) -> int:
         s, mu, cats = summary(rs)
         noise = [ea.mape([r for r in rs if r["category"].startswith("multi_") == multi], "truth_noise")
                  for multi in (False, True)]
+        cal = [ea.calibration([r for r in rs if r["category"].startswith("multi_") == multi])
+               for multi in (False, True)]
         singles.append(s)
         multis.append(mu)
+        cals.append(cal)
         for c, v in cats.items():
             if v is not None:
                 per_cat.setdefault(c, []).append(v)
         fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
         print(f"{path[-40:]:<40} {fmt(run.get('mape_single')):>13} {fmt(s):>7} {fmt(run.get('mape_multi')):>12} "
               f"{fmt(mu):>7} {fmt(noise[0]) + '/' + fmt(noise[1]):>11}")
+        print(f"{'':<40} {ea.calibration_line(*cal)}")
     ok_s = [v for v in singles if v is not None]
     ok_m = [v for v in multis if v is not None]
     if ok_s and ok_m:
         print(f"mean re-fit: single-device {statistics.fmean(ok_s):.2f} % ({sum(v <= 4 for v in ok_s)} of {len(ok_s)} "
               f"runs <= 4 %), multi-rank {statistics.fmean(ok_m):.2f} % ({sum(v <= 6 for v in ok_m)} <= 6 %)")
+    mean_cal = [{k: statistics.fmean(c[i][k] for c in cals if c[i]) for k in ("within_tolerance", "mean_confidence",
+                                                                                "rms_z")}
+                if any(c[i] for c in cals) else None for i in (0, 1)]
+    print("mean over runs, " + ea.calibration_line(*mean_cal))
     print("per category (mean over runs): " + ", ".join(f"{c} {statistics.fmean(v):.2f}" for c, v in per_cat.items()))
     return 0
 

@@ -128,3 +128,18 @@ def test_truth_noise_is_zero_for_a_steady_point_and_grows_with_its_scatter():
     got = ea.truth_noise(pair)
     assert len(got) == 2 and got[0] > 0.0
     assert ea.truth_noise([([1.0], [1.0])]) is None
+
+
+def test_calibration_compares_the_claimed_confidence_with_the_errors():
+    """bench calibration: the share of rows within the confidence's 10 % tolerance, the
+    mean claimed confidence and the RMS of error / rel_std; rows without an estimate
+    are left out, and no rows give None."""
+    rows = [{"ape": 5.0, "rel_std": 0.05, "confidence": 0.9}, {"ape": 20.0, "rel_std": 0.1, "confidence": 0.6},
+            {"ape": None, "rel_std": 0.1, "confidence": 0.0}]
+    c = ea.calibration(rows)
+    assert c["within_tolerance"] == pytest.approx(0.5)
+    assert c["mean_confidence"] == pytest.approx(0.75)
+    assert c["rms_z"] == pytest.approx(((1.0 ** 2 + 2.0 ** 2) / 2) ** 0.5)
+    assert ea.calibration([]) is None and ea.calibration(rows[2:]) is None
+    line = ea.calibration_line(c, None)
+    assert "single-device 50 % of rows within 10 %" in line and "multi-rank -" in line
