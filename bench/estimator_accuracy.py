@@ -430,6 +430,12 @@ def run_workload(workload: dict, cores: list[int], warmup: int, timeout_s: float
             "device_s": wall * len(cores)}
 
 
+def point_key(point: tuple) -> str:
+    """A profile point's key in the JSON's ``profile_rounds`` / ``profile_mb_frac_rounds``:
+    its (model, batch, seq, quota, micro_batches) joined by "/" (e.g. "A/4/32/1/1")."""
+    return "/".join(map(str, point))
+
+
 def kept_rounds(rounds: list[float]) -> list[int]:
     """Indices of the rounds a point keeps: the least disturbed half (rounded up), by
     their values. The host's disturbances (other tenants, other VMs sharing the
@@ -639,8 +645,8 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                 for pt, jr, u in zip(points, job_rounds, util)]
     prof = {"cost": pcost, "samples": len(samples), "comm_rows": comm_rows, "pairs": pairs,
             "profile_samples": [dict(x.__dict__) for x in samples],
-            "profile_rounds": {"/".join(map(str, k)): v for k, v in alone.items()},
-            "profile_mb_frac_rounds": {"/".join(map(str, k)): v for k, v in alone_fb.items()},
+            "profile_rounds": {point_key(k): v for k, v in alone.items()},
+            "profile_mb_frac_rounds": {point_key(k): v for k, v in alone_fb.items()},
             "workload_profiles": [p.to_dict() for p in wpoints], "workload_wall_s": wall_wl,
             "workload_profile_rounds": {name: wprof[name] for name in shapes}}
     return model, prof, measured, grid_cost

@@ -25,11 +25,6 @@ from bench import estimator_accuracy as ea
 from tessera.perfmodel import ComputeSample, PerfModel, fit_compute, fit_interference
 
 
-def key(s: ComputeSample) -> str:
-    """A profile point's key in a stored run's ``profile_rounds``."""
-    return "/".join(map(str, (s.module, s.rows, s.seq, s.q, s.micro_batches)))
-
-
 def refit(run: dict) -> PerfModel:
     """The model this code fits from a stored run's profiles (its comm fit, interference
     reference and peft/multimodal profiles as the run stored them)."""
@@ -37,8 +32,9 @@ def refit(run: dict) -> PerfModel:
     samples = [ComputeSample(**s) for s in run["profile_samples"]]
     # Runs stored before the samples carried their spread: the same figure from their rounds.
     rounds = run.get("profile_rounds") or {}
-    samples = [s if s.spread or not rounds.get(key(s)) else replace(s, spread=ea.measurement_spread(rounds[key(s)]))
-               for s in samples]
+    keys = [ea.point_key((s.module, s.rows, s.seq, s.q, s.micro_batches)) for s in samples]
+    samples = [s if s.spread or not rounds.get(k) else replace(s, spread=ea.measurement_spread(rounds[k]))
+               for s, k in zip(samples, keys)]
     return PerfModel(version=1, compute={ea.DEVICE: fit_compute(ea.DEVICE, samples)}, comm=stored.comm,
                      interference={ea.DEVICE: fit_interference(run["colocation_pairs"])},
                      interference_ref=stored.interference_ref, profiles=stored.profiles)

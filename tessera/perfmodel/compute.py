@@ -236,17 +236,6 @@ def _robust_fit(x: np.ndarray, y: np.ndarray, iters: int = 6) -> tuple[np.ndarra
     return c, r
 
 
-def _usable(s: ComputeSample) -> bool:
-    """A sample a fit can use: finite time and quota > 0 (a NaN, inf or 0 would make the
-    relative residuals, hence the least squares, undefined)."""
-    try:
-        vals = [float(v) for v in (s.seconds, s.q, s.rows, s.seq, s.layers, s.hidden, s.heads, s.vocab,
-                                   s.micro_batches)]
-    except (TypeError, ValueError, OverflowError):
-        return False
-    return all(math.isfinite(v) and v > 0 for v in vals)
-
-
 def _finite(v) -> float | None:
     """``v`` as a finite float, None when it is not one."""
     try:
@@ -254,6 +243,14 @@ def _finite(v) -> float | None:
     except (TypeError, ValueError, OverflowError):
         return None
     return x if math.isfinite(x) else None
+
+
+def _usable(s: ComputeSample) -> bool:
+    """A sample a fit can use: finite time and quota > 0 (a NaN, inf or 0 would make the
+    relative residuals, hence the least squares, undefined)."""
+    vals = [_finite(v) for v in (s.seconds, s.q, s.rows, s.seq, s.layers, s.hidden, s.heads, s.vocab,
+                                 s.micro_batches)]
+    return all(v is not None and v > 0 for v in vals)
 
 
 def _mb_seconds(s: ComputeSample) -> float:

@@ -20,39 +20,36 @@ SMALL = {"model": {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq_len
          "steps": 1, "plan": {"dp": 1, "tp": 1, "pp": 1, "micro_batches": 1}}
 
 
+def _profiles_until(cores: list[list[int]], accept, tries: int = 3) -> tuple[bool, list[dict]]:
+    """Up to ``tries`` colocation profiles of SMALL on ``cores``, until one satisfies
+    ``accept(together / alone)``: (whether one did, every profile run). On a noisy shared
+    host one burst inside the few alone (or together) steps can move a ratio out of its
+    band (each test below failed once so, 2026-12-06); a profile that does the wrong
+    thing reads so every time."""
+    seen = []
+    for _ in range(tries):
+        res = colocation_profile(SMALL, cores, warmup=2, measured=4)
+        assert res["alone_n"] >= 2 and res["together_n"] >= 2
+        seen.append(res)
+        if accept(res["together_s"] / res["alone_s"]):
+            return True, seen
+    return False, seen
+
+
 def test_shared_core_profile_measures_time_slicing_from_steps_of_one_process():
     core = sorted(os.sched_getaffinity(0))[0]
-    # Up to three profiles: on a noisy shared host one burst inside the few alone (or
-    # together) steps can move a ratio out of the band (it failed once so, 2026-12-06);
-    # a profile that does not time-slice reads ~1 every time.
-    seen = []
-    for _ in range(3):
-        res = colocation_profile(SMALL, [[core], [core]], warmup=2, measured=4)
-        assert res["alone_n"] >= 2 and res["together_n"] >= 2
-        # X's "steps" is replaced so that it outlasts its twin: alone steps on both sides.
-        assert res["alone_n"] > 4
-        assert res["device_s"] > 0
-        seen.append(res)
-        if 1.4 < res["together_s"] / res["alone_s"] < 3.5:
-            break
-    else:
-        pytest.fail(f"no profile of three read time slicing (together / alone in (1.4, 3.5)): {seen}")
+    ok, seen = _profiles_until([[core], [core]], lambda ratio: 1.4 < ratio < 3.5)
+    # X's "steps" is replaced so that it outlasts its twin: alone steps on both sides.
+    assert all(res["alone_n"] > 4 and res["device_s"] > 0 for res in seen), seen
+    assert ok, f"no profile of three read time slicing (together / alone in (1.4, 3.5)): {seen}"
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
 def test_split_cores_profile_runs_both_sides():
     c = sorted(os.sched_getaffinity(0))[:2]
-    # No time slicing: below the shared core's band (> 1.4). Up to three profiles, as
-    # above (one read > 2.1 on the noisy host of 2026-12-06); time slicing reads ~2 in each.
-    seen = []
-    for _ in range(3):
-        res = colocation_profile(SMALL, [[c[0]], [c[1]]], warmup=2, measured=4)
-        assert res["alone_n"] >= 2 and res["together_n"] >= 2
-        seen.append(res)
-        if res["together_s"] / res["alone_s"] < 1.4:
-            break
-    else:
-        pytest.fail(f"every profile of three read time slicing (together / alone >= 1.4): {seen}")
+    # No time slicing: below the shared core's band (> 1.4); time slicing reads ~2 in each.
+    ok, seen = _profiles_until([[c[0]], [c[1]]], lambda ratio: ratio < 1.4)
+    assert ok, f"every profile of three read time slicing (together / alone >= 1.4): {seen}"
 
 
 def test_the_twin_runs_the_given_number_of_together_steps():
