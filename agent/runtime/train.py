@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from agent.runtime import checkpoint as ckptmod
 from agent.runtime.data import make_source
+from agent.runtime.heap import keep_heap
 from agent.runtime.model import GPT, GPTConfig
 from agent.runtime.parallel import comm
 from agent.runtime.parallel import context as pctx
@@ -291,6 +292,7 @@ def _agree_on_start(start_step: int, ctx: pctx.ParallelContext, checkpoint_dir: 
 
 def train(job: GPTJob, reporter: Reporter) -> int:
     """The training loop proper (spec already validated)."""
+    keep_heap()
     if job.threads:
         torch.set_num_threads(job.threads)
     follower = ThreadFollower(job.threads)

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from agent.runtime.heap import keep_heap
 from agent.runtime.model import GPTConfig
 from agent.runtime.multimodal.data import SyntheticData
 from agent.runtime.multimodal.disagg import CostModel, DistEngine, init_from_spec, plan_items
@@ -164,6 +165,7 @@ def _run(spec: dict, reporter: Reporter) -> int:
     rank, world = int(d.get("rank", 0)), int(d.get("world_size", 1))
     if mm["mode"] == "colocated" and world != 1:
         raise SpecError("resources.devices", f"colocated mode runs on one device, got world_size {world}")
+    keep_heap()
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     follower = ThreadFollower(int(spec.get("threads") or 0))  # disaggregated ranks: intra-op threads

@@ -81,6 +81,7 @@ from typing import Any
 
 import torch
 
+from agent.runtime.heap import keep_heap
 from agent.runtime.model import GPT, GPTConfig
 from agent.runtime.peft.data import make_dataset
 from agent.runtime.peft.engine import MuxEngine, TaskState
@@ -533,6 +534,7 @@ def _run(spec: dict, reporter: Reporter) -> int:
         # Every rank would train every task and write the same files (nothing is sharded).
         raise SpecError("resources.devices",
                         f"a peft job runs on one device (its tasks share one backbone), got world_size {world}")
+    keep_heap()
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     runner = PeftRunner(cfg, sec, params, reporter, spec.get("checkpoint_dir"), spec.get("control_file"),
