@@ -35,6 +35,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import resource
 import signal
 import statistics
 import sys
@@ -79,8 +80,21 @@ def _sched() -> dict[str, list[float]]:
 
 
 def _stamp() -> list:
-    """[wall, process CPU, per-thread [run, wait], pid, cores the process may run on]."""
-    return [time.monotonic(), time.process_time(), _sched(), str(os.getpid()), len(os.sched_getaffinity(0))]
+    """[wall, process CPU, per-thread [run, wait], pid, cores the process may run on,
+    minor page faults of the process so far]."""
+    return [time.monotonic(), time.process_time(), _sched(), str(os.getpid()), len(os.sched_getaffinity(0)),
+            resource.getrusage(resource.RUSAGE_SELF).ru_minflt]
+
+
+def step_faults(stamps: list, warmup: int) -> float | None:
+    """Mean minor page faults per step after ``warmup`` of one process's :func:`_stamp`
+    list (one stamp per step boundary, pure); None when there is no measured step or the
+    stamps carry no fault counts. A training step that maps its activations afresh
+    faults ~1 page per 4 KiB of them, each ~2-3 us on a VM: agent.runtime.heap."""
+    got = [s[5] for s in stamps[warmup:] if len(s) > 5]
+    if len(got) != len(stamps[warmup:]) or len(got) < 2:
+        return None
+    return (got[-1] - got[0]) / (len(got) - 1)
 
 
 def foreign_wait(waits: dict[str, float], runs: dict[str, float], cores: int, dt: float, extra: float = 0.0) -> float:
@@ -305,10 +319,11 @@ def run_jobs(jobs: list[dict], warmup: int, timeout_s: float = 300.0) -> list[di
     """Run ``jobs`` concurrently; each is ``{"workload": {...}, "cores": [[rank0 cores], ...]}``
     (one core list per rank; ``workload.steps`` = warmup + measured).
 
-    Returns per job ``{"step_s", "wall_s", "cpu_util", "steps", "raw_steps", "device_s"}``:
-    ``step_s`` the median step time less other tenants' run-queue wait, ``wall_s`` the
-    raw median, ``device_s`` its share of the run's wall time times the cores the run
-    held (the union of every job's cores, split evenly over the jobs). With several
+    Returns per job ``{"step_s", "wall_s", "cpu_util", "steps", "raw_steps", "device_s",
+    "faults"}``: ``step_s`` the median step time less other tenants' run-queue wait,
+    ``wall_s`` the raw median, ``device_s`` its share of the run's wall time times the
+    cores the run held (the union of every job's cores, split evenly over the jobs),
+    ``faults`` rank 0's minor page faults per step after the warm-up (:func:`step_faults`). With several
     jobs only steps inside the window where all of them were measuring count; they
     start their step loops together after a short barrier, which is not counted as
     device time (a lone job has none). Several jobs run until the slowest has done its
@@ -376,7 +391,7 @@ def run_jobs(jobs: list[dict], warmup: int, timeout_s: float = 300.0) -> list[di
             st = _steps(stamps[j], -1e18, 1e18, warmup, partner)
         out.append({"step_s": statistics.median(st["corrected"]), "wall_s": statistics.median(st["raw"]),
                     "cpu_util": statistics.median(st["util"]), "steps": st["corrected"], "raw_steps": st["raw"],
-                    "device_s": wall * held / len(jobs)})
+                    "device_s": wall * held / len(jobs), "faults": step_faults(stamps[j][0], warmup)})
     return out
 
 
@@ -448,7 +463,7 @@ def profile_points(points: list[tuple[dict, list[int]]], warmup: int | list[int]
     point in turn, pinned to that point's cores with one thread per core (its quota;
     ``steps`` = warmup + measured; ``warmup``: one count for every point, or one per
     point — the process is warm after its first). Returns (per point ``{"step_s", "wall_s"}``
-    as in :func:`run_jobs`, and ``mb_frac``: the median forward + backward time of its
+    as in :func:`run_jobs` (``faults`` too), and ``mb_frac``: the median forward + backward time of its
     micro-batches (the runtime's phases) over the median raw step, None when a step did
     not report them; device-seconds of the job: each point's time, model build
     included, times its cores, plus start-up and gaps times the cores held then)."""
@@ -481,7 +496,8 @@ def profile_points(points: list[tuple[dict, list[int]]], warmup: int | list[int]
         whole = fb and len(fb) == len(st["raw"]) and all(v > 0 for v in fb)  # every measured step reported them
         frac = min(1.0, statistics.median(fb) / wall) if whole and wall > 0 else None
         out.append({"step_s": statistics.median(st["corrected"]), "wall_s": wall,
-                    "steps": st["corrected"], "raw_steps": st["raw"], "mb_frac": frac})
+                    "steps": st["corrected"], "raw_steps": st["raw"], "mb_frac": frac,
+                    "faults": step_faults(run, warm[k])})
         device_s += (run[-1][0] - starts[k]) * len(points[k][1])
     # Start-up and the gaps between points: the process holds the first point's cores
     # until it moves to the next point's (conservatively: the most the two held).

@@ -43,6 +43,7 @@ import statistics
 import sys
 import time
 
+from agent.runtime.heap import heap_mode
 from tessera.perfmodel import Candidate, ComputeSample, PerfModel, fit_comm, fit_compute, fit_interference
 from tessera.perfmodel.priors import CONF_TOLERANCE
 
@@ -404,7 +405,7 @@ def run_workload(workload: dict, cores: list[int], warmup: int, timeout_s: float
     import multiprocessing as mp
     import tempfile
 
-    from bench._measure import _join, _series, less_wait, step_waits
+    from bench._measure import _join, _series, less_wait, step_faults, step_waits
 
     ctx = mp.get_context("fork")
     spec = {"job_id": "bench-" + workload["type"], "workload": workload, "threads": len(cores),
@@ -427,7 +428,7 @@ def run_workload(workload: dict, cores: list[int], warmup: int, timeout_s: float
         util.append(float(cpu[k + 1] - cpu[k]) / max(float(t[k + 1] - t[k]), 1e-9))
     return {"step_s": statistics.median(corr[warmup:]), "wall_s": statistics.median(rec["step_s"][warmup:]),
             "cpu_util": statistics.median(util[warmup:]), "steps": corr, "raw_steps": rec["step_s"][warmup:],
-            "device_s": wall * len(cores)}
+            "device_s": wall * len(cores), "faults": step_faults(rec["stamps"], warmup)}
 
 
 def point_key(point: tuple) -> str:
@@ -562,10 +563,12 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
             resolve(wt)  # imported once here: no forked run counts the import as device time
     alone: dict[tuple, list[float]] = {}
     alone_fb: dict[tuple, list[float | None]] = {}  # per round: forward + backward share of the step
+    alone_faults: dict[tuple, list[float | None]] = {}  # per round: minor page faults per measured step
     pairs: list[dict] = []  # one colocation row per mode and round; fit_interference takes the median g
     comm_runs: list[list[dict]] = []
     grid_cost = 0.0
     job_rounds: list[list[tuple]] = [[] for _ in points]  # per round: (step times, raw times) of its jobs
+    faults: list[list[list]] = [[] for _ in points]  # per round: minor page faults per measured step of its jobs
     util: list[list[float]] = [[] for _ in points]
     colo = {"shared": [[0], [0]], "split": [[0], [1]]}
     n, b, s_ = COLO_PROFILE
@@ -583,6 +586,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                 for pt, x in zip(pts, meds):
                     alone.setdefault(pt, []).append(x["step_s"])
                     alone_fb.setdefault(pt, []).append(x.get("mb_frac"))
+                    alone_faults.setdefault(pt, []).append(x.get("faults"))
             elif task[0] == "colo":
                 # Alone and together in one process, seconds apart (bench._measure.
                 # colocation_profile): the ratio is the interference, not the drift of
@@ -615,6 +619,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                     res = run_jobs(jobs, WARMUP)
                 grid_cost += sum(x["device_s"] for x in res)
                 job_rounds[i].append(([x["step_s"] for x in res], [x["wall_s"] for x in res]))
+                faults[i].append([x.get("faults") for x in res])
                 util[i] += [x["cpu_util"] for x in res if x["cpu_util"] is not None]
             if task[0] == "wprof" or (task[0] == "grid" and points[task[1]]["jobs"][0].get("shape")):
                 wall_wl += time.monotonic() - t_task
@@ -641,15 +646,24 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                                                  "vocab": MODELS[n][3], "rows": b, "seq": s_}},
                       profiles={DEVICE: wpoints} if wpoints else {})
     measured = [{**pt, **grid_values(jr), "job_rounds": [list(x) for x in jr],
-                 "cpu_util": statistics.median(u) if u else None}
-                for pt, jr, u in zip(points, job_rounds, util)]
+                 "cpu_util": statistics.median(u) if u else None, "faults_rounds": fr,
+                 "faults_per_step": faults_median([f for jobs in fr for f in jobs])}
+                for pt, jr, u, fr in zip(points, job_rounds, util, faults)]
     prof = {"cost": pcost, "samples": len(samples), "comm_rows": comm_rows, "pairs": pairs,
             "profile_samples": [dict(x.__dict__) for x in samples],
             "profile_rounds": {point_key(k): v for k, v in alone.items()},
             "profile_mb_frac_rounds": {point_key(k): v for k, v in alone_fb.items()},
+            "profile_faults_rounds": {point_key(k): v for k, v in alone_faults.items()},
             "workload_profiles": [p.to_dict() for p in wpoints], "workload_wall_s": wall_wl,
             "workload_profile_rounds": {name: wprof[name] for name in shapes}}
     return model, prof, measured, grid_cost
+
+
+def faults_median(values: list) -> float | None:
+    """Median of the fault counts that were measured (None entries: a run whose stamps
+    carried none); None when there are none."""
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
 
 
 def evaluate(model: PerfModel, measured: list[dict]) -> dict:
@@ -808,9 +822,15 @@ def main(argv: list[str] | None = None) -> int:
                            "n": sum(r["category"] == c for r in rows),
                            "max_ape": max((r["ape"] or 0) for r in rows if r["category"] == c),
                            "mean_confidence": statistics.fmean(r["confidence"] for r in rows if r["category"] == c),
-                           "truth_noise": mape([r for r in rows if r["category"] == c], "truth_noise")}
+                           "truth_noise": mape([r for r in rows if r["category"] == c], "truth_noise"),
+                           "faults_per_step": faults_median([p["faults_per_step"] for p in measured
+                                                             if p["category"] == c])}
                        for c in cats},
         "host_cpu_util": contention, "host_loadavg": load, "host_loadavg_start": load0, "host": host_info(),
+        # The executors' heap policy (agent.runtime.heap) and what it left: minor page
+        # faults per measured step, median over the grid's points and over the profile points.
+        "heap": heap_mode(), "faults_per_step_grid": faults_median([p["faults_per_step"] for p in measured]),
+        "faults_per_step_profiles": faults_median([faults_median(v) for v in prof["profile_faults_rounds"].values()]),
         "rounds": rounds,
         "warmup_steps": WARMUP, "profile_warm_warmup_steps": WARM_WARMUP, "measured_steps": MEASURED,
         # Run-to-run spread of the grid: per point, (slowest - fastest round) / fastest.
@@ -819,11 +839,11 @@ def main(argv: list[str] | None = None) -> int:
         "estimate_batch_s": res["eval_s"], "grid_points": len(rows),
         "model": model.to_dict(), "rows": rows, "profile_samples": prof["profile_samples"],
         "colocation_pairs": prof["pairs"], "comm_rows": prof["comm_rows"], "profile_rounds": prof["profile_rounds"],
-        "profile_mb_frac_rounds": prof["profile_mb_frac_rounds"],
+        "profile_mb_frac_rounds": prof["profile_mb_frac_rounds"], "profile_faults_rounds": prof["profile_faults_rounds"],
         "workload_profiles": prof["workload_profiles"], "workload_profile_rounds": prof["workload_profile_rounds"],
         "workload_wall_s": prof["workload_wall_s"],
         "grid_rounds": [{"category": p["category"], "jobs": p["jobs"], "rounds": p["rounds"],
-                         "job_rounds": p["job_rounds"]} for p in measured],
+                         "job_rounds": p["job_rounds"], "faults_rounds": p["faults_rounds"]} for p in measured],
         "wall_s": time.monotonic() - t0,
     }
     for c in cats:
@@ -850,6 +870,11 @@ def main(argv: list[str] | None = None) -> int:
           f"load average {' '.join(load0)} (start) {' '.join(load)} (end); median spread of a grid point over "
           f"rounds {spread if spread is None else f'{spread * 100:.1f}%'}; "
           f"estimate_batch of {len(rows)}: {res['eval_s'] * 1e3:.1f} ms")
+    fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+    grid_f = [p["faults_per_step"] for p in measured if p["faults_per_step"] is not None]
+    print(f"page faults per measured step (heap {out['heap']}, agent.runtime.heap): grid median "
+          f"{fmt(out['faults_per_step_grid'])} (max {fmt(max(grid_f) if grid_f else None)}), profile points median "
+          f"{fmt(out['faults_per_step_profiles'])}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)
