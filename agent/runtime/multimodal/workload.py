@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import traceback
 from typing import Any
 
