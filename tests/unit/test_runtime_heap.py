@@ -81,11 +81,20 @@ def _child(code: str, mode: str, tag: str) -> str:
     return line[0][len(tag) + 1:]
 
 
-glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION"),
-                           reason="glibc malloc")
+def _glibc_version() -> tuple[int, ...]:
+    try:
+        name = os.confstr("CS_GNU_LIBC_VERSION") or ""  # "glibc 2.36"
+    except (ValueError, OSError):
+        return ()
+    parts = name.split()[-1].split(".") if name.startswith("glibc") else []
+    return tuple(int(x) for x in parts if x.isdigit())
 
 
-@glibc
+glibc = pytest.mark.skipif(not _glibc_version(), reason="glibc malloc")
+mallinfo2 = pytest.mark.skipif(_glibc_version() < (2, 33), reason="mallinfo2: glibc >= 2.33")
+
+
+@mallinfo2
 def test_kept_heap_serves_a_large_block_from_the_heap_and_keeps_it_after_free():
     kept = json.loads(_child(MALLOC_CHILD, "keep", "INFO"))
     assert kept["kept"] is True
