@@ -10,7 +10,8 @@ stored runs of one protocol rather than on one new run of a drifting host. Print
 run, the single-device and multi-rank MAPE as stored and as re-fitted and the grid's own
 truth noise (``estimator_accuracy.truth_noise``: what a perfect model would score on
 that run's host) and how well the re-fitted estimates' confidence matched their errors
-(``estimator_accuracy.calibration``), and the mean per category over the runs.
+(``estimator_accuracy.calibration``), the executors' heap policy and page faults it
+recorded (:func:`heap_line`), and the mean per category over the runs.
 """
 
 from __future__ import annotations
@@ -63,6 +64,15 @@ def summary(rs: list[dict]) -> tuple[float | None, float | None, dict[str, float
             {c: ea.mape([r for r in rs if r["category"] == c]) for c in cats})
 
 
+def heap_line(run: dict) -> str:
+    """How a stored run's executors held their heap (``agent.runtime.heap``; runs before
+    the benchmark recorded it: glibc's defaults) and the page faults per measured step it
+    recorded, if any."""
+    fmt = lambda v: "not recorded" if v is None else f"{v:.0f}"  # noqa: E731
+    return (f"heap {run.get('heap', 'release (not recorded)')}; page faults per measured step: grid "
+            f"{fmt(run.get('faults_per_step_grid'))}, profile points {fmt(run.get('faults_per_step_profiles'))}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", metavar="RUN.json")
@@ -89,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{path[-40:]:<40} {fmt(run.get('mape_single')):>13} {fmt(s):>7} {fmt(run.get('mape_multi')):>12} "
               f"{fmt(mu):>7} {fmt(noise[0]) + '/' + fmt(noise[1]):>11}")
         print(f"{'':<40} {ea.calibration_line(*cal)}")
+        print(f"{'':<40} {heap_line(run)}")
     ok_s = [v for v in singles if v is not None]
     ok_m = [v for v in multis if v is not None]
     if ok_s and ok_m:

@@ -41,3 +41,12 @@ def test_the_estimates_come_from_the_refitted_profiles():
     pairs = [(a["estimated_s"], b["estimated_s"]) for a, b in zip(base, doubled)
              if a["category"].startswith("single_")]
     assert pairs and all(b == pytest.approx(2 * a, rel=1e-6) for a, b in pairs)
+
+
+def test_the_heap_line_says_what_a_run_recorded():
+    from bench.estimator_refit import heap_line
+
+    assert heap_line({}) == ("heap release (not recorded); page faults per measured step: grid not recorded, "
+                             "profile points not recorded")
+    line = heap_line({"heap": "keep", "faults_per_step_grid": 28.4, "faults_per_step_profiles": 1.7})
+    assert line == "heap keep; page faults per measured step: grid 28, profile points 2"
