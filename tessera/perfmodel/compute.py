@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tessera.measurement import number
 from tessera.perfmodel import features as F
 
 COEFS = ("c_flops", "c_elems", "c_ops", "c_mb", "c_params", "c_tensors", "c_seq", "c_cold")
@@ -236,26 +237,17 @@ def _robust_fit(x: np.ndarray, y: np.ndarray, iters: int = 6) -> tuple[np.ndarra
     return c, r
 
 
-def _finite(v) -> float | None:
-    """``v`` as a finite float, None when it is not one."""
-    try:
-        x = float(v)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return x if math.isfinite(x) else None
-
-
 def _usable(s: ComputeSample) -> bool:
     """A sample a fit can use: finite time and quota > 0 (a NaN, inf or 0 would make the
     relative residuals, hence the least squares, undefined)."""
-    vals = [_finite(v) for v in (s.seconds, s.q, s.rows, s.seq, s.layers, s.hidden, s.heads, s.vocab,
+    vals = [number(v) for v in (s.seconds, s.q, s.rows, s.seq, s.layers, s.hidden, s.heads, s.vocab,
                                  s.micro_batches)]
     return all(v is not None and v > 0 for v in vals)
 
 
 def _mb_seconds(s: ComputeSample) -> float:
     """A sample's measured forward + backward seconds, 0 when absent or not a finite number."""
-    v = _finite(s.mb_seconds)
+    v = number(s.mb_seconds)
     return 0.0 if v is None else v
 
 
@@ -265,11 +257,11 @@ def measurement_noise(samples: list[ComputeSample]) -> float:
     ``spread`` (> 0), and the pooled scatter of repeats — samples of one configuration
     (``config``) measured more than once: sd of log(seconds) about each configuration's
     mean, n - 1 per configuration. Where both are known, the larger. Pure."""
-    spreads = [x for x in (_finite(s.spread) for s in samples) if x is not None and x > 0]
+    spreads = [x for x in (number(s.spread) for s in samples) if x is not None and x > 0]
     own = math.sqrt(sum(x * x for x in spreads) / len(spreads)) if spreads else 0.0
     groups: dict[tuple, list[float]] = {}
     for s in samples:
-        t = _finite(s.seconds)
+        t = number(s.seconds)
         if t is not None and t > 0:
             groups.setdefault(s.config(), []).append(math.log(t))
     ss, dof = 0.0, 0
