@@ -89,8 +89,7 @@ def summary(data: dict) -> dict:
     for kind in ("grid", "profile"):
         for k in data["release"][kind]:
             rel, kep = data["release"][kind][k], data["keep"][kind][k]
-            f = {m: statistics.median(x[0] for x in data[m][kind][k] if x[0] is not None)
-                 if any(x[0] is not None for x in data[m][kind][k]) else None for m in MODES}
+            f = {m: ea.faults_median([x[0] for x in data[m][kind][k]]) for m in MODES}
             rows.append({"kind": kind, "model": k[0], "batch": k[1], "seq": k[2], "micro_batches": k[3],
                          "faults_release": f["release"], "faults_keep": f["keep"],
                          "step_s_release": statistics.median(x[1] for x in rel),
@@ -99,8 +98,7 @@ def summary(data: dict) -> dict:
     kinds = {}
     for kind in ("grid", "profile"):
         sel = [r for r in rows if r["kind"] == kind]
-        kinds[kind] = {m: statistics.median(r[f"faults_{m}"] for r in sel if r[f"faults_{m}"] is not None)
-                       for m in MODES}
+        kinds[kind] = {m: ea.faults_median([r[f"faults_{m}"] for r in sel]) for m in MODES}
         kinds[kind]["keep_over_release"] = statistics.median(r["keep_over_release"] for r in sel)
     return {"rows": rows, "kinds": kinds}
 
