@@ -23,6 +23,7 @@ import torch.distributed as dist
 from agent.runtime import checkpoint as ckptmod
 from agent.runtime.data import make_source
 from agent.runtime.heap import keep_heap
+from agent.runtime.optim import adamw_impl, all_finite, is_fused, make_adamw
 from agent.runtime.model import GPT, GPTConfig
 from agent.runtime.parallel import comm
 from agent.runtime.parallel import context as pctx
@@ -165,8 +166,9 @@ def build_stage(job: GPTJob, ctx: pctx.ParallelContext) -> StageModule:
 
 def make_optimizer(stage: torch.nn.Module, job: GPTJob) -> torch.optim.Optimizer:
     # Element-wise AdamW: a shard's update equals the same slice of the full update,
-    # which is what lets optimizer state be resharded freely.
-    return torch.optim.AdamW(stage.parameters(), lr=job.learning_rate, weight_decay=job.weight_decay)
+    # which is what lets optimizer state be resharded freely (fused by default:
+    # agent.runtime.optim).
+    return make_adamw(stage.parameters(), lr=job.learning_rate, weight_decay=job.weight_decay)
 
 
 def _local_optim(stage: StageModule, opt: torch.optim.Optimizer) -> dict[str, dict]:
@@ -221,8 +223,9 @@ def load_state(stage: StageModule, opt: torch.optim.Optimizer, ckpt: dict) -> No
         if st is None:
             continue
         opt.state[p] = {
-            # AdamW keeps a float32 CPU step counter unless capturable/fused.
-            "step": torch.tensor(float(st["step"]), dtype=torch.float32),
+            # AdamW keeps a float32 CPU step counter unless capturable/fused (then on
+            # the parameters' device).
+            "step": torch.tensor(float(st["step"]), dtype=torch.float32, device=dev if is_fused(opt) else None),
             "exp_avg": shard(name, st["exp_avg"], stage.tp_rank, stage.tp).to(dev),
             "exp_avg_sq": shard(name, st["exp_avg_sq"], stage.tp_rank, stage.tp).to(dev),
         }
@@ -251,8 +254,8 @@ def _save(job, stage, opt, ctx, step, first_loss, last_loss, reporter) -> None:
 
 
 def _grads_finite(params) -> bool:
-    """Whether every gradient of ``params`` is finite (one fused check per tensor)."""
-    return all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+    """Whether every gradient of ``params`` is finite (exact; ``optim.all_finite``)."""
+    return all_finite(p.grad for p in params)
 
 
 def _reduce_step(loss_local: float, stop: bool, ctx: pctx.ParallelContext,
@@ -293,6 +296,7 @@ def _agree_on_start(start_step: int, ctx: pctx.ParallelContext, checkpoint_dir: 
 def train(job: GPTJob, reporter: Reporter) -> int:
     """The training loop proper (spec already validated)."""
     keep_heap()
+    adamw_impl()  # a bad TESSERA_ADAMW fails here, before any rank joins a group
     if job.threads:
         torch.set_num_threads(job.threads)
     follower = ThreadFollower(job.threads)

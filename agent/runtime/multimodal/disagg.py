@@ -37,6 +37,7 @@ from agent.runtime.multimodal.data import SampleMeta, SyntheticData
 from agent.runtime.multimodal.engine import StepStats, check_finite
 from agent.runtime.multimodal.models import MMModel, n_targets
 from agent.runtime.multimodal.reshard import Item, StepPlan
+from agent.runtime.optim import all_finite
 from tessera.gloo import calm_loop_threads
 
 
@@ -339,7 +340,7 @@ class DistEngine:
         finite" flag, the extras); every rank raises together on a shared parameter or a
         non-finite value, before any update; then each rank steps the modules it owns."""
         local = [p for p in self.params if p.grad is not None]
-        bad = 0.0 if all(bool(torch.isfinite(p.grad).all()) for p in local) else 1.0
+        bad = 0.0 if all_finite(p.grad for p in local) else 1.0
         buf = torch.cat([had, torch.tensor([bad], device=had.device), extras])
         buf = self._all_reduce(buf)
         n = had.numel()

@@ -31,6 +31,7 @@ import torch
 from agent.runtime.multimodal.data import Sample
 from agent.runtime.multimodal.models import MMModel, n_targets
 from agent.runtime.multimodal.reorder import balanced_bins, chunk_sizes
+from agent.runtime.optim import all_finite
 
 
 @dataclass
@@ -65,7 +66,7 @@ def check_finite(loss: float, params) -> None:
     workload): the model and its last checkpoint stay finite."""
     if not math.isfinite(loss):
         raise FloatingPointError(f"loss is {loss}")
-    if not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None):
+    if not all_finite(p.grad for p in params):
         raise FloatingPointError(f"gradients are not finite (loss {loss})")
 
 

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from agent.runtime.heap import keep_heap
+from agent.runtime.optim import make_adamw
 from agent.runtime.model import GPTConfig
 from agent.runtime.multimodal.data import SyntheticData
 from agent.runtime.multimodal.disagg import CostModel, DistEngine, init_from_spec, plan_items
@@ -171,7 +172,7 @@ def _run(spec: dict, reporter: Reporter) -> int:
     data = SyntheticData(mm, cfg.vocab, cfg.seq_len, p["batch_size"], p["seed"])
     torch.manual_seed(p["seed"])
     model = MMModel(cfg, mm)
-    opt = torch.optim.AdamW(model.parameters(), lr=p["learning_rate"])
+    opt = make_adamw(model.parameters(), lr=p["learning_rate"])
     ckpt_dir = spec.get("checkpoint_dir")
     ckpt = os.path.join(ckpt_dir, CKPT_NAME) if ckpt_dir else None
     start = 0

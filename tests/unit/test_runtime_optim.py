@@ -1,0 +1,92 @@
+"""The per-step work after backward: AdamW's implementation and the exact finiteness check."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from agent.runtime.optim import ENV, adamw_impl, all_finite, is_fused, make_adamw
+from tessera.errors import SpecError
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_adamw_impl_defaults_to_fused_and_names_the_variable_when_bad():
+    assert adamw_impl({}) == "fused" and adamw_impl({ENV: " "}) == "fused"
+    assert adamw_impl({ENV: "Loop"}) == "loop" and adamw_impl({ENV: "foreach"}) == "foreach"
+    with pytest.raises(SpecError) as e:
+        adamw_impl({ENV: "fast"})
+    assert e.value.field == ENV and "'fast'" in str(e.value)
+
+
+def test_make_adamw_builds_the_named_implementation():
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    fused = make_adamw(p, lr=0.1, env={})
+    assert is_fused(fused) and fused.defaults["weight_decay"] == 0.01
+    loop = make_adamw(p, lr=0.1, weight_decay=0.0, env={ENV: "loop"})
+    assert not is_fused(loop) and loop.defaults["foreach"] is False and loop.defaults["weight_decay"] == 0.0
+    assert make_adamw(p, lr=0.1, env={ENV: "foreach"}).defaults["foreach"] is True
+
+
+def _train(slices, impl, full, grads):
+    ps = [torch.nn.Parameter(full[s].clone()) for s in slices]
+    opt = make_adamw(ps, lr=1e-2, weight_decay=0.1, env={ENV: impl})
+    for g in grads:
+        for p, s in zip(ps, slices):
+            p.grad = g[s].clone()
+        opt.step()
+    return torch.cat([p.detach() for p in ps])
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach", "loop"])
+def test_a_shards_update_is_the_same_slice_of_the_full_update_bit_for_bit(impl):
+    """What lets optimizer state be resharded between plans: element-wise updates."""
+    torch.manual_seed(0)
+    full = torch.randn(97, 33)
+    grads = [torch.randn(97, 33) for _ in range(4)]
+    whole = _train([slice(0, 97)], impl, full, grads)
+    shards = _train([slice(0, 30), slice(30, 61), slice(61, 97)], impl, full, grads)
+    assert torch.equal(whole, shards)
+    assert not torch.equal(whole, full)  # it did train
+
+
+def test_the_implementations_agree_up_to_rounding():
+    torch.manual_seed(1)
+    full = torch.randn(64, 16)
+    grads = [torch.randn(64, 16) for _ in range(6)]
+    ref = _train([slice(0, 64)], "loop", full, grads)
+    for impl in ("fused", "foreach"):
+        assert torch.allclose(_train([slice(0, 64)], impl, full, grads), ref, rtol=0, atol=1e-6)
+
+
+def test_all_finite_is_exact():
+    ok = [torch.randn(50, 7), None, torch.randn(3).half(), torch.randn(2, dtype=torch.float64)]
+    assert all_finite(ok) and all_finite([]) and all_finite([None])
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        for i in (0, 2, 3):
+            ts = [t.clone() if t is not None else None for t in ok]
+            ts[i].view(-1)[-1] = bad
+            assert not all_finite(ts), (bad, i)
+    # +inf and -inf in one tensor sum to NaN: still caught.
+    assert not all_finite([torch.tensor([float("inf"), float("-inf"), 1.0])])
+    # Finite elements whose sum overflows: the exact check answers, not the sum.
+    huge = torch.full((4,), 3e38)
+    assert not torch.isfinite(huge.sum()) and all_finite([huge, torch.ones(2)])
+    assert not all_finite([huge, torch.tensor([float("nan")])])
+
+
+def test_a_bad_adamw_choice_fails_the_executor_naming_the_variable(tmp_path):
+    from agent.runtime.report import parse_line
+
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"job_id": "x", "workload": {"type": "gpt", "steps": 1}}))
+    out = subprocess.run([sys.executable, "-m", "agent.runtime", "--spec", str(spec)], capture_output=True,
+                         text=True, cwd=REPO, env=dict(os.environ, **{ENV: "sometimes"}), timeout=120)
+    events = [e for e in map(parse_line, out.stdout.splitlines()) if e]
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert events[-1]["event"] == "error" and events[-1]["field"] == ENV and "sometimes" in events[-1]["message"]
