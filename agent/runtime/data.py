@@ -57,8 +57,8 @@ class SyntheticSource:
         g = step_generator(self.seed, step)
         first = torch.randint(self.vocab, (batch_size,), generator=g)
         choice = torch.randint(self.branching, (batch_size, seq_len), generator=g).numpy()
-        # The chain walks position by position; numpy's indexing costs ~2 us a position
-        # where torch's cost ~10 (0.77 -> 0.18 ms for 16 x 64 tokens): the tokens of
+        # The chain walks position by position; numpy's indexing costs ~3 us a position
+        # where torch's cost ~13 (0.85 -> 0.21 ms for 16 x 64 tokens): the tokens of
         # walk_reference, exactly.
         succ = self._succ
         toks = np.empty((batch_size, seq_len + 1), dtype=np.int64)

@@ -16,12 +16,13 @@ Contract:
   non-finite sum (a bad gradient, or finite ones whose sum overflows) pays the
   element-by-element check.
 
-Why (measured 2026-12-06, 2-vCPU KVM guest, torch 2.13 CPU, one thread): PyTorch's
-default AdamW on CPU loops over the tensors in Python — 1.6 ms a step for a GPT of 2
-layers × 64 wide (30 tensors), 4.2 ms for 4 × 128 (54), against 0.33 / 1.0 ms fused;
-``isfinite(g).all()`` per tensor took 0.7 / 2.7 ms against ~0.1 / 0.25 ms for the
-sums. On the small models of a CPU node that was 15-25 % of a training step, all of it
-serial work that neither a second core nor pipeline stages divide.
+Why (measured 2026-12-06, 2-vCPU KVM guest, torch 2.13 CPU, one thread,
+``python -m bench.step_work``): PyTorch's default AdamW on CPU loops over the tensors in
+Python — 1.59 ms a step for a GPT of 2 layers × 64 wide (30 tensors), 4.34 ms for
+4 × 128 (54), against 0.35 / 1.05 ms fused; ``isfinite(g).all()`` per tensor took
+0.67 / 2.79 ms against 0.14 / 0.30 ms for the sums. With the data source's batch that
+was 13-23 % of a training step of those small models, all of it serial work that
+neither a second core nor pipeline stages divide.
 """
 
 from __future__ import annotations

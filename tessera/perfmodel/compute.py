@@ -23,7 +23,7 @@ The FLOP term runs in parallel on the quota, a fraction ``1 - p`` of it does not
 Element-wise work is bound by memory bandwidth, which grows with the quota only up
 to ``q_mem`` (roofline: 2 vCPUs of one VM share their memory bandwidth, so q_mem = 1
 there; a GPU's HBM is saturated by a fraction of its SMs); ``q_mem`` = inf is linear
-scaling. Dispatch overhead (``ops``, ``mb``) and AdamW's per-tensor loop are serial
+scaling. Dispatch overhead (``ops``, ``mb``) and AdamW's per-tensor overhead are serial
 Python/C++ work. All coefficients are >= 0. ``c_*`` are found by non-negative least
 squares on relative residuals (MAPE is what we are judged on); ``p``, ``q_sat`` and
 ``q_mem`` by a grid search around it (variable projection), every candidate's robust
