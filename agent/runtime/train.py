@@ -23,8 +23,8 @@ import torch.distributed as dist
 from agent.runtime import checkpoint as ckptmod
 from agent.runtime.data import make_source
 from agent.runtime.heap import keep_heap
-from agent.runtime.optim import adamw_impl, all_finite, is_fused, make_adamw
 from agent.runtime.model import GPT, GPTConfig
+from agent.runtime.optim import adamw_impl, all_finite, is_fused, make_adamw
 from agent.runtime.parallel import comm
 from agent.runtime.parallel import context as pctx
 from agent.runtime.parallel.pipeline import average_gradients, forward_backward, forward_backward_1f1b

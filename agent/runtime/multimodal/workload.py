@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from agent.runtime.heap import keep_heap
-from agent.runtime.optim import make_adamw
 from agent.runtime.model import GPTConfig
 from agent.runtime.multimodal.data import SyntheticData
 from agent.runtime.multimodal.disagg import CostModel, DistEngine, init_from_spec, plan_items
@@ -47,6 +46,7 @@ from agent.runtime.multimodal.engine import ColocatedEngine, StepStats
 from agent.runtime.multimodal.models import MMModel
 from agent.runtime.multimodal.reorder import batches, group_ranks
 from agent.runtime.multimodal.reshard import choose_layout, decoupled_plan
+from agent.runtime.optim import make_adamw
 from agent.runtime.report import Reporter
 from agent.runtime.threads import ThreadFollower
 from tessera.errors import SpecError
