@@ -17,10 +17,15 @@ Contract:
 Composition (one training step of the runtime's ``gpt`` workload, rank 0's view):
 
     t_s      = m-independent per-micro-batch stage time: compute(q) + 4*layers_s*AR_tp(act)
-               + sends_s * beta_p2p * act     (sends: forward to the next, grads to the previous;
-                                               in steady state the data waits for the receiver)
+               + sends_s * (alpha_p2p + beta_p2p * act)   (sends: forward to the next, grads
+               to the previous; a blocking transfer costs its stage the link's handshake even
+               when the neighbour is ready: 1F1B's exchanges on the bottleneck stage of a
+               pp = 2 plan took 0.42 ms each, median, on a 2-vCPU KVM guest whose ping-pong
+               latency alpha_p2p was 0.11 ms)
     T_pipe   = sum_s t_s + (m - 1) * max_s t_s         (fill/drain: the (pp-1)/(m+pp-1) bubble)
-               + 2 * (pp - 1) * alpha_p2p              (the first transfer's latency each way)
+               + 2 * (pp - 1) * alpha_p2p              (the first transfer each way wakes a rank
+               that idled for a whole stage: gloo's wake-up after 10-30 ms idle took
+               0.40-0.47 ms there, after none 0.13 ms)
     T_step   = T_pipe + max_s [AR_dp(4 * params_s) + dp>1 * bucket_s] + AR_world(16 B) + max_s step_work_s
                (bucket_s: flatten, average and copy back the gradients, 3 element-wise passes)
                + straggle(dp * tp, rank 0's compute) (waiting for the slowest replica; CommFit.straggle)
@@ -331,10 +336,12 @@ class PerfModel:
         p2p_lat = comm.time("send_recv", 2, 0.0) if has_p2p else 0.0
 
         def p2p(nbytes):
-            # Steady state: the transport buffers a stage's send and its neighbour's
-            # receive finds the data waiting: only the bytes cost per micro-batch. The
-            # per-transfer latency is paid on the fill / drain path (added to ``pipe`` below).
-            return comm.time("send_recv", 2, nbytes) - p2p_lat + resume if has_p2p else 0.0 * nbytes
+            # A stage's own cost of a blocking transfer: latency (the handshake) and bytes,
+            # and the refill after it. Until 2026-12-06 only the bytes were charged in the
+            # steady state ("the data waits for the receiver"); measured, a 1F1B exchange
+            # costs the bottleneck stage its handshake although the neighbour is ready
+            # (module doc), and every stored run's pipeline rows read low without it.
+            return comm.time("send_recv", 2, nbytes) + resume if has_p2p else 0.0 * nbytes
 
         base, extra = np.floor_divide(L, pp), np.mod(L, pp)
         single = pp == 1

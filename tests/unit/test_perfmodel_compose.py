@@ -57,21 +57,32 @@ def test_bubble_fraction_shrinks_with_micro_batches(model):
     assert e.breakdown["bubble"] / e.breakdown["pipeline"] == pytest.approx(1 / 5, rel=0.35)
 
 
-def test_pipeline_pays_the_transfer_latency_once_per_link_each_way():
-    """Steady state: a stage's send is buffered and its neighbour finds the data waiting,
-    so more micro-batches add only their bytes' time; the latency (alpha) is paid on
-    the fill and drain paths: 2 (pp - 1) alpha, whatever m."""
+def test_pipeline_pays_the_transfer_latency_per_send_and_once_more_each_way_on_fill_and_drain():
+    """Every blocking transfer costs its stage the link latency (alpha; the handshake,
+    even when the neighbour is ready), so each micro-batch on the bottleneck stage pays
+    one alpha per send of that stage; the first transfer each way, which wakes a rank
+    that idled for a whole stage, pays one alpha more: 2 (pp - 1) alpha."""
     def at(alpha):
         rows = comm_rows(alpha=0.0, beta=1 / 2e9)
         rows = [{**r, "seconds": r["seconds"] + (alpha if r["op"] == "send_recv" else 0.0)} for r in rows]
         return PerfModel(version=1, compute={"cpu": fit_compute("cpu", samples(noise=0.0))},
                          comm={LINK: fit_comm(LINK, rows)})
 
-    lo, hi = at(0.0), at(5e-3)
-    for pp, m in ((2, 1), (2, 4), (2, 8), (4, 8)):
-        a, b = lo.estimate(cand(pp=pp, micro_batches=m)), hi.estimate(cand(pp=pp, micro_batches=m))
+    alpha = 5e-3
+    lo, hi = at(0.0), at(alpha)
+    # pp = 2: each stage sends once per micro-batch (activations forward, gradients back):
+    # the m micro-batches' sum and bottleneck each gain alpha a send, fill / drain 2 alpha.
+    for m in (1, 4, 8):
+        a, b = lo.estimate(cand(pp=2, micro_batches=m)), hi.estimate(cand(pp=2, micro_batches=m))
         assert a.ok and b.ok
-        assert b.seconds - a.seconds == pytest.approx(2 * (pp - 1) * 5e-3, rel=0.02)
+        assert b.seconds - a.seconds == pytest.approx((2 + (m - 1) + 2) * alpha, rel=0.02)
+    # pp = 4: the two end stages send once a micro-batch, the middle ones twice; the
+    # bottleneck gains one or two alphas a micro-batch.
+    m, pp = 8, 4
+    a, b = lo.estimate(cand(pp=pp, micro_batches=m)), hi.estimate(cand(pp=pp, micro_batches=m))
+    extra = b.seconds - a.seconds
+    fixed = (1 + 2 + 2 + 1) * alpha + 2 * (pp - 1) * alpha
+    assert fixed + (m - 1) * alpha * 0.98 <= extra <= fixed + (m - 1) * 2 * alpha * 1.02
 
 
 def test_data_parallel_pays_the_gradient_buckets_element_wise_passes():
