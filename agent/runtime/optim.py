@@ -78,6 +78,8 @@ def all_finite(tensors: Iterable[torch.Tensor | None]) -> bool:
     if not ts:
         return True
     sums = torch.stack([t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32) for t in ts])
-    if bool(torch.isfinite(sums).all()):
+    finite = torch.isfinite(sums)
+    if bool(finite.all()):
         return True
-    return all(bool(torch.isfinite(t).all()) for t in ts)
+    # A finite sum already proved its tensor finite: only the others need the exact check.
+    return all(bool(torch.isfinite(t).all()) for t, ok in zip(ts, finite.tolist()) if not ok)
