@@ -227,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"whole steps, this tree vs {w['baseline']} ({args.rounds} rounds, alternating):")
         print(f"{'config':<18}{'baseline ms':>12}{'this ms':>10}{'this/baseline':>15}")
         for label, r in s["rows"].items():
-            print(f"{label:<18}{r['baseline_ms']:>12.2f}{r['this_ms']:>10.2f}{r['ratio']:>15.3f}")
-        print(f"median this/baseline over configurations: {s['median_ratio']:.3f}")
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+            print(f"{label:<18}{r['baseline_ms']:>12.2f}{r['this_ms']:>10.2f}{ratio:>15}")
+        med = "-" if s["median_ratio"] is None else f"{s['median_ratio']:.3f}"
+        print(f"median this/baseline over configurations: {med}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)
