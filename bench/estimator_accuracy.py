@@ -93,7 +93,16 @@ WARM_WARMUP = 2
 # s17b: rows 0.015, 0.09, -0.036, 0.388, -0.017 -> g 0.015, the ten shared rows -1 ...
 # -12 %). Split cores scatter less (sd 0.03-0.05) and hold two cores: MEASURED there.
 COLO_TOGETHER = {"shared": 2 * MEASURED, "split": MEASURED}
-ROUNDS = 5
+# Rounds of profiles and grid alike (the profiles' device time grows with the grid's:
+# the cost ratio stays). Five until 2026-12-06: on the noisy 2-vCPU AMD host the two
+# 9-round runs s19f and s22a, re-fitted from 5 / 7 / 9 of their own rounds (the
+# profiles, comm rows, colocation pairs and the grid's truth alike: ``python -m
+# bench.estimator_refit --rounds K``), read single-device 7.84 / 6.71 / 6.00 % and
+# multi-rank 12.24 / 11.13 / 10.92 %; the 26 quiet Intel runs s17a-s18x3 from 3 / 4 / 5
+# of their 5 rounds 4.56 / 4.40 / 4.10 %. Both the truth and the profiles are means of a
+# few disturbed draws; more rounds average more of them. A run takes ~1.8x as long
+# (510 s for s22a).
+ROUNDS = 9
 # Bootstrap resamples of a grid point's rounds for its truth noise (:func:`truth_noise`).
 TRUTH_NOISE_BOOTS = 200
 # A held-out colocated pair of unequal modules: each runs WARMUP + PAIR_MEASURED steps,
@@ -508,6 +517,18 @@ def measurement_spread(rounds: list[float], boots: int = TRUTH_NOISE_BOOTS, seed
     return math.sqrt(sum(d[0] ** 2 for d in devs) / boots) if devs else 0.0
 
 
+def point_stats(rounds: list[float], mb_fracs: list[float | None]) -> dict:
+    """A profile point's measured fields of its ``ComputeSample`` from its rounds (median
+    step of each round's run) and each round's forward + backward share of the step (None
+    where a round did not measure it): ``seconds`` (:func:`step_time`), ``mb_seconds``
+    (``seconds`` times the mean share over the kept rounds that measured it; 0 when none
+    did) and ``spread`` (:func:`measurement_spread`)."""
+    sec = step_time(rounds)
+    fracs = [mb_fracs[k] for k in kept_rounds(rounds) if mb_fracs[k]]
+    frac = statistics.fmean(fracs) if fracs else 0.0
+    return {"seconds": sec, "mb_seconds": sec * frac if frac else 0.0, "spread": measurement_spread(rounds)}
+
+
 def colocation_with_retry(profile, wl: dict, cores: list[list[int]], pcost: dict, tries: int = 2,
                           **kw) -> dict:
     """``profile(wl, cores, WARMUP, MEASURED, **kw)`` (bench._measure.colocation_profile), tried
@@ -626,14 +647,9 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
     samples = []
     for (pn, pb, ps, pq, pm), ts in alone.items():
         layers, hidden, heads, vocab, _ = MODELS[pn]
-        sec = step_time(ts)
-        # The kept rounds' forward + backward share (those that measured it).
-        fracs = [alone_fb[(pn, pb, ps, pq, pm)][k] for k in kept_rounds(ts)]
-        fracs = [f for f in fracs if f]
-        frac = statistics.fmean(fracs) if fracs else 0.0
         samples.append(ComputeSample(module=pn, rows=pb, seq=ps, layers=layers, hidden=hidden, heads=heads,
-                                     vocab=vocab, q=pq, seconds=sec, micro_batches=pm, seq_len=ps,
-                                     mb_seconds=sec * frac if frac else 0.0, spread=measurement_spread(ts)))
+                                     vocab=vocab, q=pq, micro_batches=pm, seq_len=ps,
+                                     **point_stats(ts, alone_fb[(pn, pb, ps, pq, pm)])))
     # Comm rows: every round's, as the estimator fits every row profilerd reports. Not
     # the least disturbed rounds as for compute: a blocking op's cost can be bimodal
     # (profilerd.commbench), and the best of a few rounds kept only the fast mode —

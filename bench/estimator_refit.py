@@ -12,18 +12,25 @@ truth noise (``estimator_accuracy.truth_noise``: what a perfect model would scor
 that run's host) and how well the re-fitted estimates' confidence matched their errors
 (``estimator_accuracy.calibration``), the executors' heap policy and page faults it
 recorded (:func:`heap_line`), and the mean per category over the runs.
+
+``--rounds K`` answers "what would fewer rounds have scored": each run as if it had
+measured only K of its rounds — its profiles, comm rows, colocation pairs, peft /
+multimodal profiles *and* its grid's truth from those rounds alone (:func:`subset`) —
+averaged over K-subsets of its rounds, beside the same from all of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import random
 import statistics
 import sys
 from dataclasses import replace
 
 from bench import estimator_accuracy as ea
-from tessera.perfmodel import ComputeSample, PerfModel, fit_compute, fit_interference
+from tessera.perfmodel import ComputeSample, PerfModel, fit_comm, fit_compute, fit_interference
 
 
 def refit(run: dict) -> PerfModel:
@@ -56,6 +63,59 @@ def rows(run: dict, model: PerfModel) -> list[dict]:
     return ea.evaluate(model, measured)["rows"]
 
 
+def _per_round(items: list, rounds: int, what: str) -> list[list]:
+    """``items`` (appended round by round, the same count each round) cut into rounds."""
+    if rounds < 1 or len(items) % rounds:
+        raise ValueError(f"{len(items)} stored {what} do not split into {rounds} rounds")
+    per = len(items) // rounds
+    return [items[i * per:(i + 1) * per] for i in range(rounds)]
+
+
+def subset(run: dict, keep: tuple[int, ...]) -> tuple[PerfModel, list[dict]]:
+    """(model, measured grid) of a stored run as if it had measured only its rounds
+    ``keep`` (indices): every profile point's fields from those rounds
+    (``estimator_accuracy.point_stats``), the comm rows, colocation pairs and peft /
+    multimodal profiles of those rounds, and each grid point's value from its rounds
+    ``keep`` (``estimator_accuracy.grid_values``). ``keep`` = every round gives the
+    re-fit of :func:`refit` and the stored grid. ValueError for a run that did not keep
+    its per-round data (before 2026-12-05) or an index out of range."""
+    n = int(run["rounds"])
+    if not keep or any(not 0 <= i < n for i in keep):
+        raise ValueError(f"rounds {list(keep)}: the run measured rounds 0..{n - 1}")
+    if not run.get("profile_rounds") or not all(g.get("job_rounds") for g in run["grid_rounds"]):
+        raise ValueError("the run kept no per-round profiles or grid rounds")
+    fb = run.get("profile_mb_frac_rounds") or {}
+    samples = []
+    for s in run["profile_samples"]:
+        k = ea.point_key((s["module"], s["rows"], s["seq"], s["q"], s["micro_batches"]))
+        rounds = run["profile_rounds"][k]
+        if len(rounds) != n:
+            raise ValueError(f"profile point {k}: {len(rounds)} rounds stored, the run measured {n}")
+        fracs = fb.get(k) or [None] * n
+        samples.append(ComputeSample(**{**s, **ea.point_stats([rounds[i] for i in keep], [fracs[i] for i in keep])}))
+    pairs = _per_round(run["colocation_pairs"], n, "colocation pairs")
+    comm = _per_round(run["comm_rows"], n, "comm rows")
+    stored = PerfModel.from_dict(run["model"])
+    wp = [p for name, rr in (run.get("workload_profile_rounds") or {}).items()
+          for p in ea.workload_points(name, [rr[i] for i in keep])]
+    model = PerfModel(version=1, compute={ea.DEVICE: fit_compute(ea.DEVICE, samples)},
+                      comm={ea.LINK: fit_comm(ea.LINK, [r for i in keep for r in comm[i]])},
+                      interference={ea.DEVICE: fit_interference([p for i in keep for p in pairs[i]])},
+                      interference_ref=stored.interference_ref, profiles={ea.DEVICE: wp} if wp else {})
+    measured = []
+    for g in run["grid_rounds"]:
+        jr = [g["job_rounds"][i] for i in keep]
+        measured.append({**g, **ea.grid_values(jr), "job_rounds": jr})
+    return model, measured
+
+
+def subsets(n: int, k: int, most: int, seed: int = 0) -> list[tuple[int, ...]]:
+    """Every k-subset of range(n) in order, or ``most`` of them drawn without repeats
+    (deterministic for ``seed``) when there are more."""
+    every = list(itertools.combinations(range(n), k))
+    return every if len(every) <= most else sorted(random.Random(seed).sample(every, most))
+
+
 def summary(rs: list[dict]) -> tuple[float | None, float | None, dict[str, float | None]]:
     """(single-device MAPE, multi-rank MAPE, per-category MAPE) over rows with an estimate."""
     cats = sorted({r["category"] for r in rs})
@@ -76,7 +136,16 @@ def heap_line(run: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", metavar="RUN.json")
+    ap.add_argument("--rounds", type=int, default=None, metavar="K",
+                    help="re-fit each run as if it had measured only K of its rounds (profiles and grid alike; "
+                         "the mean over K-subsets of its rounds) — what fewer rounds would have scored")
+    ap.add_argument("--subsets", type=int, default=40, metavar="N",
+                    help="with --rounds: at most N subsets per run (drawn at random, seed 0; default 40)")
     args = ap.parse_args(argv)
+    if args.rounds is not None:
+        if args.rounds < 1 or args.subsets < 1:
+            ap.error("--rounds and --subsets must be at least 1")
+        return main_rounds(args.runs, args.rounds, args.subsets)
     per_cat: dict[str, list[float]] = {}
     singles, multis, cals = [], [], []
     print(f"{'run':<40} {'single stored':>13} {'re-fit':>7} {'multi stored':>12} {'re-fit':>7} {'noise s/m':>11}")
@@ -110,6 +179,38 @@ def main(argv: list[str] | None = None) -> int:
                 if any(c[i] for c in cals) else None for i in (0, 1)]
     print("mean over runs, " + ea.calibration_line(*mean_cal))
     print("per category (mean over runs): " + ", ".join(f"{c} {statistics.fmean(v):.2f}" for c, v in per_cat.items()))
+    return 0
+
+
+def main_rounds(paths: list[str], k: int, most: int) -> int:
+    """``--rounds K``: per run, the mean single-device and multi-rank MAPE over (at most
+    ``most``) K-subsets of its rounds (:func:`subset`), beside the same over all its
+    rounds; then the means over the runs that measured at least K rounds."""
+    fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    print(f"{'run':<40} {'rounds':>6} {'subsets':>7} {'single K':>8} {'all':>6} {'multi K':>7} {'all':>6}")
+    got: list[tuple[float, float, float, float]] = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            run = json.load(f)
+        n = int(run["rounds"])
+        if k > n:
+            print(f"{path[-40:]:<40} {n:>6} skipped: fewer than {k} rounds")
+            continue
+        try:
+            full = summary(ea.evaluate(*subset(run, tuple(range(n))))["rows"])[:2]
+            picks = subsets(n, k, most)
+            per = [summary(ea.evaluate(*subset(run, keep))["rows"])[:2] for keep in picks]
+        except ValueError as e:
+            print(f"{path[-40:]:<40} {n:>6} skipped: {e}")
+            continue
+        sk = statistics.fmean(v[0] for v in per)
+        mk = statistics.fmean(v[1] for v in per)
+        got.append((sk, full[0], mk, full[1]))
+        print(f"{path[-40:]:<40} {n:>6} {len(picks):>7} {sk:>8.2f} {fmt(full[0]):>6} {mk:>7.2f} {fmt(full[1]):>6}")
+    if got:
+        m = [statistics.fmean(g[i] for g in got) for i in range(4)]
+        print(f"mean over {len(got)} runs: single-device {m[0]:.2f} % from {k} rounds ({m[1]:.2f} from all), "
+              f"multi-rank {m[2]:.2f} % ({m[3]:.2f})")
     return 0
 
 

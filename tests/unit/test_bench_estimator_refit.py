@@ -50,3 +50,58 @@ def test_the_heap_line_says_what_a_run_recorded():
                              "profile points not recorded")
     line = heap_line({"heap": "keep", "faults_per_step_grid": 28.4, "faults_per_step_profiles": 1.7})
     assert line == "heap keep; page faults per measured step: grid 28, profile points 2"
+
+
+# A run that kept every round's data (profiles, comm rows, pairs, peft / multimodal profiles, grid).
+ROUNDS_RUN = RUN.with_name("estimator_accuracy_s21c.json")
+
+
+def test_a_subset_of_every_round_is_the_refit():
+    run = json.loads(ROUNDS_RUN.read_text())
+    model, measured = er.subset(run, tuple(range(run["rounds"])))
+    got = er.summary(er.ea.evaluate(model, measured)["rows"])[:2]
+    want = er.summary(er.rows(run, er.refit(run)))[:2]
+    assert got == pytest.approx(want, rel=1e-9)
+
+
+def test_a_subset_measures_profiles_and_truth_from_its_rounds_only():
+    run = json.loads(ROUNDS_RUN.read_text())
+    keep = (0, 2, 4)
+    model, measured = er.subset(run, keep)
+    g = run["grid_rounds"][0]
+    want = er.ea.grid_values([g["job_rounds"][i] for i in keep])["measured"]
+    assert measured[0]["measured"] == want and len(measured[0]["job_rounds"]) == 3
+    assert want != er.ea.grid_values(g["job_rounds"])["measured"]
+    # The fit sees the subset's profile times: scaling those rounds' times scales every gpt estimate.
+    slow = dict(run, profile_rounds={k: [2 * v if i in keep else v for i, v in enumerate(r)]
+                                     for k, r in run["profile_rounds"].items()})
+    base = er.ea.evaluate(model, measured)["rows"]
+    doubled = er.ea.evaluate(*er.subset(slow, keep))["rows"]
+    pairs = [(a["estimated_s"], b["estimated_s"]) for a, b in zip(base, doubled) if a["category"].startswith("single_")]
+    assert pairs and all(b == pytest.approx(2 * a, rel=1e-6) for a, b in pairs)
+
+
+def test_a_subset_refuses_rounds_the_run_did_not_measure_or_keep():
+    run = json.loads(ROUNDS_RUN.read_text())
+    with pytest.raises(ValueError, match="rounds 0..4"):
+        er.subset(run, (0, 5))
+    with pytest.raises(ValueError, match="rounds 0..4"):
+        er.subset(run, ())
+    with pytest.raises(ValueError, match="per-round"):
+        er.subset(dict(run, profile_rounds={}), (0, 1))
+    with pytest.raises(ValueError, match="comm rows do not split into 5 rounds"):
+        er.subset(dict(run, comm_rows=run["comm_rows"][:-1]), (0, 1))
+
+
+def test_subsets_are_every_combination_or_a_fixed_draw():
+    assert er.subsets(5, 4, 10) == [(0, 1, 2, 3), (0, 1, 2, 4), (0, 1, 3, 4), (0, 2, 3, 4), (1, 2, 3, 4)]
+    drawn = er.subsets(9, 5, 7)
+    assert len(drawn) == len(set(drawn)) == 7 and drawn == er.subsets(9, 5, 7)
+    assert all(len(s) == 5 and list(s) == sorted(s) for s in drawn)
+
+
+def test_rounds_option_prints_each_run_and_the_mean(capsys):
+    assert er.main(["--rounds", "4", "--subsets", "2", str(ROUNDS_RUN), str(RUN)]) == 0
+    out = capsys.readouterr().out
+    assert "estimator_accuracy_s21c.json" in out and "skipped" in out  # s15a kept no per-round data
+    assert "mean over 1 runs: single-device" in out
