@@ -529,6 +529,33 @@ def point_stats(rounds: list[float], mb_fracs: list[float | None]) -> dict:
     return {"seconds": sec, "mb_seconds": sec * frac if frac else 0.0, "spread": measurement_spread(rounds)}
 
 
+def comm_kept(rows: list[dict]) -> list[dict]:
+    """The comm rows the model is fitted from (all rounds' rows in, the JSON keeps them
+    all): of each (op, world, bytes) of an op's table, the rows of the least disturbed
+    half of the rounds (:func:`kept_rounds`, as for every profile and grid point); the
+    sync and resume rows all (their fit is relative, over chunk lengths). Each row is
+    already the mean of ``COMM_REPS`` calls, so an op that is bimodal call by call
+    (``profilerd.commbench``) is priced by its mean within a round; what the rounds
+    differ by is the host: in run s22b two of nine rounds ran a 64 KiB all-reduce in
+    2.0 and 3.1 ms where the other seven took 0.38-0.69 ms, and the mean over all nine
+    set the all-reduce latency to 0.49 ms (every tp = 2 plan +19-55 %). Until
+    2026-12-06 every round's rows were fitted (the least disturbed *one* round, before
+    that, kept only the fast mode: every multi-rank estimate ~1-2 ms short). Re-fitted
+    over the stored runs (``bench.estimator_refit``): multi-rank 4.56 -> 4.49 % on the 26
+    Intel runs s17a-s18x3, 10.26 -> 9.85 % on the 20 AMD runs s19a-s22b (multi_tp2 12.06
+    -> 9.31; multi_pp2 9.92 -> 10.52, 5.18 -> 5.41)."""
+    by: dict[tuple, list[dict]] = {}
+    out = []
+    for r in rows:
+        if r["op"] in COMM_OPS:
+            by.setdefault((r["op"], r["world"], r["bytes"]), []).append(r)
+        else:
+            out.append(r)
+    for rs in by.values():
+        out += [rs[k] for k in sorted(kept_rounds([float(r["seconds"]) for r in rs]))]
+    return out
+
+
 def colocation_with_retry(profile, wl: dict, cores: list[list[int]], pcost: dict, tries: int = 2,
                           **kw) -> dict:
     """``profile(wl, cores, WARMUP, MEASURED, **kw)`` (bench._measure.colocation_profile), tried
@@ -650,14 +677,10 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
         samples.append(ComputeSample(module=pn, rows=pb, seq=ps, layers=layers, hidden=hidden, heads=heads,
                                      vocab=vocab, q=pq, micro_batches=pm, seq_len=ps,
                                      **point_stats(ts, alone_fb[(pn, pb, ps, pq, pm)])))
-    # Comm rows: every round's, as the estimator fits every row profilerd reports. Not
-    # the least disturbed rounds as for compute: a blocking op's cost can be bimodal
-    # (profilerd.commbench), and the best of a few rounds kept only the fast mode —
-    # which left every multi-rank estimate ~1-2 ms short per synchronisation.
     comm_rows = [row for run in comm_runs for row in run]
     wpoints = [pt for name in shapes for pt in workload_points(name, wprof[name])]
     model = PerfModel(version=1, compute={DEVICE: fit_compute(DEVICE, samples)},
-                      comm={LINK: fit_comm(LINK, comm_rows)}, interference={DEVICE: fit_interference(pairs)},
+                      comm={LINK: fit_comm(LINK, comm_kept(comm_rows))}, interference={DEVICE: fit_interference(pairs)},
                       interference_ref={DEVICE: {"layers": MODELS[n][0], "hidden": MODELS[n][1], "heads": MODELS[n][2],
                                                  "vocab": MODELS[n][3], "rows": b, "seq": s_}},
                       profiles={DEVICE: wpoints} if wpoints else {})

@@ -34,8 +34,10 @@ from tessera.perfmodel import ComputeSample, PerfModel, fit_comm, fit_compute, f
 
 
 def refit(run: dict) -> PerfModel:
-    """The model this code fits from a stored run's profiles (its comm fit, interference
-    reference and peft/multimodal profiles as the run stored them)."""
+    """The model this code fits from a stored run's profiles: compute, comm (from its comm
+    rows, ``estimator_accuracy.comm_kept``; the stored fit for a run without rows) and
+    interference; its interference reference and peft/multimodal profiles as the run
+    stored them."""
     stored = PerfModel.from_dict(run["model"])
     samples = [ComputeSample(**s) for s in run["profile_samples"]]
     # Runs stored before the samples carried their spread: the same figure from their rounds.
@@ -43,7 +45,8 @@ def refit(run: dict) -> PerfModel:
     keys = [ea.point_key((s.module, s.rows, s.seq, s.q, s.micro_batches)) for s in samples]
     samples = [s if s.spread or not rounds.get(k) else replace(s, spread=ea.measurement_spread(rounds[k]))
                for s, k in zip(samples, keys)]
-    return PerfModel(version=1, compute={ea.DEVICE: fit_compute(ea.DEVICE, samples)}, comm=stored.comm,
+    comm = {ea.LINK: fit_comm(ea.LINK, ea.comm_kept(run["comm_rows"]))} if run.get("comm_rows") else stored.comm
+    return PerfModel(version=1, compute={ea.DEVICE: fit_compute(ea.DEVICE, samples)}, comm=comm,
                      interference={ea.DEVICE: fit_interference(run["colocation_pairs"])},
                      interference_ref=stored.interference_ref, profiles=stored.profiles)
 
@@ -99,7 +102,7 @@ def subset(run: dict, keep: tuple[int, ...]) -> tuple[PerfModel, list[dict]]:
     wp = [p for name, rr in (run.get("workload_profile_rounds") or {}).items()
           for p in ea.workload_points(name, [rr[i] for i in keep])]
     model = PerfModel(version=1, compute={ea.DEVICE: fit_compute(ea.DEVICE, samples)},
-                      comm={ea.LINK: fit_comm(ea.LINK, [r for i in keep for r in comm[i]])},
+                      comm={ea.LINK: fit_comm(ea.LINK, ea.comm_kept([r for i in keep for r in comm[i]]))},
                       interference={ea.DEVICE: fit_interference([p for i in keep for p in pairs[i]])},
                       interference_ref=stored.interference_ref, profiles={ea.DEVICE: wp} if wp else {})
     measured = []

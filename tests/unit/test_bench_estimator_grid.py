@@ -143,3 +143,21 @@ def test_calibration_compares_the_claimed_confidence_with_the_errors():
     assert ea.calibration([]) is None and ea.calibration(rows[2:]) is None
     line = ea.calibration_line(c, None)
     assert "single-device 50 % of rows within 10 %" in line and "multi-rank -" in line
+
+
+def test_comm_kept_fits_the_least_disturbed_half_of_each_size_and_every_sync_row():
+    from tessera.perfmodel import fit_comm
+
+    rows, sync = [], [{"op": "sync", "bytes": 8, "world": 2, "seconds": 4e-4, "compute_s": c} for c in (1e-4, 1e-2)]
+    for nbytes in (64 << 10, 512 << 10, 4 << 20):
+        base = 2 * 2e-4 + nbytes / 1e9
+        # 9 rounds; two ran during a burst of other work on the host (5x slower).
+        rows += [{"op": "all_reduce", "bytes": nbytes, "world": 2, "seconds": base * (5.0 if r in (4, 5) else 1.0)}
+                 for r in range(9)]
+    kept = ea.comm_kept(rows + sync + [{"op": "resume", "bytes": 0, "world": 2, "seconds": 5e-5}])
+    ar = [r for r in kept if r["op"] == "all_reduce"]
+    assert len(ar) == 3 * 5 and all(r["seconds"] < 0.01 for r in ar if r["bytes"] == 64 << 10)
+    assert sum(r["op"] == "sync" for r in kept) == 2 and sum(r["op"] == "resume" for r in kept) == 1
+    fit = fit_comm("lo", kept)
+    assert fit.ops["all_reduce"]["alpha"] == pytest.approx(2e-4, rel=0.02)
+    assert fit_comm("lo", rows).ops["all_reduce"]["alpha"] > 3e-4  # every round's rows: the burst sets the latency
