@@ -227,9 +227,10 @@ def workload_points(name: str, runs: list[list[float]]) -> list:
     profiling runs (per-step times, one list per round), through the estimator's own
     path: each step is a measurement labelled as the agent labels it
     (``tessera.modelkey.profile_labels`` of the profiling job's runtime spec), keyed by
-    ``estimator.models.run_key`` and reduced by ``estimator.models.profiles`` (median
-    after its warm-up steps). Like the gpt profiles, its seconds are :func:`step_time`
-    of the rounds' medians (its spread and steps: the least disturbed round's)."""
+    ``estimator.models.run_key`` and reduced by ``estimator.models.profiles`` (for these
+    workloads the mean step after its warm-up steps). Like the gpt profiles, its seconds
+    are :func:`step_time` of the rounds' values (its spread and steps: the least
+    disturbed round's)."""
     from types import SimpleNamespace
 
     from estimator.models import profiles, run_key

@@ -35,9 +35,10 @@ from tessera.perfmodel import ComputeSample, PerfModel, fit_comm, fit_compute, f
 
 def refit(run: dict) -> PerfModel:
     """The model this code fits from a stored run's profiles: compute, comm (from its comm
-    rows, ``estimator_accuracy.comm_kept``; the stored fit for a run without rows) and
-    interference; its interference reference and peft/multimodal profiles as the run
-    stored them."""
+    rows, ``estimator_accuracy.comm_kept``), interference and the peft / multimodal
+    profile points (from their per-round steps, ``estimator_accuracy.workload_points``);
+    a run that did not keep the rows or steps, its stored comm fit and points. Its
+    interference reference as stored."""
     stored = PerfModel.from_dict(run["model"])
     samples = [ComputeSample(**s) for s in run["profile_samples"]]
     # Runs stored before the samples carried their spread: the same figure from their rounds.
@@ -46,9 +47,12 @@ def refit(run: dict) -> PerfModel:
     samples = [s if s.spread or not rounds.get(k) else replace(s, spread=ea.measurement_spread(rounds[k]))
                for s, k in zip(samples, keys)]
     comm = {ea.LINK: fit_comm(ea.LINK, ea.comm_kept(run["comm_rows"]))} if run.get("comm_rows") else stored.comm
+    wrounds = run.get("workload_profile_rounds") or {}
+    wp = [p for name, rr in wrounds.items() for p in ea.workload_points(name, rr)]
     return PerfModel(version=1, compute={ea.DEVICE: fit_compute(ea.DEVICE, samples)}, comm=comm,
                      interference={ea.DEVICE: fit_interference(run["colocation_pairs"])},
-                     interference_ref=stored.interference_ref, profiles=stored.profiles)
+                     interference_ref=stored.interference_ref,
+                     profiles={ea.DEVICE: wp} if wp else stored.profiles)
 
 
 def rows(run: dict, model: PerfModel) -> list[dict]:

@@ -72,6 +72,18 @@ def test_profile_is_median_after_warmup_and_needs_enough_steps():
     assert profiles(short) == []
 
 
+def test_a_peft_profile_is_the_mean_step_where_a_gpt_one_is_the_median():
+    """A temporal LoRA job alternates its tasks: 5 measured steps of tasks costing 10 and
+    30 ms are 3 of one and 2 of the other, and their median is one task's step."""
+    times = [1.0, 0.5] + [0.010, 0.030, 0.010, 0.030, 0.010]
+    gpt = {run_key(step()): {i + 1: t for i, t in enumerate(times)}}
+    peft = {run_key(step(job="p", workload_type="peft", module=PEFT)): {i + 1: t for i, t in enumerate(times)}}
+    (g,), (p,) = profiles(gpt), profiles(peft)
+    assert g.median_s == pytest.approx(0.010) and p.median_s == pytest.approx(0.018)
+    assert p.spread == pytest.approx((np.percentile(times[2:], 90) - np.percentile(times[2:], 10)) / 0.018)
+    assert build_model(peft, [], [], 1).profiles["cpu"][0].seconds == pytest.approx(0.018)
+
+
 def test_malformed_comm_rows_are_ignored():
     ok = profiler_pb2.Measurement(kind="comm", labels={"op": "all_reduce", "link": "lo"},
                                   values={"bytes": 4096, "world": 2, "seconds": 1e-4})
