@@ -94,14 +94,14 @@ WARM_WARMUP = 2
 # -12 %). Split cores scatter less (sd 0.03-0.05) and hold two cores: MEASURED there.
 COLO_TOGETHER = {"shared": 2 * MEASURED, "split": MEASURED}
 # Rounds of profiles and grid alike (the profiles' device time grows with the grid's:
-# the cost ratio stays). Five until 2026-12-06: on the noisy 2-vCPU AMD host the two
-# 9-round runs s19f and s22a, re-fitted from 5 / 7 / 9 of their own rounds (the
+# the cost ratio stays). Five until 2026-12-06: on the noisy 2-vCPU AMD host the five
+# 9-round runs s19f, s22a-d, re-fitted from 5 / 7 / 9 of their own rounds (the
 # profiles, comm rows, colocation pairs and the grid's truth alike: ``python -m
-# bench.estimator_refit --rounds K``), read single-device 7.84 / 6.71 / 6.00 % and
-# multi-rank 12.24 / 11.13 / 10.92 %; the 26 quiet Intel runs s17a-s18x3 from 3 / 4 / 5
+# bench.estimator_refit --rounds K``), read single-device 7.41 / 6.12 / 5.35 % and
+# multi-rank 10.34 / 9.24 / 8.76 %; the 26 quiet Intel runs s17a-s18x3 from 3 / 4 / 5
 # of their 5 rounds 4.56 / 4.40 / 4.10 %. Both the truth and the profiles are means of a
-# few disturbed draws; more rounds average more of them. A run takes ~1.8x as long
-# (510 s for s22a).
+# few disturbed draws; more rounds average more of them. A run takes ~1.7x as long
+# (442-510 s for s22a-d).
 ROUNDS = 9
 # Bootstrap resamples of a grid point's rounds for its truth noise (:func:`truth_noise`).
 TRUTH_NOISE_BOOTS = 200
