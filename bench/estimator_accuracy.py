@@ -557,6 +557,18 @@ def comm_kept(rows: list[dict]) -> list[dict]:
     return out
 
 
+def fit_model(samples: list[ComputeSample], comm_rows: list[dict], pairs: list[dict], wpoints: list,
+              interference_ref: dict) -> PerfModel:
+    """The model the benchmark fits from its profiles — :func:`measure`'s, and every re-fit
+    of a stored run (``bench.estimator_refit``): the compute curve from ``samples``, the
+    comm table from ``comm_rows`` (:func:`comm_kept`), interference from the colocation
+    ``pairs``, the peft / multimodal points ``wpoints`` as they are; ``interference_ref``
+    (device type -> the pair module's shape) as given."""
+    return PerfModel(version=1, compute={DEVICE: fit_compute(DEVICE, samples)},
+                     comm={LINK: fit_comm(LINK, comm_kept(comm_rows))}, interference={DEVICE: fit_interference(pairs)},
+                     interference_ref=interference_ref, profiles={DEVICE: wpoints} if wpoints else {})
+
+
 def colocation_with_retry(profile, wl: dict, cores: list[list[int]], pcost: dict, tries: int = 2,
                           **kw) -> dict:
     """``profile(wl, cores, WARMUP, MEASURED, **kw)`` (bench._measure.colocation_profile), tried
@@ -680,11 +692,9 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                                      **point_stats(ts, alone_fb[(pn, pb, ps, pq, pm)])))
     comm_rows = [row for run in comm_runs for row in run]
     wpoints = [pt for name in shapes for pt in workload_points(name, wprof[name])]
-    model = PerfModel(version=1, compute={DEVICE: fit_compute(DEVICE, samples)},
-                      comm={LINK: fit_comm(LINK, comm_kept(comm_rows))}, interference={DEVICE: fit_interference(pairs)},
-                      interference_ref={DEVICE: {"layers": MODELS[n][0], "hidden": MODELS[n][1], "heads": MODELS[n][2],
-                                                 "vocab": MODELS[n][3], "rows": b, "seq": s_}},
-                      profiles={DEVICE: wpoints} if wpoints else {})
+    model = fit_model(samples, comm_rows, pairs, wpoints,
+                      {DEVICE: {"layers": MODELS[n][0], "hidden": MODELS[n][1], "heads": MODELS[n][2],
+                                "vocab": MODELS[n][3], "rows": b, "seq": s_}})
     measured = [{**pt, **grid_values(jr), "job_rounds": [list(x) for x in jr],
                  "cpu_util": statistics.median(u) if u else None, "faults_rounds": fr,
                  "faults_per_step": faults_median([f for jobs in fr for f in jobs])}

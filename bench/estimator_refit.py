@@ -30,7 +30,7 @@ import sys
 from dataclasses import replace
 
 from bench import estimator_accuracy as ea
-from tessera.perfmodel import ComputeSample, PerfModel, fit_comm, fit_compute, fit_interference
+from tessera.perfmodel import ComputeSample, PerfModel
 
 
 def refit(run: dict) -> PerfModel:
@@ -46,13 +46,11 @@ def refit(run: dict) -> PerfModel:
     keys = [ea.point_key((s.module, s.rows, s.seq, s.q, s.micro_batches)) for s in samples]
     samples = [s if s.spread or not rounds.get(k) else replace(s, spread=ea.measurement_spread(rounds[k]))
                for s, k in zip(samples, keys)]
-    comm = {ea.LINK: fit_comm(ea.LINK, ea.comm_kept(run["comm_rows"]))} if run.get("comm_rows") else stored.comm
     wrounds = run.get("workload_profile_rounds") or {}
     wp = [p for name, rr in wrounds.items() for p in ea.workload_points(name, rr)]
-    return PerfModel(version=1, compute={ea.DEVICE: fit_compute(ea.DEVICE, samples)}, comm=comm,
-                     interference={ea.DEVICE: fit_interference(run["colocation_pairs"])},
-                     interference_ref=stored.interference_ref,
-                     profiles={ea.DEVICE: wp} if wp else stored.profiles)
+    model = ea.fit_model(samples, run.get("comm_rows") or [], run["colocation_pairs"], wp, stored.interference_ref)
+    return replace(model, comm=model.comm if run.get("comm_rows") else stored.comm,
+                   profiles=model.profiles if wp else stored.profiles)
 
 
 def rows(run: dict, model: PerfModel) -> list[dict]:
@@ -102,13 +100,10 @@ def subset(run: dict, keep: tuple[int, ...]) -> tuple[PerfModel, list[dict]]:
         samples.append(ComputeSample(**{**s, **ea.point_stats([rounds[i] for i in keep], [fracs[i] for i in keep])}))
     pairs = _per_round(run["colocation_pairs"], n, "colocation pairs")
     comm = _per_round(run["comm_rows"], n, "comm rows")
-    stored = PerfModel.from_dict(run["model"])
     wp = [p for name, rr in (run.get("workload_profile_rounds") or {}).items()
           for p in ea.workload_points(name, [rr[i] for i in keep])]
-    model = PerfModel(version=1, compute={ea.DEVICE: fit_compute(ea.DEVICE, samples)},
-                      comm={ea.LINK: fit_comm(ea.LINK, ea.comm_kept([r for i in keep for r in comm[i]]))},
-                      interference={ea.DEVICE: fit_interference([p for i in keep for p in pairs[i]])},
-                      interference_ref=stored.interference_ref, profiles={ea.DEVICE: wp} if wp else {})
+    model = ea.fit_model(samples, [r for i in keep for r in comm[i]], [p for i in keep for p in pairs[i]], wp,
+                         PerfModel.from_dict(run["model"]).interference_ref)
     measured = []
     for g in run["grid_rounds"]:
         jr = [g["job_rounds"][i] for i in keep]
