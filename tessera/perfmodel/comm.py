@@ -109,6 +109,18 @@ class CommFit:
         kappa = float(self.sync.get("kappa", 0.0))
         return kappa * np.asarray(compute_s, dtype=float) * expected_max(n) / _EMAX[1]
 
+    def handoff(self, nbytes):
+        """Seconds of one blocking pipeline transfer of ``nbytes`` between two ranks that
+        both computed up to it (a 1F1B exchange, a fill / drain send): the rendezvous
+        latency of the sync rows (``sync["a"]``: a tiny all-reduce right after a compute
+        chunk) plus the bytes at send_recv's rate. Without sync rows, send_recv's own
+        latency — which its table measured to a rank already waiting in ``recv``
+        (profilerd.commbench: ~0.1 ms where the rendezvous took ~0.35 ms). Arrays ok;
+        requires a send_recv fit."""
+        c = self.ops["send_recv"]
+        lat = float(self.sync["a"]) if "a" in self.sync else c["alpha"]
+        return lat + c["beta"] * np.asarray(nbytes, dtype=float)
+
     def has(self, op: str) -> bool:
         return op in self.ops
 

@@ -18,14 +18,19 @@ Composition (one training step of the runtime's ``gpt`` workload, rank 0's view)
 
     t_s      = m-independent per-micro-batch stage time: compute(q) + 4*layers_s*AR_tp(act)
                + sends_s * (alpha_p2p + beta_p2p * act)   (sends: forward to the next, grads
-               to the previous; a blocking transfer costs its stage the link's handshake even
-               when the neighbour is ready: 1F1B's exchanges on the bottleneck stage of a
-               pp = 2 plan took 0.42 ms each, median, on a 2-vCPU KVM guest whose ping-pong
-               latency alpha_p2p was 0.11 ms)
-    T_pipe   = sum_s t_s + (m - 1) * max_s t_s         (fill/drain: the (pp-1)/(m+pp-1) bubble)
-               + 2 * (pp - 1) * alpha_p2p              (the first transfer each way wakes a rank
-               that idled for a whole stage: gloo's wake-up after 10-30 ms idle took
-               0.40-0.47 ms there, after none 0.13 ms)
+               to the previous; t_s sets pp = 1 and the breakdown's bubble)
+    T_pipe   = m * t_0 for pp = 1; for pp > 1 the runtime's schedule (1F1B or GPipe)
+               replayed op by op (tessera.perfmodel.pipeline) on each stage's forward
+               (FWD_SHARE of its compute) and backward, each transfer a rendezvous of two
+               computing ranks (CommFit.handoff: the sync rows' latency + bytes, + resume),
+               a rank that waited in one woken (+ alpha_p2p); the last stage to finish
+               sets it. (Until 2026-12-06 sum_s t_s + (m - 1) * max_s t_s
+               + 2 (pp - 1) alpha_p2p, which counts one forward too many where the first
+               stage is the bottleneck — 1F1B runs its next forward while the next stage
+               computes — and priced each transfer at the ping-pong latency of a rank
+               already waiting: re-fitted over the stored runs, multi_pp2 MAPE 5.41 ->
+               4.42 % (26 Intel runs), 9.12 -> 7.69 % (7 AMD runs s22a-g), 10.78 -> 10.02 %
+               (18 AMD runs s19-s21).)
     T_step   = T_pipe + max_s [AR_dp(4 * params_s) + dp>1 * bucket_s] + AR_world(16 B) + max_s step_work_s
                (bucket_s: flatten, average and copy back the gradients, 3 element-wise passes)
                + straggle(dp * tp, rank 0's compute) (waiting for the slowest replica; CommFit.straggle)
@@ -49,6 +54,7 @@ import numpy as np
 
 from tessera.perfmodel import features as F
 from tessera.perfmodel.comm import CommFit
+from tessera.perfmodel import pipeline as PL
 from tessera.perfmodel import workload as W
 from tessera.perfmodel.compute import ComputeFit, extrapolation
 from tessera.perfmodel.priors import (  # noqa: F401 (re-exported)
@@ -58,6 +64,11 @@ FORMAT = "tessera.perfmodel/1"
 # Element-wise passes over the gradients of a data-parallel step's flat bucket
 # (agent.runtime.parallel.pipeline.average_gradients: cat, /= dp, copy back).
 DP_BUCKET_PASSES = 3.0
+# A micro-batch's forward share of its forward + backward compute (the pipeline replay
+# needs them apart): a third by FLOPs (the backward computes two products per forward
+# one); the runtime's phase timers read 0.36-0.37 on the pp = 2 stages of A and C
+# (2-vCPU KVM guest, torch 2.13 CPU, 2026-12-06).
+FWD_SHARE = 1.0 / 3.0
 
 @dataclass(frozen=True)
 class Candidate:
@@ -312,6 +323,34 @@ class PerfModel:
             return 1.0
         return share(F.mb_features(rows, T, layers, h, a, V, 1, head, tp), q) / r
 
+    @staticmethod
+    def _replay(cs: list[Candidate], pp, m, extra, fwd: dict, bwd: dict, xfer, wake):
+        """The pipeline part of each pp > 1 candidate's step: its schedule replayed
+        (:mod:`tessera.perfmodel.pipeline`) on its stages' forward / backward times, in
+        groups of one (pp, m, schedule); the last stage to finish sets it (every rank
+        meets at the step's loss all-reduce). Stage s holds the first kind's layers for
+        s = 0, the last's for s = pp - 1, one more than ``base`` for s < extra."""
+        out = np.zeros(len(cs))
+        xfer = np.broadcast_to(np.asarray(xfer, dtype=float), (len(cs),))
+        groups: dict[tuple, list[int]] = {}
+        for i, c in enumerate(cs):
+            if c.pp > 1:
+                groups.setdefault((c.pp, c.micro_batches, c.schedule), []).append(i)
+        for (p, mm, sched), idx in groups.items():
+            ix = np.array(idx)
+
+            def stage(d, s):
+                if s == 0:
+                    return d["first"][ix]
+                if s == p - 1:
+                    return d["last"][ix]
+                return np.where(s < extra[ix], d["mid_big"][ix], d["mid_small"][ix])
+
+            ends = PL.replay(PL.schedule_ops(p, mm, sched), [stage(fwd, s) for s in range(p)],
+                             [stage(bwd, s) for s in range(p)], [xfer[ix]] * (p - 1), wake)
+            out[ix] = np.max(np.stack(ends), axis=0)
+        return out
+
     def _evaluate(self, dev: str, link: str, cs: list[Candidate]) -> list[Estimate]:
         fit: ComputeFit = self.compute[dev]
         comm: CommFit | None = self.comm.get(link) if link else None
@@ -355,7 +394,7 @@ class PerfModel:
         }
         # The profiled module's own correction of the compute terms (1 if never profiled).
         mod = np.array([fit.modules.get(c.module, 1.0) for c in cs])
-        t_mb, t_step, params, mem, c_mb, c_step = {}, {}, {}, {}, {}, {}
+        t_mb, t_step, params, mem, c_mb, c_step, fwd, bwd = {}, {}, {}, {}, {}, {}, {}, {}
         for k, (ls, e, hd, count) in kinds.items():
             mbf = F.mb_features(rows, T, ls, h, a, V, e, hd, tp)
             stf = F.step_features(T, ls, h, V, sl, e, hd, tp, mb_elems=mbf["elems"], micro_batches=m)
@@ -363,7 +402,13 @@ class PerfModel:
             # Gradient accumulation (m > 1) happens in the micro-batches' backward: its
             # share per micro-batch, so that the pipeline's fill and bottleneck carry it.
             comp = mod * (fit.mb_time(mbf, q) + fit.accumulation_time(stf["params"], m, q) / m)
-            t = comp + 4.0 * ls * ar(tp, act) + sends * p2p(act)
+            tp_ar = 4.0 * ls * ar(tp, act)
+            t = comp + tp_ar + sends * p2p(act)
+            # For the pipeline replay: forward and backward apart (a forward is FWD_SHARE of
+            # the micro-batch's compute; the accumulation is the backward's; half the tp
+            # all-reduces each way), transfers priced by the replay.
+            fwd[k] = np.where(count > 0, FWD_SHARE * mod * fit.mb_time(mbf, q) + 0.5 * tp_ar, 0.0)
+            bwd[k] = np.where(count > 0, comp + tp_ar - fwd[k], 0.0)
             c_mb[k] = np.where(count > 0, comp, 0.0)
             t_mb[k] = np.where(count > 0, t, 0.0)
             params[k] = np.where(count > 0, stf["params"], 0.0)
@@ -378,9 +423,13 @@ class PerfModel:
         counts = {k: v[3] * np.ones_like(L) for k, v in kinds.items()}
         t_sum = sum(counts[k] * t_mb[k] for k in kinds)
         t_max = np.max(np.stack([t_mb[k] for k in kinds]), axis=0)
-        # The first micro-batch's activations cross pp - 1 links forward and its gradients
-        # pp - 1 links back before the pipeline is full / empty: one latency each.
-        pipe = t_sum + (m - 1) * t_max + 2.0 * (pp - 1) * p2p_lat
+        pipe = t_sum + (m - 1) * t_max  # pp = 1: m micro-batches back to back
+        if np.any(pp > 1):
+            # Each transfer is a rendezvous of two computing ranks (CommFit.handoff), and
+            # the blocking op's refill after it; a rank that waited in it is woken (one
+            # ping-pong latency, as for the fill and drain before).
+            hand = comm.handoff(act) + resume if has_p2p else 0.0 * act
+            pipe = np.where(pp > 1, self._replay(cs, pp, m, extra, fwd, bwd, hand, p2p_lat), pipe)
         per_step = np.max(np.stack([t_step[k] for k in kinds]), axis=0)
         world = dp * tp * pp
         loss_ar = ar(world, 16.0)
@@ -435,7 +484,7 @@ class PerfModel:
             out.append(Estimate(
                 status="ok", seconds=float(total[i]), memory_bytes=float(max(mem[k][i] for k in kinds)),
                 rel_std=r, confidence=conf,
-                breakdown={"pipeline": float(pipe[i]), "bubble": float((pp[i] > 1) * (t_sum[i] - t_max[i])),
+                breakdown={"pipeline": float(pipe[i]), "bubble": float((pp[i] > 1) * max(0.0, pipe[i] - m[i] * t_max[i])),
                            "per_step": float(per_step[i]), "loss_allreduce": float(np.asarray(loss_ar)[i] if np.ndim(loss_ar) else loss_ar),
                            "straggle": float(np.asarray(straggle)[i] if np.ndim(straggle) else straggle),
                            "extrapolation": float(np.asarray(d)[i] if np.ndim(d) else d)}))
