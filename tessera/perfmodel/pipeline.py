@@ -14,8 +14,10 @@ stage interleaves them (``B_i`` then ``F_{i+2}`` between two exchanges): when it
 bottleneck, its forward of the next micro-batch runs while the next stage computes, and
 the closed form counts one forward too many. Traced on a 2-vCPU KVM guest (2026-12-06,
 C 16x64, m = 4, pp = 2; first stage ~1.6x the last): rank 0 ran F0 (3.8 ms), F1 (3.3),
-then waited 2.9 ms for rank 1's F0 + B0 (6.0) — not 6.0 — and its step took 45.2 ms; its
-ops' times replayed give 43.0 + 1.2 (loss all-reduce, optimizer), the closed form 47.3 + 1.2.
+then waited 2.9 ms for rank 1's F0 + B0 (6.0) — not 6.0 — and its step took 45.2 ms;
+replayed with the trace's per-micro-batch times (rank 0 F 3.5 / B 6.3 ms, rank 1 F + B
+5.9, transfers 0.25) the pipeline takes 43.0 ms + 1.2 (loss all-reduce, optimizer), the
+closed form 47.3 + 1.2.
 
 Transfers are blocking and matched: a transfer completes on both sides when both have
 posted it (a ``send`` with its ``recv``; an ``exchange`` posts a send and a receive at
