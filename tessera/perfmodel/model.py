@@ -376,7 +376,9 @@ class PerfModel:
 
         def p2p(nbytes):
             # A stage's own cost of a blocking transfer: latency (the handshake) and bytes,
-            # and the refill after it. Until 2026-12-06 only the bytes were charged in the
+            # and the refill after it — in t_s, which for pp > 1 now only sets the
+            # breakdown's bubble (the pipeline itself is replayed, transfers at
+            # CommFit.handoff). Until 2026-12-06 only the bytes were charged in the
             # steady state ("the data waits for the receiver"); measured, a 1F1B exchange
             # costs the bottleneck stage its handshake although the neighbour is ready
             # (module doc); without it the stored runs' pp = 2 rows read low on average
@@ -401,13 +403,14 @@ class PerfModel:
             sends = (pp > 1) * ((k != "last") * 1.0 + (k != "first") * 1.0)
             # Gradient accumulation (m > 1) happens in the micro-batches' backward: its
             # share per micro-batch, so that the pipeline's fill and bottleneck carry it.
-            comp = mod * (fit.mb_time(mbf, q) + fit.accumulation_time(stf["params"], m, q) / m)
+            mb = mod * fit.mb_time(mbf, q)
+            comp = mb + mod * fit.accumulation_time(stf["params"], m, q) / m
             tp_ar = 4.0 * ls * ar(tp, act)
             t = comp + tp_ar + sends * p2p(act)
             # For the pipeline replay: forward and backward apart (a forward is FWD_SHARE of
             # the micro-batch's compute; the accumulation is the backward's; half the tp
             # all-reduces each way), transfers priced by the replay.
-            fwd[k] = np.where(count > 0, FWD_SHARE * mod * fit.mb_time(mbf, q) + 0.5 * tp_ar, 0.0)
+            fwd[k] = np.where(count > 0, FWD_SHARE * mb + 0.5 * tp_ar, 0.0)
             bwd[k] = np.where(count > 0, comp + tp_ar - fwd[k], 0.0)
             c_mb[k] = np.where(count > 0, comp, 0.0)
             t_mb[k] = np.where(count > 0, t, 0.0)
