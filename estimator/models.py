@@ -9,7 +9,8 @@ Inputs, as the store indexes them (``run_key``, ``comm_row``, ``colocation_row``
   only, the others answer estimates of their own step shape
   (``tessera.perfmodel.workload``);
 - ``kind="comm"`` rows (labels ``op``, ``link``; values ``bytes``, ``world``, ``seconds``;
-  ``compute_s`` too for ``op="sync"`` rows, the straggler term),
+  ``compute_s`` too for ``op="sync"`` rows, the straggler term; ``idle_s`` for the
+  ``op="refill"`` row, the pipeline's refill after idling),
   e.g. from the gloo micro-benchmark of ``bench/_measure.py``;
 - ``kind="colocation"`` pairs (labels ``mode``, ``device_kind``; values ``colocated``,
   ``oversubscription``, ``alone_s``, ``together_s``).
@@ -122,6 +123,11 @@ def comm_row(m) -> dict | None:
         return None
     if cs > 0:  # a synchronisation row (profilerd.commbench sync=True)
         row["compute_s"] = cs
+    idle = _num(v.get("idle_s", 0))
+    if idle is None:
+        return None
+    if idle > 0:  # a refill row (profilerd.commbench sync=True)
+        row["idle_s"] = idle
     return row
 
 

@@ -27,8 +27,14 @@ the compute since the last synchronisation (``perfmodel.comm`` fits ``seconds = 
 kappa * compute_s``), which a 0.5 ms chunk cannot show. The resume row is what a
 blocking op costs the compute after it: the mean time of a ``CHUNK_UNITS`` chunk right
 after an 8-byte all-reduce minus that of the same chunk right after another chunk
-(``perfmodel.comm``: ``CommFit.resume``, added to every blocking op of a step). Off by
-default (profilerd streams op/bytes/world/seconds only).
+(``perfmodel.comm``: ``CommFit.resume``, added to every blocking op of a step). The
+refill row ``{"op": "refill", "bytes": 0, "world": 2, "seconds", "idle_s"}`` is what
+idling costs the compute after it: rank 0 waits in ``recv`` while rank 1 computes
+``REFILL_IDLE_UNITS`` units (``idle_s``, the mean wait: a pipeline stage's wait for its
+neighbour), then runs a ``REFILL_WEIGHTS``-weight chunk (~2 MiB working set, a pipeline
+stage's) twice; the mean of the first minus the mean of the second
+(``perfmodel.comm``: ``CommFit.refill_time``, which the pipeline replay charges to the
+side that waited). Off by default (profilerd passes ``--sync``).
 
 Run as ``python -m profilerd.commbench [--sizes ...] [--reps N]`` it prints the rows as
 one JSON document: profilerd (``--comm-benchmark``) runs it that way, in a fresh
@@ -77,6 +83,54 @@ SYNC_CHUNKS = (1, 48)  # units per compute chunk of the sync rows (~0.1 ms, ~4 m
 # after a chunk, 0.69-0.72 after an all-reduce, 0.70-0.73 after ~3.5 ms waiting in recv;
 # a 2-unit chunk +0.08 ms, a 24-unit one +0.10-0.13: a fixed refill, not a slower rate.
 RESUME_REPS_FACTOR = 2
+# The refill row: rank 1's compute while rank 0 idles in recv (48 units: ~4-10 ms here,
+# the wait of a pipeline stage for a neighbour's micro-batch), and the chunk rank 0 times
+# after it: a (64, 256) activation through 8 distinct 256x256 weights (2 MiB of weights:
+# a pipeline stage's working set is 1-3 MiB of parameters here; the cost of coming back
+# grows with it: +0.11-0.25 ms for 0.2 MiB, +0.29-0.67 for 2 MiB, +0.44-0.89 for 4 MiB
+# after 6-25 ms idle, 2026-12-06).
+REFILL_IDLE_UNITS = 48
+REFILL_WEIGHTS = 8
+
+
+def _refill(dist, rank: int, act, norm, work, reps: int) -> dict:
+    """The refill row (module doc): on rank 0, the mean of a working-set chunk right after
+    waiting in ``recv`` minus the mean of the same chunk right after it, and the mean wait."""
+    import torch
+
+    x = torch.zeros(2)
+    weights = [torch.randn(256, 256) / 16.0 for _ in range(REFILL_WEIGHTS)]
+
+    def chunk() -> None:
+        with torch.no_grad():
+            h = act
+            for w in weights:
+                h = torch.nn.functional.gelu(norm(h @ w))
+
+    chunk()
+    idle, after_wait, after_chunk = [], [], []
+    for _ in range(reps):
+        if rank == 1:
+            work(REFILL_IDLE_UNITS)
+            dist.send(x, dst=0)
+            dist.recv(x, src=0)
+            continue
+        t = time.perf_counter()
+        dist.recv(x, src=1)
+        t0 = time.perf_counter()
+        chunk()
+        t1 = time.perf_counter()
+        chunk()
+        t2 = time.perf_counter()
+        dist.send(x, dst=1)
+        idle.append(t0 - t)
+        after_wait.append(t1 - t0)
+        after_chunk.append(t2 - t1)
+    if rank == 1:
+        return {}
+    return {"op": "refill", "bytes": 0, "world": 2,
+            "seconds": max(1e-6, statistics.fmean(after_wait) - statistics.fmean(after_chunk)),
+            "idle_s": statistics.fmean(idle)}
 
 
 def _one_way(dist, rank: int, x, reps: int, work) -> float:
@@ -182,6 +236,9 @@ def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str, sync
                 after_chunk.append(t2 - t1)
             rows.append({"op": "resume", "bytes": 0, "world": 2,
                          "seconds": max(1e-6, statistics.fmean(after_op) - statistics.fmean(after_chunk))})
+            refill = _refill(dist, rank, act, norm, work, reps)
+            if refill:  # rank 0's; rank 1 only computed and echoed
+                rows.append(refill)
         if rank == 0:
             with open(out_path, "w", encoding="utf-8") as f:
                 json.dump(rows, f)

@@ -116,7 +116,7 @@ class Profilerd:
     async def comm_benchmark(self) -> int:
         """Run ``profilerd.commbench`` in a fresh process and buffer its rows as
         ``kind="comm"`` measurements (labels op, link; values bytes, world, seconds, and
-        compute_s on the synchronisation rows that ``--sync`` adds).
+        compute_s on the synchronisation rows that ``--sync`` adds, idle_s on its refill row).
         Returns the rows reported; a failure is logged, never raised."""
         proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "profilerd.commbench", "--sync",
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -134,6 +134,8 @@ class Profilerd:
             values = {"bytes": float(r["bytes"]), "world": float(r["world"]), "seconds": float(r["seconds"])}
             if "compute_s" in r:  # a synchronisation row: the estimator fits the straggler wait from it
                 values["compute_s"] = float(r["compute_s"])
+            if "idle_s" in r:  # the refill row: the wait it measured the cost of coming back from
+                values["idle_s"] = float(r["idle_s"])
             self.add(profiler_pb2.Measurement(kind="comm", labels={"op": r["op"], "link": self.cfg.comm_link},
                                               values=values))
         self.log.info("comm micro-benchmark reported", rows=len(doc["rows"]), link=self.cfg.comm_link,

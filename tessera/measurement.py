@@ -26,7 +26,7 @@ NUMERIC_LABELS = ("world_size",) + RUN_INTS + ("threads",)
 # larger is a unit or clock bug, and would overflow the estimator's sums and medians.
 MAX_STEP_TIME_S = 1e6
 # Values of the row kinds that must be finite numbers when present.
-ROW_VALUES = {"comm": ("bytes", "world", "seconds", "compute_s"),
+ROW_VALUES = {"comm": ("bytes", "world", "seconds", "compute_s", "idle_s"),
               "colocation": ("colocated", "oversubscription", "alone_s", "together_s")}
 
 

@@ -34,6 +34,18 @@ other compute (the rank comes back from the wait with cold caches). Rows ``{"op"
 "resume", "seconds"}`` (a compute chunk after an all-reduce minus the same chunk after a
 chunk) give ``resume`` = their mean, seconds added to every blocking op of a step (the
 composition's all-reduces and in-step pipeline transfers). No resume rows: 0.
+
+Refill after idling: a pipeline stage waits for its neighbour for milliseconds, and its
+next compute comes back to caches that other work filled meanwhile; the loss grows with
+the wait and levels off once the working set is gone:
+
+    refill(idle) = r_max * (1 - exp(-idle / REFILL_TAU0))
+
+Rows ``{"op": "refill", "seconds", "idle_s"}`` (a ~2 MiB working-set chunk right after
+waiting ``idle_s`` in ``recv``, minus the same chunk right after it; profilerd.commbench)
+give ``r_max`` = the mean of ``seconds / (1 - exp(-idle_s / REFILL_TAU0))``. Only the
+pipeline replay charges it (tessera.perfmodel.pipeline: to the side that waited). No
+refill rows: 0.
 """
 
 from __future__ import annotations
@@ -48,6 +60,12 @@ from tessera.perfmodel.compute import nnls
 OPS = ("all_reduce", "all_gather", "broadcast", "send_recv")
 SYNC = "sync"
 RESUME = "resume"
+REFILL = "refill"
+# The refill's time constant: a 2 MiB working-set chunk after idling 5.7 / 11.6 / 24.7 ms
+# in a gloo recv took +0.29 / +0.57 / +0.67 ms (2-vCPU KVM guest, AMD EPYC, 2026-12-06;
+# a forward or backward of A 8x64 / B 4x64 after 2 / 8 ms asleep +0.05-0.25 / +0.5-0.6
+# ms): r_max * (1 - exp(-idle / 8 ms)) with r_max ~0.7 ms follows both.
+REFILL_TAU0 = 0.008
 # E[max of n iid standard normals] for n = 1..16 (n > 16: sqrt(2 ln n) asymptote).
 _EMAX = (0.0, 0.5642, 0.8463, 1.0294, 1.1630, 1.2672, 1.3522, 1.4236, 1.4850, 1.5388, 1.5864, 1.6292,
          1.6680, 1.7034, 1.7359, 1.7660)
@@ -84,6 +102,7 @@ class CommFit:
     ops: dict = field(default_factory=dict)   # op -> {"alpha", "beta", "rel_sigma", "n", "max_bytes"}
     sync: dict = field(default_factory=dict)  # {"a", "kappa", "rel_sigma", "n"}; empty: no sync rows
     resume: dict = field(default_factory=dict)  # {"seconds", "n"}; empty: no resume rows
+    refill: dict = field(default_factory=dict)  # {"r_max", "tau0", "n"}; empty: no refill rows
 
     def to_dict(self) -> dict:
         d = {"link": self.link, "ops": {k: dict(v) for k, v in self.ops.items()}}
@@ -91,16 +110,26 @@ class CommFit:
             d["sync"] = dict(self.sync)
         if self.resume:
             d["resume"] = dict(self.resume)
+        if self.refill:
+            d["refill"] = dict(self.refill)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "CommFit":
         return cls(link=d["link"], ops={k: dict(v) for k, v in d["ops"].items()}, sync=dict(d.get("sync") or {}),
-                   resume=dict(d.get("resume") or {}))
+                   resume=dict(d.get("resume") or {}), refill=dict(d.get("refill") or {}))
 
     def resume_time(self) -> float:
         """Seconds a blocking op costs the compute right after it (0 without resume rows)."""
         return float(self.resume.get("seconds", 0.0))
+
+    def refill_time(self, idle_s):
+        """Seconds a rank's next compute loses after idling ``idle_s`` seconds in a
+        blocking transfer (module doc; 0 without refill rows, and for idle_s <= 0); arrays ok."""
+        idle = np.maximum(np.asarray(idle_s, dtype=float), 0.0)
+        r_max = float(self.refill.get("r_max", 0.0))
+        tau0 = float(self.refill.get("tau0", REFILL_TAU0))
+        return r_max * -np.expm1(-idle / tau0)
 
     def straggle(self, n, compute_s):
         """Expected wait for the slowest of ``n`` ranks over a step whose ranks each
@@ -148,8 +177,13 @@ def fit_comm(link: str, rows: list[dict]) -> CommFit:
     """Fit each op that has at least 2 sizes in ``rows``; ops with fewer are left out
     (the composition then reports insufficient data for plans that need them). Rows
     of op ``"sync"`` with ``compute_s`` at 2 or more chunk lengths give ``sync``, rows of
-    op ``"resume"`` (seconds > 0) their mean ``resume``."""
+    op ``"resume"`` (seconds > 0) their mean ``resume``, rows of op ``"refill"`` (seconds
+    > 0 after ``idle_s`` > 0) ``refill``."""
     out = CommFit(link=link)
+    rf = [float(r["seconds"]) / -math.expm1(-float(r["idle_s"]) / REFILL_TAU0) for r in rows
+          if r["op"] == REFILL and float(r["seconds"]) > 0 and float(r.get("idle_s", 0.0)) > 0]
+    if rf:
+        out.refill = {"r_max": float(np.mean(rf)), "tau0": REFILL_TAU0, "n": len(rf)}
     rr = [float(r["seconds"]) for r in rows if r["op"] == RESUME and float(r["seconds"]) > 0]
     if rr:
         out.resume = {"seconds": float(np.mean(rr)), "n": len(rr)}

@@ -23,8 +23,8 @@ Composition (one training step of the runtime's ``gpt`` workload, rank 0's view)
                replayed op by op (tessera.perfmodel.pipeline) on each stage's forward
                (FWD_SHARE of its compute) and backward, each transfer a rendezvous of two
                computing ranks (CommFit.handoff: the sync rows' latency + bytes, + resume),
-               a rank that waited in one woken (+ alpha_p2p); the last stage to finish
-               sets it. (Until 2026-12-06 sum_s t_s + (m - 1) * max_s t_s
+               a rank that waited in one woken (+ alpha_p2p) and its caches refilled
+               (+ CommFit.refill_time of its wait); the last stage to finish sets it. (Until 2026-12-06 sum_s t_s + (m - 1) * max_s t_s
                + 2 (pp - 1) alpha_p2p, which counts one forward too many where the first
                stage is the bottleneck — 1F1B runs its next forward while the next stage
                computes — and priced each transfer at the ping-pong latency of a rank
@@ -324,7 +324,7 @@ class PerfModel:
         return share(F.mb_features(rows, T, layers, h, a, V, 1, head, tp), q) / r
 
     @staticmethod
-    def _replay(cs: list[Candidate], pp, m, extra, fwd: dict, bwd: dict, xfer, wake):
+    def _replay(cs: list[Candidate], pp, m, extra, fwd: dict, bwd: dict, xfer, wake, refill=None):
         """The pipeline part of each pp > 1 candidate's step: its schedule replayed
         (:mod:`tessera.perfmodel.pipeline`) on its stages' forward / backward times, in
         groups of one (pp, m, schedule); the last stage to finish sets it (every rank
@@ -347,7 +347,7 @@ class PerfModel:
                 return np.where(s < extra[ix], d["mid_big"][ix], d["mid_small"][ix])
 
             ends = PL.replay(PL.schedule_ops(p, mm, sched), [stage(fwd, s) for s in range(p)],
-                             [stage(bwd, s) for s in range(p)], [xfer[ix]] * (p - 1), wake)
+                             [stage(bwd, s) for s in range(p)], [xfer[ix]] * (p - 1), wake, refill)
             out[ix] = np.max(np.stack(ends), axis=0)
         return out
 
@@ -429,10 +429,12 @@ class PerfModel:
         pipe = t_sum + (m - 1) * t_max  # pp = 1: m micro-batches back to back
         if np.any(pp > 1):
             # Each transfer is a rendezvous of two computing ranks (CommFit.handoff), and
-            # the blocking op's refill after it; a rank that waited in it is woken (one
-            # ping-pong latency, as for the fill and drain before).
+            # the blocking op's resume after it; a rank that waited in it is woken (one
+            # ping-pong latency, as for the fill and drain before) and comes back to caches
+            # refilled for as long as it idled (CommFit.refill_time; 0 without refill rows).
             hand = comm.handoff(act) + resume if has_p2p else 0.0 * act
-            pipe = np.where(pp > 1, self._replay(cs, pp, m, extra, fwd, bwd, hand, p2p_lat), pipe)
+            refill = comm.refill_time if comm is not None and comm.refill else None
+            pipe = np.where(pp > 1, self._replay(cs, pp, m, extra, fwd, bwd, hand, p2p_lat, refill), pipe)
         per_step = np.max(np.stack([t_step[k] for k in kinds]), axis=0)
         world = dp * tp * pp
         loss_ar = ar(world, 16.0)

@@ -23,7 +23,9 @@ Transfers are blocking and matched: a transfer completes on both sides when both
 posted it (a ``send`` with its ``recv``; an ``exchange`` posts a send and a receive at
 once and completes when both have), plus its cost. A stage that waited for its
 neighbour in a transfer also pays ``wake`` (its thread slept: the neighbour's message
-wakes it), which a busy ping-pong's latency does not include.
+wakes it), which a busy ping-pong's latency does not include, and ``refill(idle)``: its
+next compute comes back to caches that other work (other tenants, its neighbour) filled
+while it idled ``idle`` seconds (``CommFit.refill_time``).
 """
 
 from __future__ import annotations
@@ -93,13 +95,15 @@ def schedule_ops(pp: int, m: int, schedule: str = "1f1b") -> list[list[tuple]]:
     return out
 
 
-def replay(ops: list[list[tuple]], fwd, bwd, xfer, wake=0.0) -> list:
+def replay(ops: list[list[tuple]], fwd, bwd, xfer, wake=0.0, refill=None) -> list:
     """Finish time of each stage's last operation, from time 0 on every stage.
 
     ``fwd[s]`` / ``bwd[s]``: seconds of one micro-batch's forward / backward on stage s
     (arrays broadcastable together); ``xfer[s]``: cost of one transfer over link s -> s+1
     (either direction); ``wake``: added to a transfer on the side that waited for its
-    neighbour. Raises ValueError if the order cannot complete (it always can for
+    neighbour; ``refill``: None, or a function of the seconds a stage waited in a transfer
+    (array) giving the seconds its next compute loses to refilling its caches, added on
+    that side as well. Raises ValueError if the order cannot complete (it always can for
     :func:`schedule_ops`)."""
     pp = len(ops)
     zero = 0.0 * (np.asarray(fwd[0], dtype=float) + np.asarray(bwd[0], dtype=float)
@@ -127,7 +131,9 @@ def replay(ops: list[list[tuple]], fwd, bwd, xfer, wake=0.0) -> list:
                     for key in arg:
                         mine = posted[key][s]
                         other = next(v for r, v in posted[key].items() if r != s)
-                        end = np.maximum(end, np.maximum(mine, other) + xfer[key[1]] + wake * (other > mine))
+                        waited = other > mine
+                        late = wake + (refill(other - mine) if refill is not None else 0.0)
+                        end = np.maximum(end, np.maximum(mine, other) + xfer[key[1]] + np.where(waited, late, 0.0))
                     t[s] = end
                 ptr[s] += 1
                 moved = True

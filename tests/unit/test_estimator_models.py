@@ -117,6 +117,27 @@ def test_resume_rows_reach_the_comm_fit():
     assert model.comm["lo"].resume_time() == pytest.approx(8e-5)
 
 
+def test_refill_rows_reach_the_comm_fit_with_their_wait():
+    """profilerd's ``--sync`` table carries one ``op="refill"`` row with ``idle_s``: the
+    store's row parser keeps the wait, and the fit prices the refill from it; a wait that
+    is not a number makes the row malformed (None)."""
+    import math
+
+    from tessera.perfmodel.comm import REFILL_TAU0
+
+    rows = [comm_row(profiler_pb2.Measurement(kind="comm", labels={"op": "refill", "link": "lo"},
+                                              values={"bytes": 0, "world": 2, "seconds": 4e-4, "idle_s": 0.01}))]
+    assert rows[0] is not None and rows[0]["idle_s"] == 0.01
+    plain = [comm_row(profiler_pb2.Measurement(kind="comm", labels={"op": "all_reduce", "link": "lo"},
+                                               values={"bytes": b, "world": 2, "seconds": 1e-4 + b * 1e-9}))
+             for b in (4096, 1 << 20)]
+    model = build_model({}, rows + plain, [], 1)
+    assert model.comm["lo"].refill["r_max"] == pytest.approx(4e-4 / -math.expm1(-0.01 / REFILL_TAU0))
+    assert comm_row(profiler_pb2.Measurement(kind="comm", labels={"op": "refill", "link": "lo"},
+                                             values={"bytes": 0, "world": 2, "seconds": 4e-4,
+                                                     "idle_s": float("nan")})) is None
+
+
 def test_profile_points_answer_exactly_their_configuration_and_survive_the_snapshot():
     runs = {run_key(step()): {i: 0.02 for i in range(1, 9)}}
     model = PerfModel.from_dict(build_model(runs, [], [], version=4).to_dict())

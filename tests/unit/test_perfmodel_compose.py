@@ -291,6 +291,37 @@ def test_resume_rows_add_a_refill_to_every_blocking_op_of_a_step(model):
         assert b.seconds - a.seconds == pytest.approx(ops * r, rel=1e-6, abs=1e-12), (c, ops)
 
 
+def test_refill_rows_fit_r_max_and_slow_only_pipelines(model):
+    """Refill rows (a working-set chunk after idling ``idle_s`` in recv minus the same chunk
+    after a chunk) fit r_max from the saturating form; the refill after idling grows with
+    the wait and levels off at r_max; only the pipeline replay charges it (dp and tp
+    ranks wait only their straggle), and a pipeline whose stages wait pays more."""
+    from tessera.perfmodel.comm import REFILL_TAU0
+
+    r_max = 6e-4
+    rows = comm_rows() + [{"op": "refill", "bytes": 0, "world": 2, "idle_s": idle,
+                           "seconds": r_max * -np.expm1(-idle / REFILL_TAU0)} for idle in (0.004, 0.012)]
+    f = fit_comm(LINK, rows)
+    assert f.refill["r_max"] == pytest.approx(r_max) and f.refill["n"] == 2
+    assert f.refill_time(0.0) == 0.0 and f.refill_time(-1.0) == 0.0
+    assert f.refill_time(REFILL_TAU0) == pytest.approx(r_max * (1 - np.exp(-1)))
+    assert f.refill_time(1.0) == pytest.approx(r_max)
+    np.testing.assert_allclose(f.refill_time(np.array([0.0, 1.0])), [0.0, r_max])
+    old = fit_comm(LINK, comm_rows())
+    assert old.refill == {} and old.refill_time(0.01) == 0.0 and "refill" not in old.to_dict()
+    assert type(f).from_dict(json.loads(json.dumps(f.to_dict()))).refill == f.refill
+    # A row without its wait, or a non-positive one, is not a refill measurement.
+    assert fit_comm(LINK, comm_rows() + [{"op": "refill", "bytes": 0, "world": 2, "seconds": 1e-4}]).refill == {}
+    base, with_r = replace(model, comm={LINK: old}), replace(model, comm={LINK: f})
+    for c in (cand(batch=16), cand(tp=2), cand(batch=32, dp=2)):
+        assert with_r.estimate(c).seconds == pytest.approx(base.estimate(c).seconds, rel=1e-12)
+    for c in (cand(pp=2), cand(pp=2, micro_batches=4)):
+        a, b = base.estimate(c), with_r.estimate(c)
+        assert a.ok and b.ok and b.seconds > a.seconds
+        # Each micro-batch's transfer has one waiting side at most (2 per micro-batch).
+        assert b.seconds - a.seconds <= 2 * c.micro_batches * r_max + 1e-12
+
+
 def test_batch_uses_each_candidates_schedule(model):
     g, o = cand(pp=2, micro_batches=4, schedule="gpipe"), cand(pp=2, micro_batches=4, schedule="1f1b")
     eg, eo = model.estimate(g), model.estimate(o)

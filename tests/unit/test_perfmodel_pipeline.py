@@ -128,6 +128,27 @@ def test_transfer_cost_and_wake_fall_on_the_right_side():
     assert ends[1] == pytest.approx(1.0 + x + w + 2.0 + 4.0 + x)  # its send: stage 0 was there first
 
 
+def test_refill_falls_on_the_side_that_waited_and_grows_with_its_wait():
+    """m = 1, pp = 2 as above, with a refill of half the wait: stage 1 waited F0 + x for
+    the activations (posted its recv at 0, stage 0 its send at F0), stage 0 waited for
+    the gradient from its send's end to stage 1's send; a rank that did not wait pays
+    nothing."""
+    x, w = 0.5, 0.25
+    ops = schedule_ops(2, 1)
+    plain = replay(ops, [1.0, 2.0], [3.0, 4.0], [x], w)
+    ends = replay(ops, [1.0, 2.0], [3.0, 4.0], [x], w, refill=lambda idle: 0.5 * idle)
+    wait1 = 1.0
+    r1 = 0.5 * wait1
+    assert ends[1] == pytest.approx(plain[1] + r1)
+    # stage 0 posted the gradient recv at 1 + x, stage 1 its send at 1 + x + w + r1 + 2 + 4.
+    wait0 = (1.0 + x + w + r1 + 2.0 + 4.0) - (1.0 + x)
+    assert ends[0] == pytest.approx(plain[0] + r1 + 0.5 * wait0)
+    # Arrays of candidates: each pays its own wait's refill.
+    two = replay(ops, [np.array([1.0, 2.0]), np.array([2.0, 2.0])], [np.array([3.0, 3.0]), np.array([4.0, 4.0])],
+                 [np.array([x, x])], w, refill=lambda idle: 0.5 * idle)
+    assert two[1][0] == pytest.approx(ends[1]) and two[1][1] == pytest.approx(ends[1] + 1.0 + 0.5 * 1.0)
+
+
 def test_bad_schedule_and_sizes_are_refused():
     with pytest.raises(ValueError, match="schedule"):
         schedule_ops(2, 2, "interleaved")
