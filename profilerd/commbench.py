@@ -32,7 +32,7 @@ refill row ``{"op": "refill", "bytes": 0, "world": 2, "seconds", "idle_s"}`` is 
 idling costs the compute after it: rank 0 waits in ``recv`` while rank 1 computes
 ``REFILL_IDLE_UNITS`` units (``idle_s``, the mean wait: a pipeline stage's wait for its
 neighbour), then runs a ``REFILL_WEIGHTS``-weight chunk (~2 MiB working set, a pipeline
-stage's) twice; the mean of the first minus the mean of the second
+stage's) twice, in half the reps (at least 3); the mean of the first minus the mean of the second
 (``perfmodel.comm``: ``CommFit.refill_time``, which the pipeline replay charges to the
 side that waited). Off by default (profilerd passes ``--sync``).
 
@@ -83,13 +83,15 @@ SYNC_CHUNKS = (1, 48)  # units per compute chunk of the sync rows (~0.1 ms, ~4 m
 # after a chunk, 0.69-0.72 after an all-reduce, 0.70-0.73 after ~3.5 ms waiting in recv;
 # a 2-unit chunk +0.08 ms, a 24-unit one +0.10-0.13: a fixed refill, not a slower rate.
 RESUME_REPS_FACTOR = 2
-# The refill row: rank 1's compute while rank 0 idles in recv (48 units: ~4-10 ms here,
+# The refill row: rank 1's compute while rank 0 idles in recv (32 units: ~3-8 ms here,
 # the wait of a pipeline stage for a neighbour's micro-batch), and the chunk rank 0 times
 # after it: a (64, 256) activation through 8 distinct 256x256 weights (2 MiB of weights:
 # a pipeline stage's working set is 1-3 MiB of parameters here; the cost of coming back
 # grows with it: +0.11-0.25 ms for 0.2 MiB, +0.29-0.67 for 2 MiB, +0.44-0.89 for 4 MiB
-# after 6-25 ms idle, 2026-12-06).
-REFILL_IDLE_UNITS = 48
+# after 6-25 ms idle, 2026-12-06), in half the reps of the other rows (at least 3): with
+# 48 units and every rep the row cost ~0.5 device-s per table on this host, a third of
+# the whole table's.
+REFILL_IDLE_UNITS = 32
 REFILL_WEIGHTS = 8
 
 
@@ -236,7 +238,7 @@ def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str, sync
                 after_chunk.append(t2 - t1)
             rows.append({"op": "resume", "bytes": 0, "world": 2,
                          "seconds": max(1e-6, statistics.fmean(after_op) - statistics.fmean(after_chunk))})
-            refill = _refill(dist, rank, act, norm, work, reps)
+            refill = _refill(dist, rank, act, norm, work, max(3, reps // 2))
             if refill:  # rank 0's; rank 1 only computed and echoed
                 rows.append(refill)
         if rank == 0:
