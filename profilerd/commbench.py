@@ -83,15 +83,16 @@ SYNC_CHUNKS = (1, 48)  # units per compute chunk of the sync rows (~0.1 ms, ~4 m
 # after a chunk, 0.69-0.72 after an all-reduce, 0.70-0.73 after ~3.5 ms waiting in recv;
 # a 2-unit chunk +0.08 ms, a 24-unit one +0.10-0.13: a fixed refill, not a slower rate.
 RESUME_REPS_FACTOR = 2
-# The refill row: rank 1's compute while rank 0 idles in recv (32 units: ~3-8 ms here,
+# The refill row: rank 1's compute while rank 0 idles in recv (24 units: ~2-6 ms here,
 # the wait of a pipeline stage for a neighbour's micro-batch), and the chunk rank 0 times
 # after it: a (64, 256) activation through 8 distinct 256x256 weights (2 MiB of weights:
 # a pipeline stage's working set is 1-3 MiB of parameters here; the cost of coming back
 # grows with it: +0.11-0.25 ms for 0.2 MiB, +0.29-0.67 for 2 MiB, +0.44-0.89 for 4 MiB
 # after 6-25 ms idle, 2026-12-06), in half the reps of the other rows (at least 3): with
 # 48 units and every rep the row cost ~0.5 device-s per table on this host, a third of
-# the whole table's.
-REFILL_IDLE_UNITS = 32
+# the whole table's (the benchmark's profiling ratio fell to 10.2x), with 32 units and
+# half the reps ~0.25.
+REFILL_IDLE_UNITS = 24
 REFILL_WEIGHTS = 8
 
 

@@ -40,5 +40,5 @@ def test_sync_table_adds_the_synchronisation_rows_one_resume_and_one_refill_row(
     assert resume["bytes"] == 0 and resume["world"] == 2 and 0 < resume["seconds"] < 5e-4
     (refill,) = [r for r in rows if r["op"] == "refill"]
     assert refill["bytes"] == 0 and refill["world"] == 2
-    # rank 1 computed 32 units while rank 0 waited, the long sync chunk 48.
-    assert refill["idle_s"] > 0.3 * sync[1]["compute_s"] and 0 < refill["seconds"] < refill["idle_s"]
+    # rank 1 computed 24 units while rank 0 waited, the long sync chunk 48.
+    assert refill["idle_s"] > 0.2 * sync[1]["compute_s"] and 0 < refill["seconds"] < refill["idle_s"]
