@@ -32,9 +32,9 @@ refill row ``{"op": "refill", "bytes": 0, "world": 2, "seconds", "idle_s"}`` is 
 idling costs the compute after it: rank 0 waits in ``recv`` while rank 1 computes
 ``REFILL_IDLE_UNITS`` units (``idle_s``, the mean wait: a pipeline stage's wait for its
 neighbour), then runs a ``REFILL_WEIGHTS``-weight chunk (~2 MiB working set, a pipeline
-stage's) twice, in half the reps (at least 3); the mean of the first minus the mean of the second
-(``perfmodel.comm``: ``CommFit.refill_time``, which the pipeline replay charges to the
-side that waited). Off by default (profilerd passes ``--sync``).
+stage's) twice, in half the reps (at least 3); the mean of the first minus the mean of
+the second (``perfmodel.comm``: ``CommFit.refill_time``, which the pipeline replay
+charges to the side that waited). Off by default (profilerd passes ``--sync``).
 
 Run as ``python -m profilerd.commbench [--sizes ...] [--reps N]`` it prints the rows as
 one JSON document: profilerd (``--comm-benchmark``) runs it that way, in a fresh

@@ -24,11 +24,12 @@ Composition (one training step of the runtime's ``gpt`` workload, rank 0's view)
                (FWD_SHARE of its compute) and backward, each transfer a rendezvous of two
                computing ranks (CommFit.handoff: the sync rows' latency + bytes, + resume),
                a rank that waited in one woken (+ alpha_p2p) and its caches refilled
-               (+ CommFit.refill_time of its wait); the last stage to finish sets it. (Until 2026-12-06 sum_s t_s + (m - 1) * max_s t_s
-               + 2 (pp - 1) alpha_p2p, which counts one forward too many where the first
-               stage is the bottleneck — 1F1B runs its next forward while the next stage
-               computes — and priced each transfer at the ping-pong latency of a rank
-               already waiting: re-fitted over the stored runs, multi_pp2 MAPE 5.41 ->
+               (+ CommFit.refill_time of its wait); the last stage to finish sets it.
+               (Until 2026-12-06 sum_s t_s + (m - 1) * max_s t_s + 2 (pp - 1) alpha_p2p,
+               which counts one forward too many where the first stage is the
+               bottleneck — 1F1B runs its next forward while the next stage computes —
+               and priced each transfer at the ping-pong latency of a rank already
+               waiting: re-fitted over the stored runs, multi_pp2 MAPE 5.41 ->
                4.42 % (26 Intel runs), 9.12 -> 7.69 % (7 AMD runs s22a-g), 10.78 -> 10.02 %
                (18 AMD runs s19-s21).)
     T_step   = T_pipe + max_s [AR_dp(4 * params_s) + dp>1 * bucket_s] + AR_world(16 B) + max_s step_work_s
