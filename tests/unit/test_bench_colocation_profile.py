@@ -24,11 +24,17 @@ def _profiles_until(cores: list[list[int]], accept, tries: int = 3) -> tuple[boo
     """Up to ``tries`` colocation profiles of SMALL on ``cores``, until one satisfies
     ``accept(together / alone)``: (whether one did, every profile run). On a noisy shared
     host one burst inside the few alone (or together) steps can move a ratio out of its
-    band (each test below failed once so, 2026-12-06); a profile that does the wrong
-    thing reads so every time."""
+    band (each test below failed once so, 2026-12-06), or leave X too few steps inside
+    the twin's window (RuntimeError; a CI run of 2026-12-06 got 0 together steps on split
+    cores) — the benchmark retries such a profile (``colocation_with_retry``), and so do
+    these tries; a profile that does the wrong thing reads so every time."""
     seen = []
     for _ in range(tries):
-        res = colocation_profile(SMALL, cores, warmup=2, measured=4)
+        try:
+            res = colocation_profile(SMALL, cores, warmup=2, measured=4)
+        except RuntimeError as e:
+            seen.append({"error": str(e)})
+            continue
         assert res["alone_n"] >= 2 and res["together_n"] >= 2
         seen.append(res)
         if accept(res["together_s"] / res["alone_s"]):
@@ -40,7 +46,7 @@ def test_shared_core_profile_measures_time_slicing_from_steps_of_one_process():
     core = sorted(os.sched_getaffinity(0))[0]
     ok, seen = _profiles_until([[core], [core]], lambda ratio: 1.4 < ratio < 3.5)
     # X's "steps" is replaced so that it outlasts its twin: alone steps on both sides.
-    assert all(res["alone_n"] > 4 and res["device_s"] > 0 for res in seen), seen
+    assert all(res["alone_n"] > 4 and res["device_s"] > 0 for res in seen if "error" not in res), seen
     assert ok, f"no profile of three read time slicing (together / alone in (1.4, 3.5)): {seen}"
 
 
