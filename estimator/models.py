@@ -39,7 +39,7 @@ import numpy as np
 from tessera import log
 from tessera.fsutil import atomic_write
 from tessera.measurement import (NUMERIC_LABELS, PROFILE_MIN_MEASURED, PROFILE_WARMUP_STEPS, ROW_VALUES,  # noqa: F401
-                                 RUN_INTS, malformed, number)
+                                 COMM_OPTIONAL_VALUES, RUN_INTS, malformed, number)
 from tessera.perfmodel import ComputeFit, ComputeSample, PerfModel, ProfilePoint, fit_comm, fit_compute, fit_interference
 from tessera.perfmodel.features import FEATURES_REV
 from tessera.perfmodel.workload import profiled, workload_of
@@ -118,16 +118,12 @@ def comm_row(m) -> dict | None:
     if seconds is None or seconds <= 0 or world is None or not 2 <= world <= MAX_INT or nbytes is None or nbytes < 0:
         return None
     row = {"link": lb["link"], "op": lb["op"], "bytes": nbytes, "world": int(world), "seconds": seconds}
-    cs = _num(v.get("compute_s", 0))
-    if cs is None:
-        return None
-    if cs > 0:  # a synchronisation row (profilerd.commbench sync=True)
-        row["compute_s"] = cs
-    idle = _num(v.get("idle_s", 0))
-    if idle is None:
-        return None
-    if idle > 0:  # a refill row (profilerd.commbench sync=True)
-        row["idle_s"] = idle
+    for k in COMM_OPTIONAL_VALUES:  # the sync rows' compute_s, the refill row's idle_s
+        x = _num(v.get(k, 0))
+        if x is None:
+            return None
+        if x > 0:
+            row[k] = x
     return row
 
 

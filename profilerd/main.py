@@ -14,6 +14,7 @@ import time
 from tessera import config, grpcserver, log
 from tessera.api.v1 import profiler_pb2, profiler_pb2_grpc
 from tessera.errors import SpecError
+from tessera.measurement import COMM_OPTIONAL_VALUES
 
 from .api import ProfilerService
 from .buffer import MeasurementTooLarge, SeqBuffer
@@ -132,10 +133,8 @@ class Profilerd:
         doc = json.loads(out)
         for r in doc["rows"]:
             values = {"bytes": float(r["bytes"]), "world": float(r["world"]), "seconds": float(r["seconds"])}
-            if "compute_s" in r:  # a synchronisation row: the estimator fits the straggler wait from it
-                values["compute_s"] = float(r["compute_s"])
-            if "idle_s" in r:  # the refill row: the wait it measured the cost of coming back from
-                values["idle_s"] = float(r["idle_s"])
+            # The sync rows' compute_s (the straggler wait), the refill row's idle_s.
+            values.update({k: float(r[k]) for k in COMM_OPTIONAL_VALUES if k in r})
             self.add(profiler_pb2.Measurement(kind="comm", labels={"op": r["op"], "link": self.cfg.comm_link},
                                               values=values))
         self.log.info("comm micro-benchmark reported", rows=len(doc["rows"]), link=self.cfg.comm_link,

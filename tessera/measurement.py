@@ -25,8 +25,12 @@ NUMERIC_LABELS = ("world_size",) + RUN_INTS + ("threads",)
 # Plausibility bound of a step time and of each phase (seconds: ~11.6 days). Anything
 # larger is a unit or clock bug, and would overflow the estimator's sums and medians.
 MAX_STEP_TIME_S = 1e6
+# A comm row's values beyond bytes / world / seconds, present on some rows only
+# (profilerd.commbench ``--sync``): ``compute_s`` on the sync rows (the straggler
+# term), ``idle_s`` on the refill row (the pipeline's refill after idling).
+COMM_OPTIONAL_VALUES = ("compute_s", "idle_s")
 # Values of the row kinds that must be finite numbers when present.
-ROW_VALUES = {"comm": ("bytes", "world", "seconds", "compute_s", "idle_s"),
+ROW_VALUES = {"comm": ("bytes", "world", "seconds") + COMM_OPTIONAL_VALUES,
               "colocation": ("colocated", "oversubscription", "alone_s", "together_s")}
 
 
