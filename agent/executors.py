@@ -71,6 +71,7 @@ REAP_POLL_S = (0.05, 0.5)
 TOKEN_ENV = "TESSERA_EXECUTOR_TOKEN"
 STALL_STEPS = 20  # a stall is at least this many of the executor's longest steps
 STALL_DUMP_S = 2.0  # from the stack-dump signal to the kill
+STEP_WINDOW = 32  # step times an executor keeps for the median its PROGRESS reports carry
 FAILPOINT_ENV = "TESSERA_FAILPOINT"
 FAILPOINT_EXIT = 86  # the exit code of an agent process stopped by a failpoint
 
@@ -137,6 +138,11 @@ class Executor:
     last_progress: float = 0.0
     max_step_s: float = 0.0
     stall_seen: float | None = None
+    # The step times of its last STEP_WINDOW progress events (seconds, finite and > 0):
+    # every PROGRESS report carries their median (``step_time_median_s``), so that the
+    # step time the controller shows does not hinge on the one step a throttled report
+    # happened to sample.
+    step_times: collections.deque = field(default_factory=lambda: collections.deque(maxlen=STEP_WINDOW))
 
     @property
     def grant_id(self) -> str:
@@ -165,6 +171,16 @@ def process_cpu_s(pid: int) -> float | None:
         return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")  # fields 14, 15
     except (OSError, ValueError, IndexError):
         return None
+
+
+def step_time_median(times) -> float:
+    """Median of ``times`` (seconds; the caller keeps only finite, positive ones), 0.0
+    when there are none: what ``step_time_median_s`` of a PROGRESS report says."""
+    xs = sorted(times)
+    n = len(xs)
+    if n == 0:
+        return 0.0
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
 def busy_fraction(cpu_s: float, wall_s: float, cores: int) -> float | None:
@@ -770,9 +786,12 @@ class ExecutorManager:
         ex.last_progress = time.monotonic()
         ex.stall_seen = None
         try:
-            ex.max_step_s = max(ex.max_step_s, float(ev.get("step_time_s") or 0.0))
+            dt = float(ev.get("step_time_s") or 0.0)
         except (TypeError, ValueError):
-            pass
+            dt = 0.0
+        if math.isfinite(dt) and dt > 0:
+            ex.max_step_s = max(ex.max_step_s, dt)
+            ex.step_times.append(dt)
         ex.step = int(ev.get("step", ex.step))
         ex.loss = float(ev.get("loss", ex.loss))
         if self.on_step is not None:
@@ -783,6 +802,7 @@ class ExecutorManager:
             ex.last_report = now
             r = {"kind": "PROGRESS", "step": ex.step, "total_steps": int(ev.get("total", 0) or 0),
                  "loss": ex.loss, "step_time_s": float(ev.get("step_time_s", 0.0)),
+                 "step_time_median_s": step_time_median(ex.step_times),
                  "modules": {m: dict(ph) for m, ph in ex.modules.items()}}
             busy = self.measure_busy(ex, now)
             if busy is not None:

@@ -108,7 +108,8 @@ class Agent:
         kind = {"STARTED": K.STARTED, "PROGRESS": K.PROGRESS, "EXITED": K.EXITED, "TASK": K.TASK}[r["kind"]]
         msg = K(node=self.cfg.name, incarnation=self.node.incarnation, job_id=ex.job_id, allocation_id=ex.allocation_id,
                 rank=ex.rank, kind=kind, step=r.get("step", 0), total_steps=r.get("total_steps", 0),
-                loss=r.get("loss", 0.0), step_time_s=r.get("step_time_s", 0.0), exit_code=r.get("exit_code", 0),
+                loss=r.get("loss", 0.0), step_time_s=r.get("step_time_s", 0.0),
+                step_time_median_s=r.get("step_time_median_s", 0.0), exit_code=r.get("exit_code", 0),
                 message=r.get("message", ""), task=r.get("task", ""), task_phase=r.get("task_phase", ""),
                 tokens_per_s=r.get("tokens_per_s", 0.0))
         for name, ph in (r.get("modules") or {}).items():

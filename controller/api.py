@@ -14,6 +14,7 @@ MAX_MESSAGE_BYTES (UTF-8) so that it always fits gRPC's metadata limit.
 from __future__ import annotations
 
 import functools
+import math
 
 import aetcd
 import grpc
@@ -229,5 +230,9 @@ class NodeService(controller_pb2_grpc.NodeServiceServicer):
         check_id("job_id", request.job_id)
         check_id("allocation_id", request.allocation_id)
         check_id("task", request.task, required=False)
+        for name in ("step_time_s", "step_time_median_s"):  # a NaN loss is a real outcome: kept
+            v = getattr(request, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise SpecError(name, f"must be a finite number >= 0 seconds, got {v}")
         stale = await self.ctl.report(request)
         return controller_pb2.ReportExecutorResponse(stale=stale)

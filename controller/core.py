@@ -624,6 +624,7 @@ class Controller:
                 # A report without a step time (a resumed run with nothing left to train)
                 # keeps the last one measured.
                 st.step, st.loss, st.step_time_s = r.step, r.loss, r.step_time_s or st.step_time_s
+                st.step_time_median_s = r.step_time_median_s or st.step_time_median_s
                 if r.modules:
                     st.encoder_share = measured.fold_encoder_share(st.encoder_share, r.modules)
                 if r.HasField("busy"):  # CPU busy fraction of the quota (agent, /proc)

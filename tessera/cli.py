@@ -137,8 +137,8 @@ def progress_line(job: types_pb2.Job) -> Text:
         t.append(f"  step {_steps(job)}")
     if s.loss:
         t.append(f"  loss {s.loss:.4f}")
-    if s.step_time_s:
-        t.append(f"  {s.step_time_s * 1000:.1f} ms/step")
+    if s.step_time_median_s or s.step_time_s:
+        t.append(f"  {(s.step_time_median_s or s.step_time_s) * 1000:.1f} ms/step")
     if s.placement:
         t.append(f"  on {_placement(job)}")
     if s.reason and s.phase != types_pb2.RUNNING:
@@ -162,7 +162,13 @@ def jobs_table(jobs: list[types_pb2.Job]) -> Table:
 
 def _step_time(s: types_pb2.JobStatus) -> str:
     """Measured step time next to the performance model's estimate (controller/profiling.py)."""
-    measured = f"{s.step_time_s * 1000:.1f} ms measured" if s.step_time_s else "- measured"
+    if s.step_time_median_s:
+        measured = f"{s.step_time_median_s * 1000:.1f} ms measured (median of recent steps"
+        measured += f"; last {s.step_time_s * 1000:.1f} ms)" if s.step_time_s else ")"
+    elif s.step_time_s:
+        measured = f"{s.step_time_s * 1000:.1f} ms measured (last step)"
+    else:
+        measured = "- measured"
     e = s.estimate
     if not e.status:
         return measured

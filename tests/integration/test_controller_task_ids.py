@@ -69,6 +69,10 @@ async def test_over_long_ids_are_invalid_argument_naming_the_field_and_echoes_ar
         ("name", lambda: nodes.Heartbeat(cpb.HeartbeatRequest(name=LONG))),
         ("name", lambda: nodes.RegisterNode(cpb.RegisterNodeRequest(name=LONG, agent_address="127.0.0.1:1"))),
         ("allocation_id", lambda: nodes.ReportExecutor(cpb.ExecutorReport(job_id=jid, allocation_id=LONG))),
+        ("step_time_s", lambda: nodes.ReportExecutor(cpb.ExecutorReport(job_id=jid, allocation_id="a",
+                                                                         step_time_s=float("nan")))),
+        ("step_time_median_s", lambda: nodes.ReportExecutor(cpb.ExecutorReport(job_id=jid, allocation_id="a",
+                                                                                step_time_median_s=-1.0))),
         ("page_token", lambda: jobs.ListJobs(cpb.ListJobsRequest(page_token="!" * 20000))),
     ]:
         e = await status_of(call)

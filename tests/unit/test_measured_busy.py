@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from agent.executors import Executor, ExecutorManager, busy_fraction, process_cpu_s
+from agent.executors import STEP_WINDOW, Executor, ExecutorManager, busy_fraction, process_cpu_s, step_time_median
 from controller import adapter, measured
 from controller.policy import TesseraPolicy
 from tessera.api.v1 import controller_pb2 as cpb
@@ -67,6 +67,34 @@ def test_executor_progress_report_carries_busy_on_cpu(tmp_path):
     assert not msg.HasField("busy")
     msg.busy = 0.0
     assert msg.HasField("busy")       # a measured 0 (idle) is distinguishable from unset
+
+
+def test_progress_reports_carry_the_median_of_every_step_not_only_the_sampled_one(tmp_path):
+    assert step_time_median([]) == 0.0
+    assert step_time_median([3.0, 1.0, 2.0]) == 2.0 and step_time_median([4.0, 1.0, 2.0, 3.0]) == 2.5
+    reports = []
+
+    async def on_report(ex, r):
+        reports.append(r)
+
+    # Throttled: one report per hour, except the first and the final one.
+    mgr = ExecutorManager(tmp_path, [], on_report, report_interval_s=3600.0)
+    ex = Executor("a1", "j", 0, [], tmp_path / "j.log")
+    ex.proc = SimpleNamespace(pid=os.getpid())
+    steps = [0.010] * 5 + [0.500] + [0.012] * 5 + [float("nan"), -1.0, "x", 0.030]   # one disturbed step, junk ignored
+
+    async def feed():
+        for i, dt in enumerate(steps):
+            await mgr._event(ex, {"event": "progress", "step": i + 1, "total": len(steps), "loss": 1.0,
+                                  "step_time_s": dt})
+    asyncio.run(feed())
+    assert len(reports) == 2                                   # the first step's, and the final step's
+    assert reports[0]["step_time_median_s"] == 0.010
+    assert reports[-1]["step_time_s"] == 0.030                 # the step the report happened to sample
+    assert reports[-1]["step_time_median_s"] == 0.012          # the 12 valid steps' median
+    assert ex.max_step_s == 0.5
+    ex.step_times.extend([0.02] * (2 * STEP_WINDOW))
+    assert len(ex.step_times) == STEP_WINDOW and step_time_median(ex.step_times) == 0.02   # the window slides
 
 
 def test_fold_busy_takes_first_sample_smooths_and_keeps_zero_for_unmeasured():

@@ -44,11 +44,15 @@ def test_candidate_of_a_job():
 
 
 def test_step_time_line_shows_estimate_next_to_measured():
+    assert _step_time(types_pb2.JobStatus()) == "- measured"
     s = types_pb2.JobStatus(step_time_s=0.0123)
-    assert _step_time(s) == "12.3 ms measured"
+    assert _step_time(s) == "12.3 ms measured (last step)"
+    s.step_time_median_s = 0.0101   # the executors' window: shown first, the last step beside it
+    assert _step_time(s) == "10.1 ms measured (median of recent steps; last 12.3 ms)"
     s.estimate.CopyFrom(types_pb2.JobEstimate(status="ok", step_time_s=0.0119, rel_std=0.04, confidence=0.98,
                                               model_version=3))
-    assert _step_time(s) == "12.3 ms measured, 11.9 ms estimated ±4% (confidence 98%, model v3)"
+    assert _step_time(s) == ("10.1 ms measured (median of recent steps; last 12.3 ms), "
+                             "11.9 ms estimated ±4% (confidence 98%, model v3)")
     s.estimate.CopyFrom(types_pb2.JobEstimate(status="profiling", profile_job_id="j-abc"))
     assert "profiling job j-abc" in _step_time(s)
     s.estimate.CopyFrom(types_pb2.JobEstimate(status="insufficient_data", reason="no communication table"))

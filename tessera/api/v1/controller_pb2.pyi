@@ -161,7 +161,7 @@ class ListNodesResponse(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[_types_pb2.Node, _Mapping]]] = ...) -> None: ...
 
 class ExecutorReport(_message.Message):
-    __slots__ = ("node", "incarnation", "job_id", "allocation_id", "rank", "kind", "step", "total_steps", "loss", "step_time_s", "exit_code", "message", "task", "task_phase", "tokens_per_s", "modules", "busy", "stopped_by_agent")
+    __slots__ = ("node", "incarnation", "job_id", "allocation_id", "rank", "kind", "step", "total_steps", "loss", "step_time_s", "exit_code", "message", "task", "task_phase", "tokens_per_s", "modules", "busy", "stopped_by_agent", "step_time_median_s")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[ExecutorReport.Kind]
@@ -199,6 +199,7 @@ class ExecutorReport(_message.Message):
     MODULES_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
     STOPPED_BY_AGENT_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_MEDIAN_S_FIELD_NUMBER: _ClassVar[int]
     node: str
     incarnation: str
     job_id: str
@@ -217,7 +218,8 @@ class ExecutorReport(_message.Message):
     modules: _containers.MessageMap[str, ModuleTime]
     busy: float
     stopped_by_agent: bool
-    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[str] = ..., job_id: _Optional[str] = ..., allocation_id: _Optional[str] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[ExecutorReport.Kind, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., task: _Optional[str] = ..., task_phase: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., modules: _Optional[_Mapping[str, ModuleTime]] = ..., busy: _Optional[float] = ..., stopped_by_agent: _Optional[bool] = ...) -> None: ...
+    step_time_median_s: float
+    def __init__(self, node: _Optional[str] = ..., incarnation: _Optional[str] = ..., job_id: _Optional[str] = ..., allocation_id: _Optional[str] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[ExecutorReport.Kind, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., task: _Optional[str] = ..., task_phase: _Optional[str] = ..., tokens_per_s: _Optional[float] = ..., modules: _Optional[_Mapping[str, ModuleTime]] = ..., busy: _Optional[float] = ..., stopped_by_agent: _Optional[bool] = ..., step_time_median_s: _Optional[float] = ...) -> None: ...
 
 class ModuleTime(_message.Message):
     __slots__ = ("forward_s", "backward_s", "communication_s", "idle_s")

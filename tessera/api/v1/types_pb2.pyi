@@ -212,7 +212,7 @@ class PhaseTransition(_message.Message):
     def __init__(self, phase: _Optional[_Union[JobPhase, str]] = ..., time: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("phase", "reason", "history", "placement", "allocation_id", "step", "total_steps", "loss", "first_loss", "step_time_s", "attempts", "decision", "exit_code", "last_decision", "plan", "preemptions", "encoder_ranks", "encoder_share", "busy", "estimate", "fused_into", "tasks")
+    __slots__ = ("phase", "reason", "history", "placement", "allocation_id", "step", "total_steps", "loss", "first_loss", "step_time_s", "attempts", "decision", "exit_code", "last_decision", "plan", "preemptions", "encoder_ranks", "encoder_share", "busy", "estimate", "fused_into", "tasks", "step_time_median_s")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,7 @@ class JobStatus(_message.Message):
     ESTIMATE_FIELD_NUMBER: _ClassVar[int]
     FUSED_INTO_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_MEDIAN_S_FIELD_NUMBER: _ClassVar[int]
     phase: JobPhase
     reason: str
     history: _containers.RepeatedCompositeFieldContainer[PhaseTransition]
@@ -257,7 +258,8 @@ class JobStatus(_message.Message):
     estimate: JobEstimate
     fused_into: str
     tasks: _containers.RepeatedCompositeFieldContainer[TaskStatus]
-    def __init__(self, phase: _Optional[_Union[JobPhase, str]] = ..., reason: _Optional[str] = ..., history: _Optional[_Iterable[_Union[PhaseTransition, _Mapping]]] = ..., placement: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., allocation_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., first_loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., attempts: _Optional[int] = ..., decision: _Optional[str] = ..., exit_code: _Optional[int] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ..., plan: _Optional[_Union[ParallelPlan, _Mapping]] = ..., preemptions: _Optional[int] = ..., encoder_ranks: _Optional[int] = ..., encoder_share: _Optional[float] = ..., busy: _Optional[float] = ..., estimate: _Optional[_Union[JobEstimate, _Mapping]] = ..., fused_into: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ...) -> None: ...
+    step_time_median_s: float
+    def __init__(self, phase: _Optional[_Union[JobPhase, str]] = ..., reason: _Optional[str] = ..., history: _Optional[_Iterable[_Union[PhaseTransition, _Mapping]]] = ..., placement: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ..., allocation_id: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., loss: _Optional[float] = ..., first_loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., attempts: _Optional[int] = ..., decision: _Optional[str] = ..., exit_code: _Optional[int] = ..., last_decision: _Optional[_Union[Decision, _Mapping]] = ..., plan: _Optional[_Union[ParallelPlan, _Mapping]] = ..., preemptions: _Optional[int] = ..., encoder_ranks: _Optional[int] = ..., encoder_share: _Optional[float] = ..., busy: _Optional[float] = ..., estimate: _Optional[_Union[JobEstimate, _Mapping]] = ..., fused_into: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ..., step_time_median_s: _Optional[float] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
     __slots__ = ("name", "phase", "step", "total_steps", "loss", "first_loss", "tokens_per_s", "reason")
