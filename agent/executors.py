@@ -791,7 +791,8 @@ class ExecutorManager:
             dt = 0.0
         if math.isfinite(dt) and dt > 0:
             ex.max_step_s = max(ex.max_step_s, dt)
-            ex.step_times.append(dt)
+            if ev.get("module") not in BREAKDOWN_MODULES:  # those repeat their step's wall time
+                ex.step_times.append(dt)
         ex.step = int(ev.get("step", ex.step))
         ex.loss = float(ev.get("loss", ex.loss))
         if self.on_step is not None:

@@ -93,6 +93,10 @@ def test_progress_reports_carry_the_median_of_every_step_not_only_the_sampled_on
     assert reports[-1]["step_time_s"] == 0.030                 # the step the report happened to sample
     assert reports[-1]["step_time_median_s"] == 0.012          # the 12 valid steps' median
     assert ex.max_step_s == 0.5
+    # A multimodal step's per-module events repeat its wall time: counted once.
+    asyncio.run(mgr._event(ex, {"event": "progress", "step": 16, "total": 99, "step_time_s": 0.9, "module": "encoder",
+                                "phases": {"forward": 0.1}}))
+    assert len(ex.step_times) == 12
     ex.step_times.extend([0.02] * (2 * STEP_WINDOW))
     assert len(ex.step_times) == STEP_WINDOW and step_time_median(ex.step_times) == 0.02   # the window slides
 
