@@ -412,11 +412,14 @@ def colocation_profile(workload: dict, cores: list[list[int]], warmup: int, meas
     nothing (with a 2x margin, ~0.25 device-s per round of the benchmark, split cores
     held throughout).
 
-    Returns ``{"alone_s", "together_s", "alone_n", "together_n", "device_s"}``: the
-    medians of X's steps (less other tenants' wait; Y's CPU time on a shared core is
-    added back, as in :func:`run_jobs`) wholly before the signal or after Y's last
-    step, and wholly inside Y's measured steps (after its warm-up); the run's wall time
-    times the cores held. RuntimeError when either side has fewer than 2 steps."""
+    Returns ``{"alone_s", "together_s", "alone_n", "together_n", "device_s", "x_t",
+    "y_t"}``: the medians of X's steps (less other tenants' wait; Y's CPU time on a
+    shared core is added back, as in :func:`run_jobs`) wholly before the signal or after
+    Y's last step, and wholly inside Y's measured steps (after its warm-up); the run's
+    wall time times the cores held; X's and Y's step boundaries (monotonic seconds,
+    every step from the first; raw, nothing subtracted), so that how the two cores'
+    steps slow together can be read afterwards. RuntimeError when either side has fewer
+    than 2 steps."""
     ctx = mp.get_context("fork")
     t_begin = time.monotonic()
     go = ctx.Event()
@@ -454,7 +457,8 @@ def colocation_profile(workload: dict, cores: list[list[int]], warmup: int, meas
                            f"(need 2 each)")
     held = len(set(cores[0]) | set(cores[1]))
     return {"alone_s": statistics.median(alone), "together_s": statistics.median(together),
-            "alone_n": len(alone), "together_n": len(together), "device_s": wall * held}
+            "alone_n": len(alone), "together_n": len(together), "device_s": wall * held,
+            "x_t": [round(rec[0], 6) for rec in x], "y_t": [round(rec[0], 6) for rec in y]}
 
 
 def profile_points(points: list[tuple[dict, list[int]]], warmup: int | list[int],

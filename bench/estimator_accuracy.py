@@ -626,6 +626,9 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
     alone_fb: dict[tuple, list[float | None]] = {}  # per round: forward + backward share of the step
     alone_faults: dict[tuple, list[float | None]] = {}  # per round: minor page faults per measured step
     pairs: list[dict] = []  # one colocation row per mode and round; fit_interference takes the median g
+    # Per colocation profile, X's and its twin's step boundaries (not a model input: kept in
+    # the JSON, ``colocation_steps``, to read how two busy cores' steps slow together).
+    colo_steps: list[dict] = []
     comm_runs: list[list[dict]] = []
     grid_cost = 0.0
     job_rounds: list[list[tuple]] = [[] for _ in points]  # per round: (step times, raw times) of its jobs
@@ -657,6 +660,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                                                 together=COLO_TOGETHER[mode])
                     pairs.append({"mode": mode, "colocated": 2, "oversubscription": 2.0 if mode == "shared" else 1.0,
                                   "alone_s": res["alone_s"], "together_s": res["together_s"]})
+                    colo_steps.append({"mode": mode, "round": r, "x_t": res["x_t"], "y_t": res["y_t"]})
             elif task[0] == "wprof":
                 # The controller's profiling job of each shape: its own workload, WARMUP +
                 # MEASURED steps, quota 1, a fresh process.
@@ -700,6 +704,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                  "faults_per_step": faults_median([f for jobs in fr for f in jobs])}
                 for pt, jr, u, fr in zip(points, job_rounds, util, faults)]
     prof = {"cost": pcost, "samples": len(samples), "comm_rows": comm_rows, "pairs": pairs,
+            "colocation_steps": colo_steps,
             "profile_samples": [dict(x.__dict__) for x in samples],
             "profile_rounds": {point_key(k): v for k, v in alone.items()},
             "profile_mb_frac_rounds": {point_key(k): v for k, v in alone_fb.items()},
@@ -888,7 +893,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  for p in measured) if rounds > 1 else None,
         "estimate_batch_s": res["eval_s"], "grid_points": len(rows),
         "model": model.to_dict(), "rows": rows, "profile_samples": prof["profile_samples"],
-        "colocation_pairs": prof["pairs"], "comm_rows": prof["comm_rows"], "profile_rounds": prof["profile_rounds"],
+        "colocation_pairs": prof["pairs"], "colocation_steps": prof["colocation_steps"],
+        "comm_rows": prof["comm_rows"], "profile_rounds": prof["profile_rounds"],
         "profile_mb_frac_rounds": prof["profile_mb_frac_rounds"], "profile_faults_rounds": prof["profile_faults_rounds"],
         "workload_profiles": prof["workload_profiles"], "workload_profile_rounds": prof["workload_profile_rounds"],
         "workload_wall_s": prof["workload_wall_s"],

@@ -64,5 +64,11 @@ def test_the_twin_runs_the_given_number_of_together_steps():
     core = sorted(os.sched_getaffinity(0))[0]
     res = colocation_profile(SMALL, [[core], [core]], warmup=2, measured=3, together=8)
     assert res["together_n"] >= 5 and res["alone_n"] >= 3
+    # The step boundaries of both sides come back (the JSON's colocation_steps): Y's
+    # steps all start after X's signal step and X outlasts them.
+    x_t, y_t = res["x_t"], res["y_t"]
+    assert len(y_t) >= 2 + 8 and len(x_t) > len(y_t)
+    assert all(b > a for a, b in zip(x_t, x_t[1:])) and all(b > a for a, b in zip(y_t, y_t[1:]))
+    assert x_t[2 + 3] <= y_t[0] and y_t[-1] < x_t[-1]
     with pytest.raises(ValueError, match="together"):
         colocation_profile(SMALL, [[core], [core]], warmup=2, measured=3, together=1)
