@@ -43,6 +43,7 @@ import os
 import re
 import secrets
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -176,11 +177,7 @@ def process_cpu_s(pid: int) -> float | None:
 def step_time_median(times) -> float:
     """Median of ``times`` (seconds; the caller keeps only finite, positive ones), 0.0
     when there are none: what ``step_time_median_s`` of a PROGRESS report says."""
-    xs = sorted(times)
-    n = len(xs)
-    if n == 0:
-        return 0.0
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+    return float(statistics.median(times)) if times else 0.0
 
 
 def busy_fraction(cpu_s: float, wall_s: float, cores: int) -> float | None:
