@@ -786,7 +786,9 @@ class ExecutorManager:
             dt = float(ev.get("step_time_s") or 0.0)
         except (TypeError, ValueError):
             dt = 0.0
-        if math.isfinite(dt) and dt > 0:
+        if not (math.isfinite(dt) and dt > 0):
+            dt = 0.0  # no step time: what the report sends (the controller keeps the last one)
+        if dt > 0:
             ex.max_step_s = max(ex.max_step_s, dt)
             if ev.get("module") not in BREAKDOWN_MODULES:  # those repeat their step's wall time
                 ex.step_times.append(dt)
@@ -799,7 +801,7 @@ class ExecutorManager:
         if now - ex.last_report >= self.report_interval_s or final or ex.last_report == 0:
             ex.last_report = now
             r = {"kind": "PROGRESS", "step": ex.step, "total_steps": int(ev.get("total", 0) or 0),
-                 "loss": ex.loss, "step_time_s": float(ev.get("step_time_s", 0.0)),
+                 "loss": ex.loss, "step_time_s": dt,
                  "step_time_median_s": step_time_median(ex.step_times),
                  "modules": {m: dict(ph) for m, ph in ex.modules.items()}}
             busy = self.measure_busy(ex, now)

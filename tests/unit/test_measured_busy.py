@@ -97,6 +97,11 @@ def test_progress_reports_carry_the_median_of_every_step_not_only_the_sampled_on
     asyncio.run(mgr._event(ex, {"event": "progress", "step": 16, "total": 99, "step_time_s": 0.9, "module": "encoder",
                                 "phases": {"forward": 0.1}}))
     assert len(ex.step_times) == 12
+    # A report sent at a junk step carries no step time (0: the controller keeps its last)
+    # rather than one the controller refuses with the whole report.
+    mgr.report_interval_s = 0.0
+    asyncio.run(mgr._event(ex, {"event": "progress", "step": 17, "total": 99, "step_time_s": float("nan")}))
+    assert reports[-1]["step_time_s"] == 0.0 and reports[-1]["step_time_median_s"] == 0.012
     ex.step_times.extend([0.02] * (2 * STEP_WINDOW))
     assert len(ex.step_times) == STEP_WINDOW and step_time_median(ex.step_times) == 0.02   # the window slides
 
