@@ -13,8 +13,9 @@ from tessera.measurement import PROFILE_MIN_MEASURED, PROFILE_WARMUP_STEPS
 class ControllerConfig:
     """The controller's settings; construction refuses a value it could not run with
     (``SpecError`` naming the field): ``grace_s``, ``heartbeat_interval_s``,
-    ``reconcile_interval_s`` and ``profile_grace_s`` finite and > 0, ``lease_ttl_s`` and
-    ``max_attempts`` integers >= 1, ``profile_steps`` enough for a profile point,
+    ``reconcile_interval_s``, ``profile_grace_s`` and ``profile_retry_s`` finite and > 0,
+    ``lease_ttl_s``, ``max_attempts`` and ``profile_attempts`` integers >= 1,
+    ``profile_steps`` enough for a profile point,
     ``finished_job_ttl_s`` finite and >= 0."""
 
     listen: str = field(default="127.0.0.1:50051", metadata={"help": "gRPC listen address HOST:PORT"})
@@ -36,6 +37,12 @@ class ControllerConfig:
         "help": "a profiling job that SUCCEEDED this many seconds ago without its profile reaching the estimator "
                 "(profilerd down or not streaming) marks the jobs waiting on it insufficient_data, naming it; a "
                 "profile arriving later still gives them estimates"})
+    profile_attempts: int = field(default=3, metadata={
+        "help": "profiling jobs submitted for one model and shape when they FAIL (a transient fault must not leave "
+                "it unprofiled); after the last, the jobs waiting on it say insufficient_data. A CANCELLED profiling "
+                "job is not retried"})
+    profile_retry_s: float = field(default=10.0, metadata={
+        "help": "wait after the k-th profiling job of a shape FAILED before the next: profile_retry_s * 2^(k-1)"})
     policy: str = field(default="tessera", metadata={"help": "scheduling policy: tessera (packing, elastic resize, preemption) | firstfit (whole partitions, submission order)"})
     identity: str = field(default="", metadata={"help": "this controller's identity in the election (default: host:pid)"})
     finished_job_ttl_s: float = field(default=604800.0, metadata={
@@ -52,11 +59,11 @@ class ControllerConfig:
                                              f"measured), got {self.profile_steps!r}")
         # Durations and counts the controller loops on: 0, negative or NaN would make nodes
         # NOT_READY at once, a busy loop, a lease that never holds or jobs that never run.
-        for name in ("grace_s", "heartbeat_interval_s", "reconcile_interval_s", "profile_grace_s"):
+        for name in ("grace_s", "heartbeat_interval_s", "reconcile_interval_s", "profile_grace_s", "profile_retry_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
                 raise SpecError(name, f"must be a finite number > 0 seconds, got {v!r}")
-        for name in ("lease_ttl_s", "max_attempts"):
+        for name in ("lease_ttl_s", "max_attempts", "profile_attempts"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SpecError(name, f"must be an integer >= 1, got {v!r}")

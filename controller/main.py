@@ -82,7 +82,7 @@ async def serve(cfg: ControllerConfig, ready: asyncio.Event | None = None, stop:
     loops = [campaign, reconcile]
     if cfg.estimator:  # profiling jobs and estimates (controller/profiling.py)
         prof = Profiling(ctl, cfg.estimator, steps=cfg.profile_steps, interval_s=cfg.reconcile_interval_s,
-                         grace_s=cfg.profile_grace_s)
+                         grace_s=cfg.profile_grace_s, attempts=cfg.profile_attempts, retry_s=cfg.profile_retry_s)
         # The policy's live estimator evaluates the snapshot this loop keeps fresh.
         ctl.snapshot = lambda: prof.link.model
         loops.append(asyncio.create_task(prof.run(loop_stop)))

@@ -10,9 +10,14 @@ Each cycle (while leading) for every job of a ``gpt``, ``peft`` or ``multimodal`
    ``profile_steps`` steps; a real short run through the agents whose step timings
    reach the estimator via profilerd; the job's ``status.estimate`` says ``profiling``
    and names it (never for a finished job: it keeps the estimate it has, see
-   ``Profiling._ended``); a profiling job that FAILED, was CANCELLED, or SUCCEEDED
+   ``Profiling._ended``); a profiling job that FAILED is submitted again, up to
+   ``attempts`` jobs in all, each after ``retry_s * 2**(k-1)`` from the k-th one's
+   failure (a transient fault — a lost node, an out-of-memory on a busy device — must
+   not leave the module unprofiled for good; ``attempt_key``); a profiling job that
+   FAILED for the last time, was CANCELLED (deliberately: never retried), or SUCCEEDED
    ``grace_s`` ago with no profile arrived turns that into ``insufficient_data`` naming
-   it (``Profiling._settled``);
+   it (``Profiling._settled``); one still PENDING carries its placement decision's
+   reason (why it waits) in the estimate's reason;
 2. otherwise -> evaluate the cached model snapshot (GetModelSnapshot, polled with
    ``if_newer_than``) *locally* with ``tessera.perfmodel`` for the job's plan and write
    ``status.estimate`` (ok with seconds and confidence, or insufficient_data with the
@@ -69,7 +74,9 @@ def profile_doc(doc: dict, steps: int) -> tuple[dict, str]:
     if w.get("type", "gpt") == "gpt":
         rows = w["batch_size"] // p["dp"]
         key = json.dumps([arch_key(w), rows, p["micro_batches"], dev], sort_keys=True)
-        pw = {k: v for k, v in w.items() if k not in ("peft", "multimodal")}
+        # The model's compute alone: an input-bound job's wait for its input
+        # (``step_delay_s``) is not the model's, and the key leaves it out.
+        pw = {k: v for k, v in w.items() if k not in ("peft", "multimodal", "step_delay_s")}
         pw.update(steps=steps, batch_size=rows, checkpoint_every=steps,
                   plan={"dp": 1, "tp": 1, "pp": 1, "micro_batches": p["micro_batches"]})
         devices = 1
@@ -87,6 +94,13 @@ def profile_doc(doc: dict, steps: int) -> tuple[dict, str]:
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return ({"apiVersion": manifest.API_VERSION, "name": PROFILE_PREFIX + digest, "tenant": PROFILE_TENANT,
              "workload": pw, "resources": {"devices": devices, "device_kind": dev}}, PROFILE_PREFIX + digest)
+
+
+def attempt_key(idem: str, k: int) -> str:
+    """The idempotency key (and name) of the k-th profiling job (k >= 1) of the step shape
+    whose first one ``profile_doc`` keys ``idem``: ``idem`` itself for the first, then
+    ``idem-a<k>`` (a retry after a FAILED one is a new job, never the failed one again)."""
+    return idem if k <= 1 else f"{idem}-a{k}"
 
 
 def module_of(doc: dict) -> str:
@@ -163,11 +177,14 @@ class Profiling:
     """The profiling/estimate loop over a ``controller.core.Controller`` (see module doc)."""
 
     def __init__(self, ctl, address: str, *, steps: int = 8, interval_s: float = 1.0,
-                 clock: Callable[[], float] = time.time, grace_s: float = 60.0) -> None:
+                 clock: Callable[[], float] = time.time, grace_s: float = 60.0, attempts: int = 3,
+                 retry_s: float = 10.0) -> None:
         self.ctl = ctl
         self.link = EstimatorLink(address)
         self.steps = steps
         self.grace_s = grace_s
+        self.attempts = attempts
+        self.retry_s = retry_s
         self.interval_s = interval_s
         self.clock = clock
         self.log = log.get(component="controller.profiling")
@@ -242,31 +259,50 @@ class Profiling:
             return requested, estimated
         if job.status.phase in TERMINAL:
             return 0, await self._ended(job, by_id)
-        # Neither the model nor a profile of this module at this per-rank shape: profile it.
-        pj = next((j for j in jobs if is_profile_job(j) and j.idempotency_key == idem), None)
-        if pj is None:
-            pj, created = await self.ctl.submit(manifest.to_proto(pdoc), idem)
+        # Neither the model nor a profile of this module at this per-rank shape: profile it
+        # (the latest of its profiling jobs; after a FAILED one, the next attempt).
+        keys = {attempt_key(idem, k): k for k in range(1, self.attempts + 1)}
+        k, pj = max(((keys[j.idempotency_key], j) for j in jobs
+                     if is_profile_job(j) and j.idempotency_key in keys), default=(0, None), key=lambda t: t[0])
+        retry_at = None
+        if pj is not None and pj.status.phase == P.FAILED and k < self.attempts:
+            retry_at = _ended_at(pj, P.FAILED) + self.retry_s * 2 ** (k - 1)
+        if pj is None or (retry_at is not None and self.clock() >= retry_at):
+            k += 1
+            pdoc = {**pdoc, "name": attempt_key(pdoc["name"], k)}
+            pj, created = await self.ctl.submit(manifest.to_proto(pdoc), attempt_key(idem, k))
             requested += created
             self.log.info("profiling job requested", job_id=job.id, profile_job=pj.id, module=module,
-                          rows=rows, micro_batches=mb)
-        new = self._settled(pj, module) or types_pb2.JobEstimate(
-            status="profiling", profile_job_id=pj.id, time=self.clock(),
-            reason=f"no profile of {module} at batch {rows} yet; profiling job {pj.id}")
+                          rows=rows, micro_batches=mb, attempt=k)
+            retry_at = None
+        if retry_at is not None:  # failed; the next attempt is due at retry_at
+            at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(retry_at))
+            new = types_pb2.JobEstimate(
+                status="profiling", profile_job_id=pj.id, time=self.clock(),
+                reason=f"profiling job {pj.id} ended FAILED (attempt {k} of {self.attempts}: "
+                       f"{pj.status.reason or 'no reason given'}); attempt {k + 1} at {at}")
+        else:
+            new = self._settled(pj, module, k) or types_pb2.JobEstimate(
+                status="profiling", profile_job_id=pj.id, time=self.clock(),
+                reason=f"no profile of {module} at batch {rows} yet; profiling job {pj.id}" + _waiting(pj))
         estimated += await self._write(job.id, new)
         return requested, estimated
 
-    def _settled(self, pj: types_pb2.Job, module: str) -> types_pb2.JobEstimate | None:
+    def _settled(self, pj: types_pb2.Job, module: str, attempt: int = 0) -> types_pb2.JobEstimate | None:
         """``insufficient_data`` naming ``pj`` when it can no longer bring a profile: it
-        FAILED or was CANCELLED, or it SUCCEEDED at least ``grace_s`` ago and its profile
-        still has not reached the estimator (profilerd down, not streaming, or its steps
-        dropped); else None (still coming). A profile that arrives later still wins: the
-        next cycle finds it and writes the estimate."""
+        FAILED (``attempt``, when given, is its number among the module's profiling jobs:
+        the reason says it was the last) or was CANCELLED, or it SUCCEEDED at least
+        ``grace_s`` ago and its profile still has not reached the estimator (profilerd
+        down, not streaming, or its steps dropped); else None (still coming). A profile
+        that arrives later still wins: the next cycle finds it and writes the estimate."""
         if pj.status.phase in (P.FAILED, P.CANCELLED):
+            last = (f" (attempt {attempt} of {self.attempts}: {pj.status.reason or 'no reason given'})"
+                    if attempt and pj.status.phase == P.FAILED else "")
             return types_pb2.JobEstimate(status="insufficient_data", profile_job_id=pj.id, time=self.clock(),
-                                         reason=f"profiling job {pj.id} ended {P.Name(pj.status.phase)}")
+                                         reason=f"profiling job {pj.id} ended {P.Name(pj.status.phase)}{last}")
         if pj.status.phase != P.SUCCEEDED:
             return None
-        ended = max((h.time for h in pj.status.history if h.phase == P.SUCCEEDED), default=0.0)
+        ended = _ended_at(pj, P.SUCCEEDED)
         if self.clock() - ended < self.grace_s:
             return None
         node = pj.status.placement[0].node if pj.status.placement else "?"
@@ -329,3 +365,19 @@ class Profiling:
         except NotFound:
             return 0
         return wrote[0]
+
+
+def _ended_at(job: types_pb2.Job, phase: int) -> float:
+    """When ``job`` entered ``phase`` (its history's latest such entry; its creation time
+    if the history has none)."""
+    return max((h.time for h in job.status.history if h.phase == phase), default=job.created)
+
+
+def _waiting(pj: types_pb2.Job) -> str:
+    """For a PENDING profiling job, why it waits (its placement decision's reason: no
+    node of its device kind, a full cluster, ...) as a suffix of the estimate's reason;
+    "" otherwise. Stable while the decision is (the estimate is rewritten only then)."""
+    d = pj.status.last_decision
+    if pj.status.phase == P.PENDING and d.action == "wait" and d.reason:
+        return f" (pending: {d.reason})"
+    return ""
