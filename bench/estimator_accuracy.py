@@ -593,6 +593,20 @@ def colocation_with_retry(profile, wl: dict, cores: list[list[int]], pcost: dict
     raise ValueError(f"tries: {tries}, expected >= 1")
 
 
+def colocation_or_skip(profile, wl: dict, cores: list[list[int]], pcost: dict, skipped: list[dict], mode: str,
+                       r: int, **kw) -> dict | None:
+    """:func:`colocation_with_retry`, or None when every try failed (a long burst of other
+    work on the host): that round then has no pair of this ``mode`` — its device time is
+    counted, the fit uses the other rounds' pairs, ``skipped`` gets ``{"mode", "round",
+    "error"}`` (JSON ``colocation_skipped``) — rather than the whole run ending on it."""
+    try:
+        return colocation_with_retry(profile, wl, cores, pcost, **kw)
+    except RuntimeError as e:
+        print(f"colocation profile ({mode}, round {r}) skipped: {e}", file=sys.stderr)
+        skipped.append({"mode": mode, "round": r, "error": str(e)})
+        return None
+
+
 def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict], float]:
     """Profiles and held-out grid, measured the same way and interleaved in time.
 
@@ -629,6 +643,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
     # Per colocation profile, X's and its twin's step boundaries (not a model input: kept in
     # the JSON, ``colocation_steps``, to read how two busy cores' steps slow together).
     colo_steps: list[dict] = []
+    colo_skipped: list[dict] = []  # rounds whose colocation profile failed twice (JSON ``colocation_skipped``)
     comm_runs: list[list[dict]] = []
     grid_cost = 0.0
     job_rounds: list[list[tuple]] = [[] for _ in points]  # per round: (step times, raw times) of its jobs
@@ -656,10 +671,12 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                 # colocation_profile): the ratio is the interference, not the drift of
                 # the host between two runs (which the old alone-then-pair runs measured).
                 for mode in ("shared", "split"):
-                    res = colocation_with_retry(colocation_profile, workload(n, b, s_, 1, steps), colo[mode], pcost,
-                                                together=COLO_TOGETHER[mode])
+                    res = colocation_or_skip(colocation_profile, workload(n, b, s_, 1, steps), colo[mode], pcost,
+                                             colo_skipped, mode, r, together=COLO_TOGETHER[mode])
+                    if res is None:
+                        continue
                     pairs.append({"mode": mode, "colocated": 2, "oversubscription": 2.0 if mode == "shared" else 1.0,
-                                  "alone_s": res["alone_s"], "together_s": res["together_s"]})
+                                  "alone_s": res["alone_s"], "together_s": res["together_s"], "round": r})
                     colo_steps.append({"mode": mode, "round": r, "x_t": res["x_t"], "y_t": res["y_t"]})
             elif task[0] == "wprof":
                 # The controller's profiling job of each shape: its own workload, WARMUP +
@@ -704,7 +721,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                  "faults_per_step": faults_median([f for jobs in fr for f in jobs])}
                 for pt, jr, u, fr in zip(points, job_rounds, util, faults)]
     prof = {"cost": pcost, "samples": len(samples), "comm_rows": comm_rows, "pairs": pairs,
-            "colocation_steps": colo_steps,
+            "colocation_steps": colo_steps, "colocation_skipped": colo_skipped,
             "profile_samples": [dict(x.__dict__) for x in samples],
             "profile_rounds": {point_key(k): v for k, v in alone.items()},
             "profile_mb_frac_rounds": {point_key(k): v for k, v in alone_fb.items()},
@@ -894,6 +911,7 @@ def main(argv: list[str] | None = None) -> int:
         "estimate_batch_s": res["eval_s"], "grid_points": len(rows),
         "model": model.to_dict(), "rows": rows, "profile_samples": prof["profile_samples"],
         "colocation_pairs": prof["pairs"], "colocation_steps": prof["colocation_steps"],
+        "colocation_skipped": prof["colocation_skipped"],
         "comm_rows": prof["comm_rows"], "profile_rounds": prof["profile_rounds"],
         "profile_mb_frac_rounds": prof["profile_mb_frac_rounds"], "profile_faults_rounds": prof["profile_faults_rounds"],
         "workload_profiles": prof["workload_profiles"], "workload_profile_rounds": prof["workload_profile_rounds"],

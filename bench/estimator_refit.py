@@ -98,7 +98,11 @@ def subset(run: dict, keep: tuple[int, ...]) -> tuple[PerfModel, list[dict]]:
             raise ValueError(f"profile point {k}: {len(rounds)} rounds stored, the run measured {n}")
         fracs = fb.get(k) or [None] * n
         samples.append(ComputeSample(**{**s, **ea.point_stats([rounds[i] for i in keep], [fracs[i] for i in keep])}))
-    pairs = _per_round(run["colocation_pairs"], n, "colocation pairs")
+    stored = run["colocation_pairs"]
+    if stored and all("round" in p for p in stored):  # kept with their round (a failed one skipped)
+        pairs = [[p for p in stored if p["round"] == i] for i in range(n)]
+    else:
+        pairs = _per_round(stored, n, "colocation pairs")
     comm = _per_round(run["comm_rows"], n, "comm rows")
     wp = [p for name, rr in (run.get("workload_profile_rounds") or {}).items()
           for p in ea.workload_points(name, [rr[i] for i in keep])]

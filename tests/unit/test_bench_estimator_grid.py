@@ -73,6 +73,23 @@ def test_a_failed_colocation_profile_is_tried_again_and_its_time_counted():
         ea.colocation_with_retry(broken, {}, [[0], [0]], {"colocation": 0.0})
 
 
+def test_a_colocation_profile_that_fails_every_try_skips_its_round_not_the_run():
+    def broken(wl, cores, warmup, measured):
+        raise RuntimeError("colocation profile: 11 alone and 1 together steps of X (need 2 each)")
+
+    pcost, skipped = {"colocation": 0.0}, []
+    assert ea.colocation_or_skip(broken, {}, [[0], [1]], pcost, skipped, "split", 4) is None
+    assert skipped == [{"mode": "split", "round": 4,
+                        "error": "colocation profile: 11 alone and 1 together steps of X (need 2 each)"}]
+    assert pcost["colocation"] > 0.0  # both failed tries' wall time x 2 cores
+
+    def ok(wl, cores, warmup, measured):
+        return {"alone_s": 0.01, "together_s": 0.011, "device_s": 0.5}
+
+    assert ea.colocation_or_skip(ok, {}, [[0], [1]], pcost, skipped, "split", 5)["together_s"] == 0.011
+    assert len(skipped) == 1
+
+
 def test_a_point_keeps_the_mean_of_its_least_disturbed_half_of_rounds():
     """bench step_time: the host only ever slows a run down, so a point's value is the
     mean of the least disturbed half of its rounds (rounded up), profiles and grid alike."""

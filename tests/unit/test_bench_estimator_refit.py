@@ -105,3 +105,20 @@ def test_rounds_option_prints_each_run_and_the_mean(capsys):
     out = capsys.readouterr().out
     assert "estimator_accuracy_s21c.json" in out and "skipped" in out  # s15a kept no per-round data
     assert "mean over 1 runs: single-device" in out
+
+
+def test_a_subset_takes_the_pairs_of_its_rounds_by_their_round_when_one_was_skipped():
+    """Pairs kept with their ``round`` (a run whose colocation profile failed in a round
+    has none for it): a subset takes those of its rounds, not a count per round."""
+    run = json.loads(ROUNDS_RUN.read_text())
+    n = run["rounds"]
+    per = len(run["colocation_pairs"]) // n
+    tagged = [{**p, "round": i // per} for i, p in enumerate(run["colocation_pairs"])]
+    full = er.subset({**run, "colocation_pairs": tagged}, tuple(range(n)))[0]
+    assert full.interference == er.subset(run, tuple(range(n)))[0].interference
+    skipped = [p for p in tagged if p["round"] != 1]  # round 1's pairs failed
+    a = er.subset({**run, "colocation_pairs": skipped}, (0, 2))[0]
+    b = er.subset({**run, "colocation_pairs": tagged}, (0, 2))[0]
+    assert a.interference == b.interference  # rounds 0 and 2 are whole either way
+    c = er.subset({**run, "colocation_pairs": skipped}, (1,))[0]
+    assert c.interference != b.interference  # round 1 alone: no pair measured
