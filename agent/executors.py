@@ -859,6 +859,9 @@ class ExecutorManager:
         except BadGrant as e:
             raise BadRequest(f"units: {e}") from None
         ex.grant = g
+        # The window's steps ran on the old quota: its median would mix both for up to
+        # STEP_WINDOW steps (the controller clears the job's step times with the decision).
+        ex.step_times.clear()
         if g.cores:
             pin_process(ex.proc.pid, g.cores)
             ex.cores = len(g.cores)

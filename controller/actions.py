@@ -128,6 +128,7 @@ async def relaunch(ctl, job: types_pb2.Job, action: str, reason: str, nodes: dic
             ctl.log.info(f"{action} skipped: partition full", job_id=j.id, error=str(e), decision_id=decision_id)
             return None
         busy_to_units(j, adapter.shard_units(j.status.placement, nodes), want)
+        forget_step_times(j)
         del j.status.placement[:]
         j.status.placement.extend(shards)
         j.status.allocation_id = alloc_id
@@ -209,6 +210,16 @@ async def repartition(ctl, rp: Repartition, jobs: dict[str, types_pb2.Job], node
     return done
 
 
+def forget_step_times(job: types_pb2.Job) -> None:
+    """The measured step times (``status.step_time_s``, ``step_time_median_s``) describe
+    the quota and plan the job ran under; when those change (a relaunch, a live
+    repartition, a new placement) they are cleared (0 = none yet), so that ``tessera get``
+    never shows the old setup's steps beside the new setup's estimate. The executor's
+    next PROGRESS reports measure them again (the agent restarts its window too)."""
+    job.status.step_time_s = 0.0
+    job.status.step_time_median_s = 0.0
+
+
 def rescale_busy(job: types_pb2.Job, old: int, new: int) -> None:
     """``status.busy`` is a fraction of the job's *current* quota; when its units change
     from ``old`` to ``new`` it is rescaled to the same amount of work under the new quota,
@@ -264,6 +275,7 @@ async def _set_units(ctl, job_id: str, alloc_id: str, node: str, part: types_pb2
             ctl.log.info("repartition skipped: partition full", job_id=j.id, error=str(e), decision_id=decision_id)
             return None
         rescale_busy(j, j.status.placement[0].units or part.capacity_units, new)
+        forget_step_times(j)
         j.status.placement[0].units = new
         decide(j, ctl.policy.name, action, reason, now, decision_id, quota)
         wrote[0] = True

@@ -161,6 +161,11 @@ async def test_controller_repartitions_cpuset_group_live(live, monkeypatch):
             assert j.status.placement[0].units == 2 and j.status.last_decision.quota == 1.0
             assert "cpu0 on node-1 1 -> 2 cores, live" in j.status.last_decision.reason
             assert j.status.last_decision.policy == "grow-once"
+            # The steps measured at 1 core are forgotten with the decision (0 = none yet):
+            # `tessera get` shows no 1-core median beside the 2-core estimate.
+            i = next(i for i, x in enumerate(seen) if x.status.last_decision.action == "repartition")
+            assert seen[i].status.step_time_s == seen[i].status.step_time_median_s == 0.0, seen[i].status
+            assert any(x.status.step_time_median_s > 0 for x in seen[:i])
             ls = await nodes.ListNodes(cpb.ListNodesRequest())
             assert ls.nodes[0].partitions[0].allocated_units == 2
             # Carried out live: the same process, now on both cores (every thread).
