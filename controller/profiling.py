@@ -49,6 +49,7 @@ from tessera.modelkey import arch_key, shape_key
 from tessera.perfmodel import Candidate, Estimate, PerfModel
 from tessera.spec.multimodal import mean_mix
 
+from .adapter import node_partitions
 from .core import NotFound, NotLeader
 from .records import PROFILE_PREFIX, PROFILE_TENANT, is_profile_job  # noqa: F401 - one definition (fusion too)
 from .store import Fenced
@@ -109,10 +110,15 @@ def module_of(doc: dict) -> str:
     return shape_key(doc["workload"], doc["resources"]["devices"])
 
 
-def candidate(doc: dict, device_type: str, quota: float, nodes: int) -> Candidate:
-    """The perfmodel candidate of a validated job manifest on ``device_type``."""
+def candidate(doc: dict, device_type: str, quota: float, nodes: int,
+              plan: types_pb2.ParallelPlan | None = None) -> Candidate:
+    """The perfmodel candidate of a validated job manifest on ``device_type``; ``plan``
+    (the job's ``status.plan``: the plan the policy chose and the job runs, when it is not
+    the spec's) replaces the spec's dp, tp, pp and micro-batches."""
     w, m = doc["workload"], doc["workload"]["model"]
-    p = w["plan"]
+    p = dict(w["plan"])
+    if plan is not None and plan.dp:
+        p.update(dp=plan.dp, tp=plan.tp or 1, pp=plan.pp or 1, micro_batches=plan.micro_batches or 1)
     # peft / multimodal runtimes take no gpt plan: their step shape (devices included) is the module key
     dp, tp, pp = (p["dp"], p["tp"], p["pp"]) if w.get("type", "gpt") == "gpt" else (1, 1, 1)
     return Candidate(device_type=device_type, layers=m["layers"], hidden=m["hidden"], heads=m["heads"],
@@ -250,7 +256,8 @@ class Profiling:
         if profs:
             dev = doc["resources"].get("device_kind") or profs[0].device_type
             quota, n_nodes = self._quota(job, nodes, [p for p in profs if p.device_type == dev] or profs)
-            est = model.estimate(candidate(doc, dev, quota, n_nodes))
+            plan = job.status.plan if job.status.HasField("plan") else None
+            est = model.estimate(candidate(doc, dev, quota, n_nodes, plan))
         rows, mb = pdoc["workload"]["batch_size"], pdoc["workload"]["plan"]["micro_batches"]
         if est is not None and (est.ok or any(p.rows == rows and p.micro_batches == mb and p.device_type == dev
                                               for p in profs)):
@@ -338,16 +345,33 @@ class Profiling:
 
     @staticmethod
     def _quota(job: types_pb2.Job, nodes: dict, profs: list) -> tuple[float, int]:
-        """(quota per rank, nodes spanned): the capacity of the job's first placed device
-        when placed, else the quota its module was profiled at."""
+        """(quota per rank, nodes spanned) of the job where it is placed, else the quota its
+        module was profiled at. Placed: its first shard's grant — on a core-set partition
+        (unit ``cores``) its units over the partition's ``units_per_core`` (cores; a unit
+        of a core counted twice is half a core), on an MPS one (``sm_percent``) its units
+        / 100 of the GPU, on any other the device's capacity (cores of a CPU, a GPU's
+        percent / 100) times the grant's share of the partition (all of it when the
+        placement names no units)."""
         placement = list(job.status.placement)
+        spanned = max(1, len({s.node for s in placement}))
         if placement:
-            node = nodes.get(placement[0].node)
-            dev = next((d for d in node.devices if d.id == placement[0].device_ids[0]), None) if node else None
+            s = placement[0]
+            node = nodes.get(s.node)
+            pid = (s.partition_ids or s.device_ids or [""])[0]
+            part = next((p for p in node_partitions(node) if p.id == pid), None) if node else None
+            dev_id = part.device_id if part is not None else (s.device_ids or [""])[0]
+            dev = next((d for d in node.devices if d.id == dev_id), None) if node else None
+            units = s.units or (part.capacity_units if part is not None else 0)
+            if part is not None and part.unit == "cores" and units > 0:
+                per_core = part.attributes.get("units_per_core", "1")
+                return units / max(1, int(per_core) if per_core.isdigit() else 1), spanned
+            if part is not None and part.unit == "sm_percent" and units > 0:
+                return min(units, 100) / 100.0, spanned
             if dev is not None and dev.capacity > 0:
                 cap = float(dev.capacity) if dev.kind == "cpu" else dev.capacity / 100.0
-                return cap, len({s.node for s in placement})
-        return float(profs[0].quota or 1.0), max(1, len({s.node for s in placement}))
+                share = units / part.capacity_units if part is not None and part.capacity_units and units else 1.0
+                return cap * min(share, 1.0), spanned
+        return float(profs[0].quota or 1.0), spanned
 
     async def _write(self, job_id: str, new: types_pb2.JobEstimate) -> int:
         """Write ``status.estimate`` when it changed (CAS through the controller); 1 if written."""

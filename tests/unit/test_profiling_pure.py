@@ -127,3 +127,45 @@ def test_profile_steps_must_allow_a_profile_point():
         with pytest.raises(SpecError) as e:
             ControllerConfig(profile_steps=bad)
         assert e.value.field == "profile_steps"
+
+
+def test_candidate_takes_the_plan_the_job_runs_when_the_policy_chose_another():
+    d = doc()  # spec: dp 2, pp 2, m 2
+    c = candidate(d, "cpu", 1.0, 1, types_pb2.ParallelPlan(dp=4, tp=1, pp=1, micro_batches=1))
+    assert (c.dp, c.tp, c.pp, c.micro_batches, c.batch) == (4, 1, 1, 1, 16)
+    c = candidate(d, "cpu", 1.0, 1, types_pb2.ParallelPlan())  # unset (all 0): the spec's
+    assert (c.dp, c.tp, c.pp, c.micro_batches) == (2, 1, 2, 2)
+
+
+def _node(partitions, devices):
+    n = types_pb2.Node(name="n1")
+    n.devices.extend(devices)
+    n.partitions.extend(partitions)
+    return {"n1": n}
+
+
+def _placed(pid, dev_id, units):
+    j = types_pb2.Job()
+    j.status.placement.add(node="n1", device_ids=[dev_id], partition_ids=[pid], units=units)
+    return j
+
+
+def test_the_estimates_quota_is_the_jobs_grant_not_the_whole_device():
+    from controller.profiling import Profiling
+
+    cpu = types_pb2.Device(id="cpu0", kind="cpu", capacity=4)
+    cpuset = types_pb2.Partition(id="cpu0", kind="cpuset", device_id="cpu0", capacity_units=8, unit="cores",
+                                 attributes={"cores": "0,1,2,3", "units_per_core": "2"})
+    nodes = _node([cpuset], [cpu])
+    assert Profiling._quota(_placed("cpu0", "cpu0", 2), nodes, []) == (1.0, 1)   # 2 units of 2 per core
+    assert Profiling._quota(_placed("cpu0", "cpu0", 1), nodes, []) == (0.5, 1)   # half a core (time-sliced)
+    assert Profiling._quota(_placed("cpu0", "cpu0", 0), nodes, []) == (4.0, 1)   # no units: the partition
+    gpu = types_pb2.Device(id="gpu0", kind="gpu", capacity=100)
+    mps = types_pb2.Partition(id="gpu0-mps", kind="mps", device_id="gpu0", capacity_units=100, unit="sm_percent")
+    assert Profiling._quota(_placed("gpu0-mps", "gpu0", 30), _node([mps], [gpu]), []) == (0.3, 1)
+    other = types_pb2.Partition(id="gpu0", kind="device", device_id="gpu0", capacity_units=4, unit="slices")
+    assert Profiling._quota(_placed("gpu0", "gpu0", 2), _node([other], [gpu]), []) == (0.5, 1)
+    # Not placed: the profiled quota.
+    from types import SimpleNamespace
+
+    assert Profiling._quota(types_pb2.Job(), nodes, [SimpleNamespace(quota=2.0)]) == (2.0, 1)
