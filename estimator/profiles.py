@@ -41,14 +41,16 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 def summarize(samples: Iterable[StepSample]) -> Summary | None:
     """Mean, p50, p90 of the step time and the mean of each phase (over the samples
-    that report that phase); ``None`` when there are no samples. Overflow-safe (means are
-    sums of value/n, never above the largest value), and never NaN/inf out: a non-finite
-    phase value or time (only in a log written before ``tessera.measurement.malformed``
-    refused them) is left out of its mean / of ``last_time``."""
+    that report that phase); ``None`` when there are no samples with a finite step time.
+    Overflow-safe (means are sums of value/n, never above the largest value), and never
+    NaN/inf out: a non-finite step time, phase value or time (only in a log written before
+    ``tessera.measurement.malformed`` refused them) is left out of the step-time statistics
+    and ``samples`` (which count the finite step times) / of its phase's mean / of
+    ``last_time``."""
     samples = list(samples)
-    if not samples:
+    times = sorted(s.step_time_s for s in samples if math.isfinite(s.step_time_s))
+    if not times:
         return None
-    times = sorted(s.step_time_s for s in samples)
     phases: dict[str, list[float]] = {}
     for s in samples:
         for k, v in s.phases.items():
@@ -56,7 +58,7 @@ def summarize(samples: Iterable[StepSample]) -> Summary | None:
                 phases.setdefault(k, []).append(v)
     stamps = [s.time for s in samples if math.isfinite(s.time)]
     return Summary(
-        samples=len(samples),
+        samples=len(times),
         mean_step_time_s=math.fsum(t / len(times) for t in times),
         p50_step_time_s=percentile(times, 0.5),
         p90_step_time_s=percentile(times, 0.9),

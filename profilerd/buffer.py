@@ -10,6 +10,19 @@ dropped and counted until both hold again, so an outage during which fewer than
 A single measurement larger than ``max_bytes`` (with its seq) cannot be kept: ``add``
 refuses it (``MeasurementTooLarge``, counted in ``oversized``), takes no number for it
 and evicts nothing for it.
+
+In flight: the stream hands the head of the buffer to a ReportMeasurements call
+(``begin_flight(last_seq)``) and the measurements stay buffered until the ack's watermark
+trims them. One evicted meanwhile (seq <= ``in_flight``) may still be stored by the
+estimator, so it is not counted yet: the ack decides (``trim``: covered, it counts as
+sent); whatever of them the ack does not cover is counted as dropped when the call ends
+(``end_flight``; also when the call failed: whether the estimator stored them is then
+unknown, so a lost acknowledgement can count a stored one as dropped). The bounds are not
+affected: eviction happens the same way, only its accounting waits for the ack.
+
+Accounting: every number issued is exactly one of buffered, sent, dropped or
+``evicted_in_flight`` (awaiting its call's ack). ``dropped`` counts ``evicted`` (lost to a
+full buffer) and ``refused`` (``discard``).
 """
 
 from __future__ import annotations
@@ -36,6 +49,8 @@ class Counters:
     next_seq: int
     buffered_bytes: int = 0
     oversized: int = 0
+    evicted: int = 0            # of dropped: lost to a full buffer (either bound)
+    evicted_in_flight: int = 0  # evicted during a call that carried them: sent or dropped once it ends
 
 
 class SeqBuffer:
@@ -51,7 +66,10 @@ class SeqBuffer:
         self.next_seq = next_seq
         self.sent = 0      # acknowledged by the estimator (trimmed by a watermark)
         self.dropped = 0   # lost: to a full buffer, or refused by the estimator (``discard``)
+        self.evicted = 0   # of ``dropped``: evicted by a bound and not acknowledged
         self.refused = 0   # of ``dropped``: discarded because the estimator refused them
+        self.in_flight = 0  # highest seq handed to the call in flight (``begin_flight``); 0: none
+        self._evicted_in_flight: deque[int] = deque()  # their seqs, increasing: the ack decides
         self.oversized = 0  # refused by ``add`` (over ``max_bytes`` alone): never numbered, never buffered
         self._items: deque[profiler_pb2.Measurement] = deque()
         self._sizes: deque[int] = deque()  # serialized size of each item on entry, in step with _items
@@ -61,8 +79,10 @@ class SeqBuffer:
         return len(self._items)
 
     def add(self, m: profiler_pb2.Measurement) -> tuple[int, int]:
-        """Number ``m`` (sets ``m.seq`` in place), append it, then drop the oldest while
-        either bound is exceeded. Returns (seq, how many were dropped). A measurement that
+        """Number ``m`` (sets ``m.seq`` in place), append it, then evict the oldest while
+        either bound is exceeded. Returns (seq, how many were counted as dropped): an
+        evicted measurement that is in flight (seq <= ``in_flight``) is not counted yet
+        (see the module docstring). A measurement that
         alone is over ``max_bytes`` raises ``MeasurementTooLarge`` instead: nothing is
         evicted for it, no number is used (``m.seq`` left 0), ``oversized`` counts it."""
         m.seq = self.next_seq
@@ -78,9 +98,13 @@ class SeqBuffer:
         dropped = 0
         while self._items and (len(self._items) > self.capacity
                                or (self.max_bytes is not None and self.bytes > self.max_bytes)):
-            self._popleft()
-            self.dropped += 1
-            dropped += 1
+            old = self._popleft()
+            if old.seq <= self.in_flight:  # the estimator may be storing it right now
+                self._evicted_in_flight.append(old.seq)
+            else:
+                self.dropped += 1
+                self.evicted += 1
+                dropped += 1
         return m.seq, dropped
 
     def _popleft(self) -> profiler_pb2.Measurement:
@@ -100,12 +124,33 @@ class SeqBuffer:
 
     def trim(self, watermark: int) -> int:
         """Remove every measurement with seq <= ``watermark`` (persisted by the estimator);
-        returns how many, which are counted as sent."""
+        returns how many, which are counted as sent, with those evicted while in flight
+        that it covers."""
         n = 0
         while self._items and self._items[0].seq <= watermark:
             self._popleft()
             n += 1
+        while self._evicted_in_flight and self._evicted_in_flight[0] <= watermark:
+            self._evicted_in_flight.popleft()
+            n += 1
         self.sent += n
+        return n
+
+    def begin_flight(self, last_seq: int) -> None:
+        """A call to the estimator now carries the buffered measurements up to ``last_seq``
+        (the head of the buffer): evicting one of them is not a drop unless its ack does
+        not cover it. Pair with ``end_flight``."""
+        self.in_flight = max(self.in_flight, last_seq)
+
+    def end_flight(self) -> int:
+        """The call is over (its ack applied with ``trim``, or it failed): those evicted
+        during it that no ack covered are counted as dropped (``evicted``). Returns how
+        many. Idempotent."""
+        n = len(self._evicted_in_flight)
+        self._evicted_in_flight.clear()
+        self.in_flight = 0
+        self.dropped += n
+        self.evicted += n
         return n
 
     def discard(self, seq: int) -> profiler_pb2.Measurement | None:
@@ -127,9 +172,12 @@ class SeqBuffer:
     def rebase(self, watermark: int) -> int:
         """The estimator has persisted seqs we never issued (our seq state was lost):
         renumber the buffer from ``watermark + 1`` so nothing is taken for a duplicate.
-        Returns the new next_seq; no-op when ``watermark < next_seq``."""
+        Returns the new next_seq; no-op when ``watermark < next_seq``. Measurements
+        evicted in flight are counted as dropped (``end_flight``): under the old numbers the
+        estimator holds another run's measurements, not theirs."""
         if watermark < self.next_seq:
             return self.next_seq
+        self.end_flight()
         seq = watermark + 1
         for m in self._items:
             m.seq = seq
@@ -139,4 +187,5 @@ class SeqBuffer:
 
     def counters(self) -> Counters:
         return Counters(buffered=len(self._items), sent=self.sent, dropped=self.dropped, next_seq=self.next_seq,
-                        buffered_bytes=self.bytes, oversized=self.oversized)
+                        buffered_bytes=self.bytes, oversized=self.oversized, evicted=self.evicted,
+                        evicted_in_flight=len(self._evicted_in_flight))

@@ -17,10 +17,10 @@ from tessera.errors import SpecError
 from tessera.measurement import COMM_OPTIONAL_VALUES
 
 from .api import ProfilerService
-from .buffer import MeasurementTooLarge, SeqBuffer
+from .buffer import Counters, MeasurementTooLarge, SeqBuffer
 from .config import ProfilerdConfig
 from .samplers import CpuSampler, NvmlSampler, Sampler
-from .seqstate import SeqReservation, SeqStateError
+from .seqstate import SeqNotPersisted, SeqReservation, SeqStateError
 from .stream import Streamer, wait_any
 
 SERVICE = grpcserver.full_name(profiler_pb2, "ProfilerService")
@@ -38,7 +38,18 @@ def default_samplers(cfg: ProfilerdConfig, nvml=None) -> list[Sampler]:
 
 class Profilerd:
     """The daemon's core: numbering, buffering, sampling and streaming. ``start`` and
-    ``stop`` drive the background tasks; the gRPC server is run around it."""
+    ``stop`` drive the background tasks; the gRPC server is run around it.
+
+    Drops: every measurement the full buffer drops is logged ("buffer full: dropped
+    oldest measurements", with how many since the last such line), at most once per
+    ``DROP_LOG_INTERVAL_S``: a drop that comes too soon after a line is logged by a later
+    one, by the periodic check (``start``) or, at the latest, by ``stop``.
+    Seq state: a measurement whose number cannot be persisted (``SeqNotPersisted``) is not
+    buffered; a sampler's is counted as dropped (``unpersisted``, in ``counters().dropped``)
+    and logged, the rest of the tick's samples still go in."""
+
+    comm_bench_argv: tuple[str, ...] = (sys.executable, "-m", "profilerd.commbench", "--sync")
+    comm_bench_timeout_s: float = 300.0
 
     def __init__(self, cfg: ProfilerdConfig, samplers: list[Sampler] | None = None) -> None:
         self.cfg = cfg
@@ -53,7 +64,8 @@ class Profilerd:
                          if cfg.estimator else None)
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
-        self._drops_unlogged = 0
+        self.unpersisted = 0  # samplers' measurements lost because the seq state could not be written
+        self._evicted_logged = 0  # buffer.evicted as of the last "buffer full" line
         self._last_drop_log = float("-inf")
 
     @property
@@ -73,12 +85,23 @@ class Profilerd:
         if not m.time:
             m.time = time.time()
 
+    def counters(self) -> Counters:
+        """The buffer's counters, ``dropped`` including the samplers' measurements lost to
+        a seq state that could not be written (``unpersisted``): what GetStats reports."""
+        c = self.buffer.counters()
+        c.dropped += self.unpersisted
+        return c
+
     def add(self, m: profiler_pb2.Measurement) -> int:
         """Stamp (``stamp``), number and buffer ``m``; returns its seq. Raises
         ``buffer.MeasurementTooLarge`` (nothing buffered, nothing evicted) for one that
-        alone is over the buffer's byte bound."""
+        alone is over the buffer's byte bound, and ``SeqNotPersisted`` when the seq state
+        cannot be written (nothing buffered, nothing evicted, no number used)."""
         self.stamp(m)
-        self.reservation.ensure(self.buffer.next_seq)  # the number is durable before it is used
+        try:
+            self.reservation.ensure(self.buffer.next_seq)  # the number is durable before it is used
+        except OSError as e:  # ensure changed nothing
+            raise SeqNotPersisted(f"sequence state not persisted: {e}") from e
         try:
             seq, dropped = self.buffer.add(m)
         except MeasurementTooLarge as e:
@@ -86,18 +109,33 @@ class Profilerd:
                              oversized_total=self.buffer.oversized)
             raise
         if dropped:  # either bound (count or bytes) exceeded
-            self._drops_unlogged += dropped
-            now = time.monotonic()
-            if now - self._last_drop_log >= DROP_LOG_INTERVAL_S:
-                self.log.warning("buffer full: dropped oldest measurements", dropped=self._drops_unlogged,
-                                 dropped_total=self.buffer.dropped, capacity=self.buffer.capacity,
-                                 capacity_bytes=self.buffer.max_bytes, buffered=len(self.buffer),
-                                 buffered_bytes=self.buffer.bytes)
-                self._drops_unlogged = 0
-                self._last_drop_log = now
+            self.log_drops()
         if self.streamer is not None:
             self.streamer.notify()
         return seq
+
+    def log_drops(self, force: bool = False) -> int:
+        """Log the buffer-full drops (``buffer.evicted``) not logged yet, unless a line was
+        logged less than ``DROP_LOG_INTERVAL_S`` ago (``force``: regardless). Returns how
+        many it logged."""
+        unlogged = self.buffer.evicted - self._evicted_logged
+        now = time.monotonic()
+        if unlogged <= 0 or (not force and now - self._last_drop_log < DROP_LOG_INTERVAL_S):
+            return 0
+        self.log.warning("buffer full: dropped oldest measurements", dropped=unlogged,
+                         dropped_total=self.buffer.dropped, capacity=self.buffer.capacity,
+                         capacity_bytes=self.buffer.max_bytes, buffered=len(self.buffer),
+                         buffered_bytes=self.buffer.bytes)
+        self._evicted_logged += unlogged
+        self._last_drop_log = now
+        return unlogged
+
+    async def _drop_log_loop(self) -> None:
+        """Log the drops ``add`` held back (rate limit), and those the stream settles
+        after an ack (evicted in flight), within about ``DROP_LOG_INTERVAL_S``."""
+        while not self._stop.is_set():
+            await wait_any(self._stop, timeout=DROP_LOG_INTERVAL_S)
+            self.log_drops()
 
     async def _sample_loop(self) -> None:
         interval = self.cfg.sample_interval_s
@@ -109,26 +147,59 @@ class Profilerd:
             next_at = max(next_at + interval, time.monotonic())  # no burst after a stall
             for s in self.samplers:
                 try:
-                    for m in s.sample():
-                        self.add(m)
+                    self._add_samples(s)
                 except Exception as e:  # a flaky sensor must not kill the daemon
                     self.log.warning("sampling failed", sampler=type(s).__name__, error=str(e))
 
+    def _add_samples(self, s: Sampler) -> None:
+        """One tick of sampler ``s``: each measurement is added on its own; one that cannot
+        be (seq state not written; larger than the buffer, logged by ``add``) does not stop
+        the rest. Those lost to the seq state are counted as dropped and logged."""
+        lost, error = 0, ""
+        for m in s.sample():
+            try:
+                self.add(m)
+            except SeqNotPersisted as e:
+                self.unpersisted += 1
+                lost, error = lost + 1, str(e)
+            except MeasurementTooLarge:
+                pass  # logged and counted (oversized) by add
+        if lost:
+            self.log.warning("sequence state not persisted; dropped samples", sampler=type(s).__name__,
+                             dropped=lost, dropped_total=self.counters().dropped, error=error)
+
     async def comm_benchmark(self) -> int:
-        """Run ``profilerd.commbench`` in a fresh process and buffer its rows as
-        ``kind="comm"`` measurements (labels op, link; values bytes, world, seconds, and
-        compute_s on the synchronisation rows that ``--sync`` adds, idle_s on its refill row).
-        Returns the rows reported; a failure is logged, never raised."""
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "profilerd.commbench", "--sync",
+        """Run ``profilerd.commbench`` (``comm_bench_argv``) in a fresh process and buffer
+        its rows as ``kind="comm"`` measurements (labels op, link; values bytes, world,
+        seconds, and compute_s on the synchronisation rows that ``--sync`` adds, idle_s on
+        its refill row). Returns the rows reported (buffered). A failure (the child cannot
+        be started, exits non-zero, outlives ``comm_bench_timeout_s``, prints no valid
+        table; a row ``add`` refuses) is logged ("comm micro-benchmark failed", with the rows
+        buffered before it), never raised; a child still running on a timeout or a
+        cancellation is killed and reaped, and a cancellation propagates."""
+        rows = [0]  # buffered so far, also when a later row fails
+        try:
+            return await self._comm_benchmark(rows)
+        except TimeoutError:
+            self.log.warning("comm micro-benchmark failed", rows=rows[0], link=self.cfg.comm_link,
+                             error=f"no result within {self.comm_bench_timeout_s} s; killed it")
+            return rows[0]
+        except Exception as e:  # CancelledError is no Exception: it propagates
+            self.log.warning("comm micro-benchmark failed", rows=rows[0], link=self.cfg.comm_link, error=repr(e),
+                             exc_info=True)
+            return rows[0]
+
+    async def _comm_benchmark(self, rows: list[int]) -> int:
+        proc = await asyncio.create_subprocess_exec(*self.comm_bench_argv,
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), timeout=300)
-        except (TimeoutError, asyncio.CancelledError):
+            out, err = await asyncio.wait_for(proc.communicate(), timeout=self.comm_bench_timeout_s)
+        except BaseException:  # timeout, cancellation: no orphaned benchmark
             proc.kill()
             await proc.wait()
             raise
         if proc.returncode != 0:
-            self.log.warning("comm micro-benchmark failed", code=proc.returncode, stderr=err.decode()[-500:])
+            self.log.warning("comm micro-benchmark failed", code=proc.returncode, stderr=err.decode(errors="replace")[-500:])
             return 0
         doc = json.loads(out)
         for r in doc["rows"]:
@@ -137,12 +208,14 @@ class Profilerd:
             values.update({k: float(r[k]) for k in COMM_OPTIONAL_VALUES if k in r})
             self.add(profiler_pb2.Measurement(kind="comm", labels={"op": r["op"], "link": self.cfg.comm_link},
                                               values=values))
-        self.log.info("comm micro-benchmark reported", rows=len(doc["rows"]), link=self.cfg.comm_link,
+            rows[0] += 1
+        self.log.info("comm micro-benchmark reported", rows=rows[0], link=self.cfg.comm_link,
                       device_s=round(doc["device_s"], 2))
-        return len(doc["rows"])
+        return rows[0]
 
     def start(self) -> None:
-        """Start sampling and streaming (call from the running loop)."""
+        """Start sampling, streaming and the periodic drop log (call from the running loop)."""
+        self._tasks.append(asyncio.create_task(self._drop_log_loop()))
         if self.cfg.comm_benchmark:
             self._tasks.append(asyncio.create_task(self.comm_benchmark()))
         if self.samplers and self.cfg.sample_interval_s > 0:
@@ -153,7 +226,8 @@ class Profilerd:
                       next_seq=self.buffer.next_seq, samplers=[type(s).__name__ for s in self.samplers])
 
     async def stop(self) -> None:
-        """Stop sampling, try one last flush (bounded by the grace), stop streaming."""
+        """Stop sampling, try one last flush (bounded by the grace), stop streaming, and log
+        the drops not logged yet (regardless of the rate limit)."""
         self._stop.set()
         if self._tasks:
             done, pending = await asyncio.wait(self._tasks, timeout=self.cfg.grace_s + 1)
@@ -164,7 +238,9 @@ class Profilerd:
             close = getattr(s, "close", None)
             if close:
                 close()
-        c = self.buffer.counters()
+        self.buffer.end_flight()  # no call is in flight any more
+        self.log_drops(force=True)
+        c = self.counters()
         self.log.info("profilerd stopped", sent=c.sent, dropped=c.dropped, unsent=c.buffered, next_seq=c.next_seq)
 
     def servicers(self):

@@ -22,6 +22,12 @@ class SeqStateError(ValueError):
     what to do; the daemon exits 2 with it, like a configuration error)."""
 
 
+class SeqNotPersisted(OSError):
+    """A reservation could not be written (disk full, read-only directory, ...): the
+    measurement that needed the number is not buffered (``Profilerd.add``); its message
+    starts "sequence state not persisted: " and names the OS error."""
+
+
 class SeqReservation:
     """The persisted high-water mark of reserved seq numbers of one profilerd.
 

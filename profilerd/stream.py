@@ -12,6 +12,9 @@ so it renumbers too (trimming would take unsent measurements for sent ones).
 Batches are cut by count (``batch_size``) and by serialized size (``max_batch_bytes``,
 well under the estimator's 4 MiB receive limit), so no flush can fail for its size; a
 single measurement too large for a batch is dropped (counted as refused) before sending.
+While a call is in flight the buffer knows the last seq it carries
+(``SeqBuffer.begin_flight``): one of those evicted meanwhile (a full buffer) counts as
+sent when the ack's watermark covers it, as dropped when it does not or the call fails.
 
 A measurement the estimator refuses (INVALID_ARGUMENT for ``measurements[i]``, malformed
 or one its store cannot index: the whole batch is refused, the watermark does not move) would fail every later call, so the
@@ -199,18 +202,24 @@ class Streamer:
         chunks = cut(sendable, self.batch_size, self.max_batch_bytes)
         batches = [estimator_pb2.MeasurementBatch(measurements=c) for c in chunks]
         self._sent_any = True  # from here on the estimator may hold seqs of this run
+        # Evicted while the call carries them: counted as sent if the ack covers them,
+        # else as dropped when the call ends (SeqBuffer.begin_flight / end_flight).
+        self.buffer.begin_flight(sendable[-1].seq)
         try:
-            ack = await stub.ReportMeasurements(iter(batches), timeout=self.rpc_timeout_s)
-        except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.INVALID_ARGUMENT or not await self._drop_refused(stub, chunks, e):
-                raise
-            return
-        self.flushes += 1
-        wm = ack.watermark.get(self.source, 0)
-        if self._apply_watermark(wm):
-            self.advances += 1
-        self.log.debug("flushed", sent=len(sendable), batches=len(batches), accepted=ack.accepted,
-                       duplicates=ack.duplicates, watermark=wm)
+            try:
+                ack = await stub.ReportMeasurements(iter(batches), timeout=self.rpc_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.INVALID_ARGUMENT or not await self._drop_refused(stub, chunks, e):
+                    raise
+                return
+            self.flushes += 1
+            wm = ack.watermark.get(self.source, 0)
+            if self._apply_watermark(wm):
+                self.advances += 1
+            self.log.debug("flushed", sent=len(sendable), batches=len(batches), accepted=ack.accepted,
+                           duplicates=ack.duplicates, watermark=wm)
+        finally:
+            self.buffer.end_flight()
 
     async def _drop_refused(self, stub, chunks, e: grpc.aio.AioRpcError) -> bool:
         """The estimator refused ``measurements[i]`` of one batch of the call ``chunks``

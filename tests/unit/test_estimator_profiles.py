@@ -36,3 +36,12 @@ def test_summarize():
 
 def test_summarize_nothing():
     assert summarize([]) is None
+
+
+def test_summarize_leaves_out_non_finite_step_times():
+    nan, inf = float("nan"), float("inf")
+    s = summarize([StepSample(nan), StepSample(1.0), StepSample(inf, {"forward": 0.5}), StepSample(3.0)])
+    assert s.samples == 2  # the step-time statistics are over the finite ones
+    assert (s.mean_step_time_s, s.p50_step_time_s, s.p90_step_time_s) == (2.0, 2.0, pytest.approx(2.8))
+    assert s.mean_phases == {"forward": 0.5}  # a phase is kept by its own value
+    assert summarize([StepSample(nan), StepSample(-inf)]) is None  # no finite step time: nothing to summarize

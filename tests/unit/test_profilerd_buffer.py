@@ -198,3 +198,100 @@ def test_invariants_with_a_byte_bound(cap, max_bytes, ops):
         assert [x.seq for x in items] == sorted({x.seq for x in items})
         c = b.counters()
         assert c.buffered + c.sent + c.dropped == c.next_seq - 1
+
+
+# --- eviction of measurements a call to the estimator carries (in flight)
+
+def test_evicted_in_flight_and_acknowledged_counts_as_sent_not_dropped():
+    b = SeqBuffer(3)
+    for i in range(3):
+        b.add(m(i))
+    b.begin_flight(3)  # seqs 1..3 handed to ReportMeasurements
+    assert b.add(m(3)) == (4, 0)  # evicts seq 1, which the estimator may be storing
+    assert [x.seq for x in b.pending()] == [2, 3, 4] and len(b) == 3  # the count bound holds as before
+    c = b.counters()
+    assert (c.dropped, c.evicted, c.evicted_in_flight) == (0, 0, 1)
+    assert b.trim(3) == 3  # the ack covers 1..3: 2 and 3 trimmed, 1 settled
+    assert b.end_flight() == 0
+    c = b.counters()
+    assert (c.buffered, c.sent, c.dropped, c.evicted, c.evicted_in_flight) == (1, 3, 0, 0, 0)
+
+
+def test_evicted_in_flight_and_not_acknowledged_is_dropped_when_the_call_ends():
+    b = SeqBuffer(3)
+    for i in range(3):
+        b.add(m(i))
+    b.begin_flight(3)
+    b.add(m(3))
+    b.add(m(4))  # seqs 1 and 2 evicted in flight
+    assert b.dropped == 0
+    assert b.trim(1) == 1  # the ack covers seq 1 only
+    assert b.end_flight() == 1  # seq 2: not stored
+    c = b.counters()
+    assert (c.buffered, c.sent, c.dropped, c.evicted, c.evicted_in_flight) == (3, 1, 1, 1, 0)
+    assert b.add(m(5)) == (6, 1)  # no call in flight: an eviction is a drop at once
+    assert (b.dropped, b.evicted) == (2, 2)
+
+
+def test_a_failed_call_counts_its_evicted_as_dropped_and_a_byte_bound_evicts_as_before():
+    one = big(1, 1000)
+    one.seq = 1
+    size = one.ByteSize()
+    b = SeqBuffer(100, max_bytes=2 * size)
+    b.add(big(1, 1000))
+    b.add(big(2, 1000))
+    b.begin_flight(2)
+    assert b.add(big(3, 1000)) == (3, 0)  # byte bound: seq 1 evicted, in flight
+    assert b.bytes == 2 * size and [x.seq for x in b.pending()] == [2, 3]
+    assert b.end_flight() == 1  # the call failed: no ack covered it
+    assert (b.dropped, b.evicted, b.sent, b.in_flight) == (1, 1, 0, 0)
+    assert b.end_flight() == 0  # idempotent
+
+
+def test_rebase_during_a_flight_counts_its_evicted_as_dropped():
+    b = SeqBuffer(2)
+    b.add(m())
+    b.add(m())
+    b.begin_flight(2)
+    b.add(m())  # seq 1 evicted in flight
+    assert b.rebase(50) == 53  # the estimator holds another run's seqs: 1 was not stored
+    c = b.counters()
+    assert (c.dropped, c.evicted_in_flight, c.sent) == (1, 0, 0) and b.in_flight == 0
+
+
+@given(cap=st.integers(1, 8),
+       ops=st.lists(st.one_of(st.just("add"), st.just("begin"), st.just("end"), st.integers(0, 60)), max_size=150))
+def test_invariants_with_calls_in_flight(cap, ops):
+    """Adds, calls started (the whole buffer handed over) and ended, acks: the bound
+    holds, every number issued is exactly one of buffered, sent, dropped or evicted in
+    flight, and an evicted measurement an ack covered is never counted as dropped."""
+    b = SeqBuffer(cap)
+    acked = 0
+    flight: set[int] = set()     # seqs of the call in flight
+    evicted_in_flight: set[int] = set()
+    lost_expected = 0
+    for op in ops:
+        if op == "add":
+            before = {x.seq for x in b.pending()}
+            _, dropped = b.add(m())
+            gone = before - {x.seq for x in b.pending()}
+            assert dropped == len(gone - flight)
+            evicted_in_flight |= gone & flight
+            lost_expected += dropped
+        elif op == "begin":
+            if b.in_flight == 0 and len(b):
+                flight = {x.seq for x in b.pending()}
+                b.begin_flight(max(flight))
+        elif op == "end":
+            assert b.end_flight() == len(evicted_in_flight)
+            lost_expected += len(evicted_in_flight)
+            flight, evicted_in_flight = set(), set()
+        else:
+            acked = max(acked, min(op, b.next_seq - 1))
+            b.trim(acked)
+            evicted_in_flight = {s for s in evicted_in_flight if s > acked}
+        c = b.counters()
+        assert len(b) <= cap
+        assert c.evicted_in_flight == len(evicted_in_flight)
+        assert c.dropped == c.evicted == lost_expected
+        assert c.buffered + c.sent + c.dropped + c.evicted_in_flight == c.next_seq - 1
