@@ -4,6 +4,7 @@ snapshot: the same code and numbers the controller gets from GetModelSnapshot)."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 
@@ -13,8 +14,8 @@ from tessera import log
 from tessera.api.v1 import estimator_pb2, estimator_pb2_grpc, profiler_pb2
 from tessera.measurement import malformed
 from tessera.modelkey import model_key
-from tessera.perfmodel import FORMAT, Candidate, Estimate
-from tessera.perfmodel.workload import workload_of
+from tessera.perfmodel import FORMAT, MAX_MICRO_BATCHES, MAX_PIPELINE_SLOTS, MAX_PP, Candidate, Estimate
+from tessera.perfmodel.workload import profiled, workload_of
 
 from . import models
 from . import store as store_mod
@@ -47,7 +48,19 @@ def validate(m: profiler_pb2.Measurement, i: int) -> str | None:
 
 def candidate(c: estimator_pb2.Candidate, where: str = "candidate") -> tuple[Candidate | None, str]:
     """(the perfmodel Candidate, "") or (None, "<where>.<field>: why") for a malformed one.
-    Zero plan fields take their defaults (1, seq = seq_len, schedule "1f1b")."""
+    Zero plan fields take their defaults (1, seq = seq_len, schedule "1f1b").
+
+    Refused, for every candidate: device_type empty; layers, hidden, heads, vocab,
+    seq_len, batch <= 0; seq, dp, tp, pp, micro_batches, colocated < 0; quota,
+    oversubscription negative or not finite; hidden not divisible by heads; an unknown
+    schedule; pp > ``MAX_PP``, micro_batches > ``MAX_MICRO_BATCHES`` or, for pp > 1,
+    pp * micro_batches > ``MAX_PIPELINE_SLOTS`` (the pipeline replay's cost,
+    ``tessera.perfmodel.pipeline``); seq > seq_len (the runtime's context).
+    Refused for a ``gpt`` candidate only (a ``peft`` / ``multimodal`` module, a
+    ``tessera.modelkey.shape_key``, takes no gpt plan: its dp, tp, pp are not read —
+    ``tessera.perfmodel.workload.invalid``): batch not divisible by dp * micro_batches
+    (``batch``), tp not dividing hidden and heads (``tp``), pp > layers (``pp``). What is
+    left for ``insufficient_data`` is what data could answer."""
     if not c.device_type:
         return None, f"{where}.device_type: required"
     for f in ("layers", "hidden", "heads", "vocab", "seq_len", "batch"):
@@ -64,9 +77,25 @@ def candidate(c: estimator_pb2.Candidate, where: str = "candidate") -> tuple[Can
         return None, f"{where}.hidden: must be divisible by heads ({c.heads}), got {c.hidden}"
     if c.schedule not in ("", "1f1b", "gpipe"):
         return None, f"{where}.schedule: must be '1f1b' or 'gpipe', got {c.schedule!r}"
+    for f, most in (("pp", MAX_PP), ("micro_batches", MAX_MICRO_BATCHES)):
+        if getattr(c, f) > most:
+            return None, f"{where}.{f}: must be <= {most}, got {getattr(c, f)}"
+    if c.pp > 1 and c.pp * max(c.micro_batches, 1) > MAX_PIPELINE_SLOTS:
+        return None, (f"{where}.micro_batches: pp*micro_batches must be <= {MAX_PIPELINE_SLOTS} for a pipeline, "
+                      f"got {c.pp}*{c.micro_batches}")
+    if c.seq > c.seq_len:
+        return None, f"{where}.seq: must be <= seq_len ({c.seq_len}), got {c.seq}"
+    dp, tp, pp, mb = c.dp or 1, c.tp or 1, c.pp or 1, c.micro_batches or 1
+    if not profiled(c.module):
+        if c.batch % (dp * mb):
+            return None, f"{where}.batch: must be divisible by dp*micro_batches ({dp}*{mb}), got {c.batch}"
+        if c.hidden % tp or c.heads % tp:
+            return None, f"{where}.tp: must divide hidden ({c.hidden}) and heads ({c.heads}), got {tp}"
+        if pp > c.layers:
+            return None, f"{where}.pp: must be <= layers ({c.layers}), got {pp}"
     return Candidate(device_type=c.device_type, layers=c.layers, hidden=c.hidden, heads=c.heads, vocab=c.vocab,
-                     seq_len=c.seq_len, batch=c.batch, seq=c.seq, dp=c.dp or 1, tp=c.tp or 1, pp=c.pp or 1,
-                     micro_batches=c.micro_batches or 1, quota=c.quota or 1.0, link=c.link, module=c.module,
+                     seq_len=c.seq_len, batch=c.batch, seq=c.seq, dp=dp, tp=tp, pp=pp,
+                     micro_batches=mb, quota=c.quota or 1.0, link=c.link, module=c.module,
                      colocated=c.colocated or 1, oversubscription=c.oversubscription or 1.0,
                      schedule=c.schedule or "1f1b"), ""
 
@@ -86,7 +115,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServiceServicer):
         self.keeper = keeper if keeper is not None else ModelKeeper(store, store.dir)
         self.log = log.get(component="estimator.api")
 
-    def _unindexable(self, batch: estimator_pb2.MeasurementBatch, e: ValueError) -> str:
+    def _unindexable(self, batch: estimator_pb2.MeasurementBatch, e: store_mod.Unindexable) -> str:
         """The refusal of a batch the store could not index, naming the measurement like
         ``validate`` does ("measurements[i]: ... (seq N)"), so the sender can drop that
         one and go on (profilerd.stream). The store refused the first record of the batch
@@ -124,7 +153,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServiceServicer):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
             try:
                 a, d = await self.store.append(batch.measurements)
-            except ValueError as e:  # a record the store cannot index: nothing of this batch persisted
+            except store_mod.Unindexable as e:  # a record the store cannot index: nothing of this batch persisted
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, self._unindexable(batch, e))
             except OSError as e:  # nothing of this batch acknowledged; the client resends later
                 self.log.error("measurements not persisted", error=str(e), failed=isinstance(e, StoreFailed))
@@ -160,7 +189,10 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServiceServicer):
         if err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         model = await self.keeper.current()
-        return reply(model.estimate(c), model.version)
+        # Off the event loop (a pipeline replay can take seconds). Safe: a published
+        # PerfModel is never mutated (ModelKeeper replaces it whole on a refit).
+        e = await asyncio.to_thread(model.estimate, c)
+        return reply(e, model.version)
 
     async def EstimateBatch(self, request, context):
         if len(request.candidates) > MAX_BATCH:
@@ -173,7 +205,7 @@ class EstimatorService(estimator_pb2_grpc.EstimatorServiceServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
             cands.append(c)
         model = await self.keeper.current()
-        ests = model.estimate_batch(cands)
+        ests = await asyncio.to_thread(model.estimate_batch, cands)  # off the loop, as in Estimate
         return estimator_pb2.EstimateBatchReply(estimates=[reply(e, model.version) for e in ests],
                                                 model_version=model.version)
 

@@ -39,8 +39,10 @@ import numpy as np
 from tessera import log
 from tessera.fsutil import atomic_write
 from tessera.measurement import (NUMERIC_LABELS, PROFILE_MIN_MEASURED, PROFILE_WARMUP_STEPS, ROW_VALUES,  # noqa: F401
-                                 COMM_OPTIONAL_VALUES, RUN_INTS, malformed, number)
-from tessera.perfmodel import ComputeFit, ComputeSample, PerfModel, ProfilePoint, fit_comm, fit_compute, fit_interference
+                                 COMM_OPTIONAL_VALUES, MIN_TIME_S, RUN_INTS, malformed, number)
+from tessera.perfmodel import (CommFit, ComputeFit, ComputeSample, PerfModel, ProfilePoint, fit_comm, fit_compute,
+                               fit_interference)
+from tessera.perfmodel.comm import OPS, REFILL, RESUME, SYNC
 from tessera.perfmodel.features import FEATURES_REV
 from tessera.perfmodel.workload import profiled, workload_of
 
@@ -110,17 +112,19 @@ def fb_seconds(phases) -> float:
 
 def comm_row(m) -> dict | None:
     """A communication row of a ``kind="comm"`` measurement, or None if malformed
-    (every number finite: seconds > 0, world an integer >= 2, bytes >= 0). Total."""
+    (every number finite: seconds >= ``MIN_TIME_S``, world an integer >= 2, bytes >= 0,
+    compute_s / idle_s 0 (absent) or >= ``MIN_TIME_S``). Total."""
     v, lb = m.values, m.labels
     if not lb.get("op") or not lb.get("link"):
         return None
     seconds, world, nbytes = _num(v.get("seconds", 0)), _num(v.get("world", 0)), _num(v.get("bytes", 0))
-    if seconds is None or seconds <= 0 or world is None or not 2 <= world <= MAX_INT or nbytes is None or nbytes < 0:
+    if seconds is None or seconds < MIN_TIME_S or world is None or not 2 <= world <= MAX_INT or nbytes is None \
+            or nbytes < 0:
         return None
     row = {"link": lb["link"], "op": lb["op"], "bytes": nbytes, "world": int(world), "seconds": seconds}
     for k in COMM_OPTIONAL_VALUES:  # the sync rows' compute_s, the refill row's idle_s
         x = _num(v.get(k, 0))
-        if x is None:
+        if x is None or 0 < x < MIN_TIME_S:
             return None
         if x > 0:
             row[k] = x
@@ -129,13 +133,15 @@ def comm_row(m) -> dict | None:
 
 def colocation_row(m) -> dict | None:
     """A colocation pair of a ``kind="colocation"`` measurement, or None if malformed
-    (finite times > 0, an integer colocated >= 1, a finite oversubscription > 0). Total."""
+    (finite times >= ``MIN_TIME_S``, an integer colocated >= 1, a finite oversubscription
+    > 0). Total."""
     v, lb = m.values, m.labels
     if lb.get("mode") not in ("split", "shared"):
         return None
     alone, together = _num(v.get("alone_s", 0)), _num(v.get("together_s", 0))
     n, over = _num(v.get("colocated", 2)), _num(v.get("oversubscription", 1.0))
-    if alone is None or alone <= 0 or together is None or together <= 0 or n is None or not 1 <= n <= MAX_INT \
+    if alone is None or alone < MIN_TIME_S or together is None or together < MIN_TIME_S or n is None \
+            or not 1 <= n <= MAX_INT \
             or over is None or over <= 0:
         return None
     return {"device_kind": lb.get("device_kind", "cpu") or "cpu", "mode": lb["mode"],
@@ -223,12 +229,52 @@ def profiles(runs: dict[tuple, dict[int, float]], fb: dict[tuple, dict[int, floa
     return sorted(out, key=lambda p: (p.device_type, p.module, p.job_id))
 
 
+def _finite(part) -> bool:
+    """Whether one fitted part (its JSON form) is finite JSON, as ``_canonical`` needs."""
+    try:
+        json.dumps(part, allow_nan=False)
+    except ValueError:
+        return False
+    return True
+
+
+def _fit_link(link: str, rows: list[dict], lg) -> CommFit:
+    """The communication fit of one link, each part on its own (``fit_comm`` fits every op,
+    and the sync / resume / refill terms, from that op's rows only: fitted apart they are
+    the same numbers). A part whose fit raises or is not finite is left out, with a
+    warning naming it; the link's other parts stay."""
+    out = CommFit(link=link)
+    present = {r["op"] for r in rows}
+    for op in [o for o in OPS + (SYNC, RESUME, REFILL) if o in present]:
+        try:
+            part = fit_comm(link, [r for r in rows if r["op"] == op])
+        except Exception as e:
+            lg.warning("communication fit failed; left out", link=link, op=op, error=repr(e))
+            continue
+        got = [(o, v) for o, v in part.ops.items()] + [(a, getattr(part, a)) for a in ("sync", "resume", "refill")
+                                                        if getattr(part, a)]
+        for name, v in got:
+            if not _finite(v):
+                lg.warning("communication fit is not finite; left out", link=link, op=name, fit=repr(v))
+            elif name in part.ops:
+                out.ops[name] = v
+            else:
+                setattr(out, name, v)
+    return out
+
+
 def build_model(runs: dict, comm_rows: list[dict], colocation_rows: list[dict], version: int,
                 fb: dict | None = None) -> PerfModel:
     """Fit every part the data allows (pure apart from numpy): a compute curve per
     device type (it says insufficient_data when too few profiles), profile points per
     device type, a communication fit per link, interference per device type. ``fb``:
-    the runs' forward + backward seconds per step (:func:`profiles`)."""
+    the runs' forward + backward seconds per step (:func:`profiles`).
+
+    One extreme row never freezes the model: an individual fit that raises or is not
+    finite — one device type's compute curve (then insufficient_data with the reason),
+    one link's op / sync / resume / refill term, one device type's interference
+    coefficient of a mode — is left out with a warning naming it, and the rest is
+    published (``ModelKeeper`` refuses a snapshot that is not finite JSON whole)."""
     ps = profiles(runs, fb)
     lg = log.get(component="estimator.models")
     compute, points = {}, {}
@@ -240,22 +286,25 @@ def build_model(runs: dict, comm_rows: list[dict], colocation_rows: list[dict], 
         except Exception as e:
             lg.warning("compute fit failed", device_type=dev, profiles=len(mine), error=repr(e))
             compute[dev] = ComputeFit(device_type=dev, n=len(curve), reason=f"compute fit of {dev!r} failed: {e!r}")
+        if not _finite(compute[dev].to_dict()):
+            lg.warning("compute fit is not finite; left out", device_type=dev, profiles=len(mine))
+            compute[dev] = ComputeFit(device_type=dev, n=len(curve), reason=f"compute fit of {dev!r} is not finite")
         points[dev] = [p.point() for p in mine]
     comm = {}
     for link in sorted({r["link"] for r in comm_rows}):
-        try:
-            f = fit_comm(link, [r for r in comm_rows if r["link"] == link])
-        except Exception as e:
-            lg.warning("communication fit failed", link=link, error=repr(e))
-            continue
+        f = _fit_link(link, [r for r in comm_rows if r["link"] == link], lg)
         if f.ops:
             comm[link] = f
     inter = {}
     for dev in sorted({r["device_kind"] for r in colocation_rows}):
         try:
-            inter[dev] = fit_interference([r for r in colocation_rows if r["device_kind"] == dev])
+            g = fit_interference([r for r in colocation_rows if r["device_kind"] == dev])
         except Exception as e:
             lg.warning("interference fit failed", device_type=dev, error=repr(e))
+            continue
+        for mode in [m for m, v in g.items() if not math.isfinite(v)]:
+            lg.warning("interference fit is not finite; left out", device_type=dev, mode=mode, g=g.pop(mode))
+        inter[dev] = g
     return PerfModel(version=version, compute=compute, comm=comm, interference=inter, profiles=points)
 
 
@@ -332,7 +381,11 @@ class ModelKeeper:
 
     async def current(self) -> PerfModel:
         """The model, refitted first when its inputs changed and the last fit is at
-        least ``min_refit_interval_s`` old."""
+        least ``min_refit_interval_s`` old. Never raises for a refit that cannot be
+        published (a snapshot that is not finite JSON, ``model.json`` not writable): the
+        last durable model is served and a later call refits again. The model returned is
+        never mutated afterwards (a refit publishes a new object), so callers may read it
+        from other threads."""
         if self.stale and self.clock() - self._last_fit >= self.min_refit_interval_s:
             async with self._lock:
                 if self.stale:
@@ -361,8 +414,16 @@ class ModelKeeper:
         fitted_at, count = time.time(), st.count
         # Persisted first, published after: a version number is never served before it is
         # durable (a crash in between would reissue it with other content after a restart),
-        # and a failed write leaves the keeper stale, so the next call tries again.
-        await asyncio.to_thread(self._persist, model, rev, fitted_at, count)
+        # and a failed write (disk full, read-only state dir) is logged and leaves the keeper
+        # serving the last durable model, stale, so a later refit tries again; it never
+        # fails the RPC that asked for the model.
+        try:
+            await asyncio.to_thread(self._persist, model, rev, fitted_at, count)
+        except OSError as e:
+            self.log.warning("model not persisted; serving the last durable model, retrying at a later refit",
+                             path=str(self.path), version=self.model.version, unpersisted_version=model.version,
+                             revision=rev, error=repr(e))
+            return
         self.model = model
         self.fitted_revision, self.fitted_at, self.measurements = rev, fitted_at, count
         self.log.info("model refitted", version=self.model.version, changed=changed, revision=rev,

@@ -66,7 +66,10 @@ them since open.
 
 Failure handling: a write or fsync that fails truncates the log back to its last good
 size before the error reaches the caller, so no garbage sits before later batches; if
-even that truncate fails the store refuses every further append (``StoreFailed``). A
+even that truncate fails the store refuses every further append (``StoreFailed``), as it
+does when a compaction replaced the log and the new file cannot be opened. A compaction
+whose directory fsync failed has the next write fsync the directory first. A batch with
+a measurement that cannot be indexed is refused whole (``Unindexable``), nothing written. A
 caller cancelled (e.g. an RPC deadline) while its write or compaction runs in a thread
 keeps the lock until the thread is done, and a finished write is indexed before the
 cancellation propagates. Replay skips a record whose seq is at or below its source's
@@ -446,8 +449,17 @@ async def _write_then(write: Callable[[], Any], apply: Callable[[], None]) -> No
 
 
 class StoreFailed(OSError):
-    """The log could not be restored to a known-good state after a failed write; the
-    store refuses appends until it is reopened (which truncates any torn tail)."""
+    """The log could not be restored to a known-good state after a failed write, or a
+    compaction replaced the log and no handle on the new one could be opened; the store
+    refuses appends until it is reopened (which truncates any torn tail)."""
+
+
+class Unindexable(ValueError):
+    """A new measurement that ``slots`` cannot index: ``append`` refuses its whole batch
+    before anything is written (the message ends in "(seq N)"). The one error of
+    ``append`` that is about the batch rather than the store (estimator.api answers it
+    INVALID_ARGUMENT naming the measurement, so the sender drops just that one); any
+    other is the store's (OSError: UNAVAILABLE, the sender keeps the batch)."""
 
 
 async def _settle(fut: asyncio.Future) -> None:
@@ -533,6 +545,7 @@ class MeasurementStore:
         self._retained_bytes = 0
         self._lock = asyncio.Lock()
         self._failed: str | None = None  # why appends are refused (see StoreFailed)
+        self._dir_synced = True  # False: a compaction's rename not yet fsynced (see _write)
         self.replay_duplicates = 0  # records skipped on open: at or below their source's watermark
         tmp = self.dir / TMP_NAME
         if tmp.exists():  # a compaction that crashed before its replace: the log is the old one
@@ -752,9 +765,15 @@ class MeasurementStore:
 
     def _write(self, blob: bytes) -> None:
         """Append and fsync ``blob``; on any failure the log is cut back to its last good
-        size (``self._size``) before the error propagates, or the store is marked failed."""
+        size (``self._size``) before the error propagates, or the store is marked failed.
+        After a compaction whose directory fsync failed, the directory is fsynced first
+        (an OSError then, with nothing written): nothing is acknowledged into a log whose
+        rename may not be durable."""
         if self._failed is not None:
             raise StoreFailed(f"measurement store {self.path} refuses appends: {self._failed}")
+        if not self._dir_synced:
+            fsync_dir(self.dir)
+            self._dir_synced = True
         fd = self._file.fileno()
         try:
             view = memoryview(blob)
@@ -814,7 +833,13 @@ class MeasurementStore:
         return b"".join(parts), tombs
 
     def _compact(self) -> None:
-        """Rewrite the log to what ``_compacted`` gives (caller holds the lock)."""
+        """Rewrite the log to what ``_compacted`` gives (caller holds the lock). A failure
+        before the replace changes nothing (the temp file is removed). After it the old
+        file is unlinked, and the store follows the new one at once (size, tombstones);
+        appends go to a handle on the new file, opened before the old one is closed — if
+        it cannot be opened the store refuses appends (``StoreFailed``, until reopened)
+        rather than write where no replay reads. A failed directory fsync is raised too,
+        and the next ``_write`` fsyncs the directory before writing."""
         before, kept = self._size, len(self._blobs)
         blob, tombs = self._compacted()
         tmp = self.dir / TMP_NAME
@@ -827,13 +852,26 @@ class MeasurementStore:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        # From here on the old file is unlinked: appends must go to the new one.
-        self._file.close()
-        self._file = self._open_append()
-        fsync_dir(self.dir)
+        # From here on the old file is unlinked: the store describes the new one, and
+        # appends must go to it.
         self._size = len(blob)
         self._tombs = tombs
+        self._dir_synced = False
         self.compactions += 1
+        try:
+            new = self._open_append()
+        except OSError as e:  # the old handle stays (closed by close()); _write refuses first
+            self._failed = f"compaction replaced the log but reopening it failed ({e!r})"
+            self.log.error("measurement log not reopened after compaction; refusing appends", path=str(self.path),
+                           error=self._failed)
+            raise StoreFailed(f"measurement store {self.path}: {self._failed}") from e
+        old, self._file = self._file, new
+        try:
+            old.close()
+        except OSError as e:  # the unlinked old log: nothing more goes there
+            self.log.warning("closing the replaced measurement log failed", path=str(self.path), error=repr(e))
+        fsync_dir(self.dir)
+        self._dir_synced = True
         self.log.info("measurement log compacted", path=str(self.path), bytes_before=before, bytes_after=len(blob),
                       records_kept=kept, tombstones_kept=len(tombs), measurements=self.count)
 
@@ -899,6 +937,9 @@ class MeasurementStore:
     async def append(self, measurements: Iterable[profiler_pb2.Measurement]) -> tuple[int, int]:
         """Persist (write + fsync) the measurements not yet seen, then index them.
         Returns (accepted, duplicates). When it returns, the accepted ones are durable.
+        Raises ``Unindexable`` (nothing persisted) for a batch with a new measurement that
+        cannot be indexed, OSError (``StoreFailed`` included; nothing acknowledged) when the
+        log cannot take it.
         Then, after a batch with something new, may expire keys (``_sweep_locked``) and
         compact the log (a failed expiry or compaction is logged; the batch stays durable)."""
         async with self._lock:
@@ -922,8 +963,8 @@ class MeasurementStore:
                     except Exception as e:
                         # ends in "(seq N)" like estimator.api's refusals, which prefix
                         # "measurements[i]: " so that profilerd drops just this one
-                        raise ValueError(f"a {m.kind!r} measurement of {m.source!r} cannot be indexed: {e!r}; "
-                                         f"nothing of this batch was persisted (seq {m.seq})") from e
+                        raise Unindexable(f"a {m.kind!r} measurement of {m.source!r} cannot be indexed: {e!r}; "
+                                          f"nothing of this batch was persisted (seq {m.seq})") from e
                 blobs = [encode(m) for m in new]
                 rx = self.receipt_time()
                 data = encode(receipt_marker(rx)) + b"".join(blobs)

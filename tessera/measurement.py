@@ -32,6 +32,14 @@ COMM_OPTIONAL_VALUES = ("compute_s", "idle_s")
 # Values of the row kinds that must be finite numbers when present.
 ROW_VALUES = {"comm": ("bytes", "world", "seconds") + COMM_OPTIONAL_VALUES,
               "colocation": ("colocated", "oversubscription", "alone_s", "together_s")}
+# The row values that are measured durations (seconds), and the shortest one that can be
+# real: one nanosecond, about one tick of the clocks that time them (profilerd.commbench
+# floors its rows at 1e-6 s). A positive time below it is no measurement, and as a
+# divisor in the fits (together_s / alone_s, seconds / refill(idle_s), the comm fits'
+# relative residuals) it overflows them to inf. 0 (or below) is not refused: the row is
+# simply no model input (a missing optional value reads 0).
+ROW_TIMES = {"comm": ("seconds",) + COMM_OPTIONAL_VALUES, "colocation": ("alone_s", "together_s")}
+MIN_TIME_S = 1e-9
 
 
 def number(x) -> float | None:
@@ -47,7 +55,8 @@ def malformed(m) -> str | None:
     """"<field>: why" for a measurement whose model inputs are not numbers, else None:
     a ``time`` that is NaN/inf (any kind); for a step, a ``step_time_s`` or a
     ``phases.<name>`` that is NaN/inf, negative or above ``MAX_STEP_TIME_S``, or a numeric
-    label that does not parse; a NaN/inf value of a comm or colocation row."""
+    label that does not parse; a NaN/inf value of a comm or colocation row, or a duration
+    of one (``ROW_TIMES``) that is positive but below ``MIN_TIME_S``."""
     if not math.isfinite(m.time):
         return f"time: must be a finite number, got {m.time}"
     if m.kind == "step":
@@ -63,4 +72,7 @@ def malformed(m) -> str | None:
     for k in ROW_VALUES.get(m.kind, ()):
         if k in m.values and not math.isfinite(m.values[k]):
             return f"values.{k}: must be a finite number, got {m.values[k]}"
+    for k in ROW_TIMES.get(m.kind, ()):
+        if k in m.values and 0 < m.values[k] < MIN_TIME_S:
+            return f"values.{k}: must be 0 or at least {MIN_TIME_S:g} seconds (a measured time), got {m.values[k]!r}"
     return None

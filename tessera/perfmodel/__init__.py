@@ -2,8 +2,9 @@
 
 Parts: ``features`` (FLOPs, memory traffic, parameters of a stage), ``compute``
 (fitted compute-time curve per device type), ``comm`` (latency/bandwidth per link
-type), ``model`` (snapshot, plan composition, colocation, memory, confidence).
-See docs/estimator.md.
+type), ``model`` (snapshot, plan composition, colocation, memory, confidence),
+``pipeline`` (the pipeline schedules replayed; ``MAX_PP`` / ``MAX_MICRO_BATCHES``, the
+largest plan a candidate may ask for). See docs/estimator.md.
 
 Typical use::
 
@@ -17,6 +18,7 @@ Typical use::
 from tessera.perfmodel.comm import CommFit, fit_comm
 from tessera.perfmodel.compute import ComputeFit, ComputeSample, fit_compute
 from tessera.perfmodel.model import FORMAT, Candidate, Estimate, PerfModel, ProfilePoint, fit_interference
+from tessera.perfmodel.pipeline import MAX_MICRO_BATCHES, MAX_PIPELINE_SLOTS, MAX_PP
 
-__all__ = ["Candidate", "CommFit", "ComputeFit", "ComputeSample", "Estimate", "FORMAT", "PerfModel", "ProfilePoint",
-           "fit_comm", "fit_compute", "fit_interference"]
+__all__ = ["Candidate", "CommFit", "ComputeFit", "ComputeSample", "Estimate", "FORMAT", "MAX_MICRO_BATCHES", "MAX_PIPELINE_SLOTS", "MAX_PP",
+           "PerfModel", "ProfilePoint", "fit_comm", "fit_compute", "fit_interference"]

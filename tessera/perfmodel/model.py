@@ -263,13 +263,25 @@ class PerfModel:
 
     @staticmethod
     def _invalid(c: Candidate) -> str:
-        """Why ``c`` is not a valid configuration at all ("" if it is); no data helps."""
+        """Why ``c`` is not a valid configuration at all ("" if it is); no data helps: a
+        plan field < 1, pp > layers, pp > ``MAX_PP``, micro_batches > ``MAX_MICRO_BATCHES``
+        or (pp > 1) pp * micro_batches > ``MAX_PIPELINE_SLOTS`` (:mod:`tessera.perfmodel.
+        pipeline`: the replay's cost), batch
+        not divisible by dp * micro_batches, hidden or heads not by tp, a model field < 1,
+        hidden not divisible by heads, seq < 0 or seq > seq_len (the runtime's context),
+        a bad quota / colocation (``workload.quota_problem``) or an unknown schedule."""
         if min(c.dp, c.tp, c.pp, c.micro_batches, c.batch, c.layers) < 1 or c.layers < c.pp:
             return "invalid plan (dp, tp, pp, micro_batches, batch >= 1; layers >= pp)"
+        if c.pp > PL.MAX_PP or c.micro_batches > PL.MAX_MICRO_BATCHES \
+                or (c.pp > 1 and c.pp * c.micro_batches > PL.MAX_PIPELINE_SLOTS):
+            return (f"invalid plan (pp <= {PL.MAX_PP}, micro_batches <= {PL.MAX_MICRO_BATCHES}, "
+                    f"pp*micro_batches <= {PL.MAX_PIPELINE_SLOTS} for a pipeline)")
         if c.batch % (c.dp * c.micro_batches) or c.hidden % c.tp or c.heads % c.tp:
             return "batch must divide by dp*micro_batches, hidden and heads by tp"
         if min(c.hidden, c.heads, c.vocab, c.seq_len) < 1 or (c.seq or 0) < 0:
             return "invalid model (hidden, heads, vocab, seq_len >= 1; seq >= 0)"
+        if c.hidden % c.heads or (c.seq or 0) > c.seq_len:
+            return "invalid model (hidden divisible by heads; seq <= seq_len)"
         bad = W.quota_problem(c)
         if bad:
             return bad

@@ -33,6 +33,19 @@ from __future__ import annotations
 import numpy as np
 
 SCHEDULES = ("1f1b", "gpipe")
+# The largest pipeline a candidate may ask for: stages (pp) and micro-batches per step.
+# :func:`replay` walks every operation of every stage in Python, about 2 * pp * m
+# operations (~50-70 us each): pp = 8, m = 4096 takes ~1.6 s, pp = m = 256 ~4 s. Beyond
+# these bounds a candidate is invalid (``PerfModel._invalid`` answers insufficient_data;
+# the estimator service refuses it with INVALID_ARGUMENT naming the field) instead of
+# holding a thread for minutes. No runtime plan comes near them (a stage holds >= 1
+# layer; a micro-batch >= 1 row).
+MAX_PP = 1024
+MAX_MICRO_BATCHES = 1024
+# And their product, for a pipeline (pp > 1): the replay's work is ~2 * pp * m operations,
+# so each bound alone still lets pp = m = 1024 through (over a minute); 8192 slots (pp = 64
+# with m = 128, pp = 8 with m = 1024) replay in ~0.4 s.
+MAX_PIPELINE_SLOTS = 8192
 
 
 def schedule_ops(pp: int, m: int, schedule: str = "1f1b") -> list[list[tuple]]:

@@ -42,6 +42,7 @@ import statistics
 import numpy as np
 
 from tessera.perfmodel.compute import ComputeFit, ComputeSample, nnls
+from tessera.perfmodel.pipeline import MAX_MICRO_BATCHES
 from tessera.perfmodel.priors import COLOCATION, EXTRAP_PER_LOG, UNSEEN_MODULE
 
 GPT = "gpt"
@@ -62,12 +63,15 @@ def profiled(module: str) -> bool:
 def invalid(c) -> str:
     """Why candidate ``c`` of a profiled workload is not valid ("" if it is). Its plan
     fields (dp, tp, pp) are not read: the step shape (world size included) is in its
-    module key, and these runtimes do not take a gpt plan; the model fields must be
-    positive as for any candidate."""
-    if min(c.batch, c.micro_batches) < 1:
-        return "invalid candidate (batch, micro_batches >= 1)"
+    module key, and these runtimes do not take a gpt plan. As for any candidate:
+    1 <= micro_batches <= ``pipeline.MAX_MICRO_BATCHES``, batch >= 1, the model fields
+    positive, hidden divisible by heads, 0 <= seq <= seq_len."""
+    if min(c.batch, c.micro_batches) < 1 or c.micro_batches > MAX_MICRO_BATCHES:
+        return f"invalid candidate (batch >= 1, 1 <= micro_batches <= {MAX_MICRO_BATCHES})"
     if min(c.layers, c.hidden, c.heads, c.vocab, c.seq_len) < 1:
         return "invalid model (layers, hidden, heads, vocab, seq_len >= 1)"
+    if c.hidden % c.heads or not 0 <= (c.seq or 0) <= c.seq_len:
+        return "invalid model (hidden divisible by heads; 0 <= seq <= seq_len)"
     return quota_problem(c)
 
 

@@ -159,6 +159,17 @@ async def test_few_profiles_answer_only_what_was_run(tmp_path):
     ("Estimate", {"device_type": ""}, "candidate.device_type"),
     ("EstimateBatch", {"layers": 0}, "candidates[1].layers"),
     ("EstimateBatch", {"quota": -1.0}, "candidates[1].quota"),
+    # beyond the pipeline replay's bounds (pp = 8, m = 4096 took 1.6 s on the event loop)
+    ("EstimateBatch", {"layers": 8, "pp": 8, "micro_batches": 4096, "batch": 4096},
+     "candidates[1].micro_batches: must be <= 1024, got 4096"),
+    ("Estimate", {"layers": 2048, "pp": 1025}, "candidate.pp: must be <= 1024, got 1025"),
+    ("Estimate", {"layers": 1024, "pp": 1024, "micro_batches": 1024, "batch": 1024},
+     "candidate.micro_batches: pp*micro_batches must be <= 8192 for a pipeline, got 1024*1024"),
+    # what the runtime refuses (these came back OK-status, even ok with seconds)
+    ("Estimate", {"seq": 4096}, "candidate.seq: must be <= seq_len (64), got 4096"),
+    ("EstimateBatch", {"dp": 2, "micro_batches": 3}, "candidates[1].batch: must be divisible by dp*micro_batches"),
+    ("Estimate", {"tp": 3}, "candidate.tp: must divide hidden (96) and heads (4), got 3"),
+    ("Estimate", {"pp": 4}, "candidate.pp: must be <= layers (3), got 4"),
 ])
 async def test_bad_candidate_is_invalid_argument_naming_the_field(tmp_path, rpc, field, expect):
     async with Est(tmp_path) as e:
@@ -169,6 +180,158 @@ async def test_bad_candidate_is_invalid_argument_naming_the_field(tmp_path, rpc,
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await getattr(e.stub, rpc)(req)
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and ei.value.details().startswith(expect)
+
+
+async def test_a_profiled_workload_is_not_held_to_the_gpt_plan_rules(tmp_path):
+    """A peft / multimodal candidate (its module a shape key) takes no gpt plan: a tp, pp
+    or batch % micro-batches that a gpt plan may not have is not refused (the controller
+    sends plan fields 1 for them, tessera.perfmodel.workload ignores them); the bounds every
+    candidate shares (seq <= seq_len, micro_batches <= 1024) still are."""
+    peft = dict(device_type="cpu", layers=2, hidden=32, heads=2, vocab=64, seq_len=32, batch=5, micro_batches=2,
+                tp=3, pp=4, module="peft:l2-h32-a2-s32-v64:w0123456789ab")
+    async with Est(tmp_path) as e:
+        r = await e.stub.Estimate(estimator_pb2.EstimateRequest(candidate=estimator_pb2.Candidate(**peft)))
+        assert r.status == "insufficient_data" and "no profile" in r.reason
+        for field, expect in (({"seq": 33}, "candidate.seq"), ({"micro_batches": 1025}, "candidate.micro_batches")):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await e.stub.Estimate(estimator_pb2.EstimateRequest(
+                    candidate=estimator_pb2.Candidate(**{**peft, **field})))
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and ei.value.details().startswith(expect)
+
+
+async def test_estimates_are_computed_off_the_event_loop(tmp_path, monkeypatch):
+    """Estimate and EstimateBatch evaluate the model in a worker thread: a slow candidate
+    (a long pipeline replay) does not stall the server's event loop."""
+    import threading
+
+    loop_thread = threading.get_ident()  # the server runs on this test's event loop
+    threads = []
+    real = PerfModel.estimate_batch
+
+    def spy(self, cands):
+        threads.append(threading.get_ident())
+        return real(self, cands)
+
+    monkeypatch.setattr(PerfModel, "estimate_batch", spy)
+    async with Est(tmp_path) as e:
+        one = await e.stub.Estimate(estimator_pb2.EstimateRequest(candidate=to_pb(cand())))
+        many = await e.stub.EstimateBatch(estimator_pb2.EstimateBatchRequest(candidates=[to_pb(cand())] * 3))
+    assert one.status == "insufficient_data" and len(many.estimates) == 3
+    assert len(threads) == 2 and loop_thread not in threads
+
+
+async def test_a_model_file_that_cannot_be_written_fails_no_model_rpc(tmp_path, monkeypatch):
+    """model.json not writable (disk full, read-only state dir) while a refit is due: the
+    model RPCs answer from the last durable model (before: UNKNOWN on every call), and the
+    refit is retried and published once the disk is back."""
+    import errno
+
+    import estimator.models as em
+
+    real = em.atomic_write
+    broken = [True]
+
+    def atomic_write(path, write):
+        if broken[0]:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(path, write)
+
+    monkeypatch.setattr(em, "atomic_write", atomic_write)
+    s = samples()[0]
+    async with Est(tmp_path) as e:
+        await report(e.stub, run_measurements(s, "j-one", 1, steps=8))
+        snap = await e.stub.GetModelSnapshot(estimator_pb2.GetModelSnapshotRequest())
+        assert snap.version == 0  # the model of nothing: the refit was not published
+        exact = to_pb(Candidate(device_type="cpu", layers=s.layers, hidden=s.hidden, heads=s.heads, vocab=s.vocab,
+                                seq_len=s.seq, batch=s.rows, micro_batches=s.micro_batches, quota=s.q,
+                                module=s.module))
+        r = await e.stub.Estimate(estimator_pb2.EstimateRequest(candidate=exact))
+        assert r.status == "insufficient_data" and r.model_version == 0
+        b = await e.stub.EstimateBatch(estimator_pb2.EstimateBatchRequest(candidates=[exact]))
+        assert b.model_version == 0
+        assert (await e.stub.ListProfiles(estimator_pb2.ListProfilesRequest())).model_version == 0
+        assert not (tmp_path / MODEL_NAME).exists()
+        broken[0] = False
+        r = await e.stub.Estimate(estimator_pb2.EstimateRequest(candidate=exact))
+        assert r.status == "ok" and r.model_version == 1
+        assert json.loads((tmp_path / MODEL_NAME).read_text())["snapshot"]["version"] == 1
+
+
+async def test_a_store_that_cannot_reopen_its_log_after_compaction_is_unavailable(tmp_path):
+    """Compaction replaced the log but the new file could not be opened (EMFILE here):
+    the batch that triggered it stays acknowledged and durable; every later report is
+    UNAVAILABLE (the profilerd keeps and resends it) — before, the closed handle raised
+    ValueError, answered INVALID_ARGUMENT, and the profilerd dropped its data."""
+    import errno
+
+    def device(seq):
+        return profiler_pb2.Measurement(source=SRC, seq=seq, kind="device", values={"cpu_util": 0.5})
+
+    async with Est(tmp_path) as e:
+        e.store.compact_bytes = 1  # device samples are not retained: compaction is due at once
+
+        def emfile():
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        e.store._open_append = emfile
+        ack = await e.stub.ReportMeasurements(iter([estimator_pb2.MeasurementBatch(
+            measurements=[device(i) for i in range(1, 11)])]))
+        assert ack.accepted == 10 and e.store.compactions == 1
+        for _ in range(2):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await e.stub.ReportMeasurements(iter([estimator_pb2.MeasurementBatch(measurements=[device(11)])]))
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "reopening it failed" in ei.value.details()
+        assert (await e.stub.GetWatermark(estimator_pb2.GetWatermarkRequest(source=SRC))).seq == 10
+    async with Est(tmp_path) as e:  # a restart reopens it: nothing acknowledged was lost
+        assert e.store.watermark(SRC) == 10 and e.store.count == 10
+        ack = await e.stub.ReportMeasurements(iter([estimator_pb2.MeasurementBatch(measurements=[device(11)])]))
+        assert ack.accepted == 1
+
+
+async def test_only_an_unindexable_measurement_is_the_batch_s_fault(tmp_path, monkeypatch):
+    """INVALID_ARGUMENT (the profilerd drops the measurement) is for a record the store
+    cannot index (store.Unindexable) only; any other error of the store is not the batch's
+    fault and must not be answered so."""
+    from tests.unit.test_estimator_store import _unindexable_job
+
+    ok = profiler_pb2.Measurement(source=SRC, seq=1, kind="step", job_id="j", step=1, step_time_s=0.01)
+    poison = profiler_pb2.Measurement(source=SRC, seq=1, kind="step", job_id="poison", step=1, step_time_s=0.01)
+    async with Est(tmp_path) as e:
+        real = e.store.append
+
+        async def closed(ms):
+            raise ValueError("I/O operation on closed file")
+
+        e.store.append = closed
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await e.stub.ReportMeasurements(iter([estimator_pb2.MeasurementBatch(measurements=[ok])]))
+        assert ei.value.code() != grpc.StatusCode.INVALID_ARGUMENT
+        e.store.append = real
+        _unindexable_job(monkeypatch, "poison")
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await e.stub.ReportMeasurements(iter([estimator_pb2.MeasurementBatch(measurements=[poison])]))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert ei.value.details().startswith("measurements[0]: ") and "cannot be indexed" in ei.value.details()
+
+
+@pytest.mark.parametrize("kind,values,expect", [
+    ("colocation", {"alone_s": 5e-324}, "measurements[1].values.alone_s"),
+    ("comm", {"idle_s": 1e-320}, "measurements[1].values.idle_s"),
+    ("comm", {"seconds": 5e-324}, "measurements[1].values.seconds"),
+])
+async def test_a_time_below_a_nanosecond_is_refused_naming_the_field(tmp_path, kind, values, expect):
+    """Such a row froze the model (interference or refill fitted inf) or dropped its link's
+    table: refused at ingestion, nothing of the batch persisted."""
+    base = ({"bytes": 4096, "world": 2, "seconds": 1e-4} if kind == "comm"
+            else {"colocated": 2, "oversubscription": 1.0, "alone_s": 0.02, "together_s": 0.03})
+    labels = {"op": "refill", "link": "lo"} if kind == "comm" else {"mode": "split", "device_kind": "cpu"}
+    ok = profiler_pb2.Measurement(source=SRC, seq=1, kind=kind, labels=labels, values=base)
+    bad = profiler_pb2.Measurement(source=SRC, seq=2, kind=kind, labels=labels, values={**base, **values})
+    async with Est(tmp_path) as e:
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await e.stub.ReportMeasurements(iter([estimator_pb2.MeasurementBatch(measurements=[ok, bad])]))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and ei.value.details().startswith(expect)
+        assert e.store.watermark(SRC) == 0 and e.store.count == 0
 
 
 async def test_a_write_that_fails_is_unavailable_and_acknowledges_nothing(tmp_path, monkeypatch):

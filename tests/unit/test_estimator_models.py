@@ -286,10 +286,14 @@ def test_build_model_survives_a_failing_device_fit(monkeypatch):
 
 
 async def test_a_model_version_is_durable_before_it_is_served(tmp_path, monkeypatch):
-    """A refit whose model.json cannot be written serves nothing new and stays stale (the
-    next call retries); the version then issued is the next one, once, and a restarted
-    keeper loads exactly it."""
+    """A refit whose model.json cannot be written (disk full) serves nothing new and stays
+    stale (the next call retries) — and does not fail the call: the last durable model is
+    served, with a warning; the version then issued is the next one, once, and a restarted
+    keeper loads exactly it. (Until 2026-12-07 the OSError propagated out of current(), so
+    every model RPC failed with UNKNOWN while the disk was full.)"""
     import os as _os
+
+    import structlog
 
     from estimator.models import ModelKeeper
     from estimator.store import MeasurementStore
@@ -304,9 +308,13 @@ async def test_a_model_version_is_durable_before_it_is_served(tmp_path, monkeypa
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(_os, "replace", full_disk)
-    with pytest.raises(OSError):
-        await keeper.current()
-    assert keeper.model.version == 0 and keeper.stale and not (tmp_path / "model.json").exists()
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(2):  # every call refits again, and still serves the durable model
+            served = await keeper.current()
+            assert served is keeper.model and served.version == 0
+    assert keeper.stale and not (tmp_path / "model.json").exists()
+    warned = [e for e in logs if e["event"].startswith("model not persisted")]
+    assert len(warned) == 2 and all(e["log_level"] == "warning" and "No space" in e["error"] for e in warned)
     monkeypatch.setattr(_os, "replace", real)
     m = await keeper.current()
     assert m.version == 1 and not keeper.stale
@@ -351,3 +359,102 @@ def test_malformed_is_the_shared_check_profilerd_applies_too():
     assert estimator.models.RUN_INTS == tessera.measurement.RUN_INTS
     m = profiler_pb2.Measurement(source="s", seq=4, kind="step", step_time_s=math.inf)
     assert estimator.api.validate(m, 2) == "measurements[2].step_time_s: must be a finite number in [0, 1e+06] seconds, got inf (seq 4)"
+
+
+# --- one extreme but finite row never freezes the model (review: a row at 5e-324 s)
+
+def _link_rows(link: str) -> list[dict]:
+    from tessera.perfmodel.comm import steps_and_volume
+
+    rows = []
+    for op in ("all_reduce", "send_recv"):
+        for nbytes in (4 << 10, 256 << 10, 4 << 20):
+            st, vol = steps_and_volume(op, 2, nbytes)
+            rows.append({"link": link, "op": op, "bytes": nbytes, "world": 2, "seconds": float(50e-6 * st + vol / 2e9)})
+    return rows
+
+
+EXTREME_COLO = [{"device_kind": "cpu", "mode": "shared", "colocated": 2, "oversubscription": 2.0, "alone_s": 1.0,
+                 "together_s": 2.3},
+                {"device_kind": "cpu", "mode": "split", "colocated": 2, "oversubscription": 1.0, "alone_s": 5e-324,
+                 "together_s": 0.03}]  # together / alone: inf
+EXTREME_COMM = (_link_rows("lo") + [{"link": "lo", "op": "refill", "bytes": 0, "world": 2, "seconds": 4e-4,
+                                     "idle_s": 1e-320}]  # seconds / (1 - exp(-idle / tau)): inf
+                + _link_rows("hi") + [{"link": "hi", "op": "all_reduce", "bytes": 1 << 20, "world": 2,
+                                       "seconds": 5e-324}])  # the all-reduce fit raises LinAlgError
+
+
+def test_one_extreme_row_leaves_out_only_its_own_fit_with_a_warning():
+    import json
+
+    import structlog
+
+    runs = {run_key(step()): {i: 0.02 for i in range(1, 9)}}
+    with structlog.testing.capture_logs() as logs:
+        m = build_model(runs, EXTREME_COMM, EXTREME_COLO, 1)
+    json.dumps(m.to_dict(), allow_nan=False)  # publishable
+    assert m.interference == {"cpu": {"shared": pytest.approx(0.15)}}
+    assert m.comm["lo"].refill == {} and set(m.comm["lo"].ops) == {"all_reduce", "send_recv"}
+    assert set(m.comm["hi"].ops) == {"send_recv"}  # its all-reduce only; before: the whole link was dropped
+    clean = build_model(runs, _link_rows("lo") + _link_rows("hi"), EXTREME_COLO[:1], 1)
+    assert m.comm["lo"].to_dict() == clean.comm["lo"].to_dict()  # the parts kept are the same numbers
+    assert m.comm["hi"].ops["send_recv"] == clean.comm["hi"].ops["send_recv"]
+    warned = {(e["event"], e.get("link"), e.get("op"), e.get("mode")) for e in logs if e["log_level"] == "warning"}
+    assert warned == {("interference fit is not finite; left out", None, None, "split"),
+                      ("communication fit is not finite; left out", "lo", "refill", None),
+                      ("communication fit failed; left out", "hi", "all_reduce", None)}
+
+
+def test_a_compute_fit_that_is_not_finite_is_insufficient_data_not_a_frozen_model(monkeypatch):
+    import json
+
+    import estimator.models as em
+    from tessera.perfmodel import ComputeFit
+
+    def fit(dev, samples):
+        return ComputeFit(device_type=dev, coef={"c_flops": math.inf}, status="ok", n=len(samples))
+
+    monkeypatch.setattr(em, "fit_compute", fit)
+    m = build_model({run_key(step()): {i: 0.02 for i in range(1, 9)}}, [], [], 1)
+    assert m.compute["cpu"].status == "insufficient_data" and "not finite" in m.compute["cpu"].reason
+    json.dumps(m.to_dict(), allow_nan=False)
+    assert len(m.profiles["cpu"]) == 1  # its profile points still answer
+
+
+async def test_an_extreme_row_does_not_stop_every_refit(tmp_path):
+    """Before: _canonical raised on the fitted inf and every refit was refused ("keeping the
+    current model") for as long as the row stayed in the log."""
+    from estimator.models import ModelKeeper
+
+    class Store:
+        model_revision, run_fb, count = 1, {}, 3
+        runs = {run_key(step()): {i: 0.02 for i in range(1, 9)}}
+        comm_rows, colocation_rows = EXTREME_COMM, EXTREME_COLO
+
+    keeper = ModelKeeper(Store(), tmp_path, min_refit_interval_s=0)
+    m = await keeper.current()
+    assert m.version == 1 and not keeper.stale and m.interference["cpu"] == {"shared": pytest.approx(0.15)}
+
+
+@pytest.mark.parametrize("kind,values,field", [
+    ("comm", {"seconds": 5e-324}, "values.seconds"),
+    ("comm", {"seconds": 1e-4, "idle_s": 1e-320}, "values.idle_s"),
+    ("comm", {"seconds": 1e-4, "compute_s": 1e-12}, "values.compute_s"),
+    ("colocation", {"alone_s": 5e-324}, "values.alone_s"),
+    ("colocation", {"together_s": 1e-10}, "values.together_s"),
+])
+def test_a_time_below_a_nanosecond_is_malformed_and_no_row(kind, values, field):
+    from estimator.models import colocation_row
+    from tessera.measurement import MIN_TIME_S, malformed
+
+    base = ({"bytes": 4096, "world": 2, "seconds": 1e-4} if kind == "comm"
+            else {"colocated": 2, "oversubscription": 1.0, "alone_s": 0.02, "together_s": 0.03})
+    labels = {"op": "all_reduce", "link": "l"} if kind == "comm" else {"mode": "split", "device_kind": "cpu"}
+    ok = profiler_pb2.Measurement(kind=kind, labels=labels, values=base)
+    bad = profiler_pb2.Measurement(kind=kind, labels=labels, values={**base, **values})
+    row = comm_row if kind == "comm" else colocation_row
+    assert malformed(ok) is None and row(ok) is not None
+    assert malformed(bad).startswith(f"{field}: must be 0 or at least {MIN_TIME_S:g} seconds") and row(bad) is None
+    # 0 is no measurement rather than an impossible one: stored, no model input (as before)
+    zero = profiler_pb2.Measurement(kind=kind, labels=labels, values={**base, **{k: 0.0 for k in values}})
+    assert malformed(zero) is None

@@ -206,3 +206,64 @@ async def test_failed_truncate_refuses_further_appends(tmp_path, monkeypatch):
     assert s2.watermark("a") == 1
     assert await s2.append([step("a", 2)]) == (1, 0)
     s2.close()
+
+
+async def test_log_not_reopened_after_compaction_refuses_appends_and_loses_nothing(tmp_path):
+    """The compaction's os.replace succeeded but the new log cannot be opened: the store
+    refuses appends (StoreFailed, an OSError: UNAVAILABLE at the API) rather than raise
+    ValueError on a closed handle forever (which the API answered INVALID_ARGUMENT); what
+    was acknowledged is in the new log, and a reopen resumes."""
+    s = MeasurementStore(tmp_path, Retention(step_window=1), compact_bytes=1)
+
+    def emfile():
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    s._open_append = emfile
+    assert await s.append([step("a", i) for i in (1, 2, 3, 4)]) == (4, 0)  # durable before the compaction
+    assert s.compactions == 1 and s._size == (tmp_path / LOG_NAME).stat().st_size
+    for _ in range(2):
+        with pytest.raises(StoreFailed, match="reopening it failed"):
+            await s.append([step("a", 5)])
+    assert s.watermark("a") == 4
+    s.close()
+    s2 = MeasurementStore(tmp_path, Retention(step_window=1))
+    assert (s2.watermark("a"), s2.count) == (4, 4)
+    assert await s2.append([step("a", 5)]) == (1, 0)
+    s2.close()
+
+
+async def test_failed_directory_fsync_after_compaction_keeps_the_size_true(tmp_path, monkeypatch):
+    """fsync of the directory fails after the compaction's replace: the store's size is the
+    new log's already, so a later failed write cuts back to it — not to the old, larger
+    size (which padded the log with zeros). The next write fsyncs the directory first; if
+    that fails too, nothing is written."""
+    s = MeasurementStore(tmp_path, Retention(step_window=1), compact_bytes=1)
+    real = store_mod.fsync_dir
+    fails = [1, 1]  # the compaction's, then the next write's
+
+    def fsync_dir(d):
+        if fails:
+            fails.pop()
+            raise OSError(errno.EIO, "Input/output error")
+        return real(d)
+
+    monkeypatch.setattr(store_mod, "fsync_dir", fsync_dir)
+    assert await s.append([step("a", i) for i in (1, 2, 3, 4)]) == (4, 0)
+    path = tmp_path / LOG_NAME
+    size = path.stat().st_size
+    assert s.compactions == 1 and s._size == size
+    s.compact_bytes = 0
+    with pytest.raises(OSError, match="Input/output"):  # the directory first: nothing written
+        await s.append([step("a", 5)])
+    assert path.stat().st_size == size and s.watermark("a") == 4
+    s._file = _PartialWriteOnce(s._file)
+    with pytest.raises(OSError, match="No space"):
+        await s.append([step("a", 5)])
+    assert path.stat().st_size == size  # cut back to the compacted log, no zero padding
+    assert await s.append([step("a", 5), step("a", 6)]) == (2, 0)
+    s.close()
+    records, end = read_log(path)
+    assert [r.seq for r in records if not is_meta(r)] == [4, 5, 6] and end == path.stat().st_size
+    s2 = MeasurementStore(tmp_path, Retention(step_window=1))
+    assert (s2.watermark("a"), s2.count) == (6, 6)
+    s2.close()

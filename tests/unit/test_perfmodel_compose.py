@@ -332,10 +332,32 @@ def test_batch_uses_each_candidates_schedule(model):
 @pytest.mark.parametrize("kw", [dict(quota=float("nan")), dict(quota=float("inf")),
                                 dict(colocated=2, oversubscription=float("nan")), dict(schedule="bogus"),
                                 dict(seq_len=-64), dict(vocab=-256), dict(hidden=-128), dict(heads=0),
-                                dict(seq=-1)])
+                                dict(seq=-1), dict(seq=65), dict(seq=4096), dict(hidden=126), dict(heads=3)])
 def test_invalid_candidates_are_insufficient_data_not_nan(model, kw):
     e = model.estimate(cand(**kw))
     assert not e.ok and e.confidence == 0.0 and e.reason
+
+
+def test_plans_beyond_max_pp_or_micro_batches_are_invalid_not_replayed(model):
+    """Replayed op by op, pp = 8 with m = 4096 micro-batches took 1.6 s of Python and
+    pp = m = 1024-scale plans minutes: beyond MAX_PP / MAX_MICRO_BATCHES a plan is
+    invalid (insufficient_data naming the bound), never evaluated; the bounds themselves
+    are valid plans."""
+    from tessera.perfmodel import MAX_MICRO_BATCHES, MAX_PP
+
+    assert MAX_PP == MAX_MICRO_BATCHES == 1024
+    for c in (cand(layers=8, pp=8, micro_batches=4096, batch=4096), cand(layers=2048, pp=MAX_PP + 1),
+              cand(micro_batches=MAX_MICRO_BATCHES + 1, batch=2 * (MAX_MICRO_BATCHES + 1))):
+        e = model.estimate(c)
+        assert e.status == "insufficient_data" and f"pp <= {MAX_PP}" in e.reason, (c, e)
+    assert model.estimate(cand(micro_batches=MAX_MICRO_BATCHES, batch=MAX_MICRO_BATCHES)).ok
+    assert model.estimate(cand(layers=64, pp=64, micro_batches=2)).ok
+    # Each bound alone let pp = m = 1024 through (over a minute): their product is bounded too.
+    from tessera.perfmodel import MAX_PIPELINE_SLOTS
+
+    e = model.estimate(cand(layers=1024, pp=1024, micro_batches=1024, batch=1024))
+    assert e.status == "insufficient_data" and f"pp*micro_batches <= {MAX_PIPELINE_SLOTS}" in e.reason, e
+    assert model.estimate(cand(layers=64, pp=64, micro_batches=128, batch=128)).ok  # 8192 slots: the bound
 
 
 def test_noiseless_fit_confidence_is_floored_at_run_to_run(model):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -252,6 +253,14 @@ def test_invalid_candidate_is_refused_before_any_profile():
     m = PerfModel(version=1, profiles={"cpu": [pt(1.0, 0.02)]})
     assert m.estimate(cand(q=math.nan)).status == "insufficient_data"
     assert m.estimate(cand(q=0.0)).status == "insufficient_data"
+    # what holds for every candidate (the estimator service refuses them alike): a context
+    # past the model's, hidden not divisible by heads, micro-batches beyond the bound
+    assert m.estimate(cand(seq=33)).status == "insufficient_data"
+    assert m.estimate(replace(cand(), hidden=33)).status == "insufficient_data"
+    assert m.estimate(cand(seq=32)).ok
+    many = PerfModel(version=1, profiles={"cpu": [ProfilePoint(module=MOD, rows=4096, seq=32, micro_batches=4096,
+                                                                q=1.0, seconds=0.02, steps=6)]})
+    assert many.estimate(cand(batch=4096, micro_batches=4096)).status == "insufficient_data"
 
 
 def test_colocated_needs_the_devices_interference_and_stretches_by_it():
