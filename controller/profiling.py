@@ -252,13 +252,13 @@ class Profiling:
             known[module] = await self.link.profiles(module)
         profs = known[module]
         pdoc, idem = profile_doc(doc, self.steps)
+        rows, mb = pdoc["workload"]["batch_size"], pdoc["workload"]["plan"]["micro_batches"]
         est = None
         if profs:
-            dev = doc["resources"].get("device_kind") or profs[0].device_type
+            dev = self._device_kind(job, doc, nodes, profs, rows, mb)
             quota, n_nodes = self._quota(job, nodes, [p for p in profs if p.device_type == dev] or profs)
             plan = job.status.plan if job.status.HasField("plan") else None
             est = model.estimate(candidate(doc, dev, quota, n_nodes, plan))
-        rows, mb = pdoc["workload"]["batch_size"], pdoc["workload"]["plan"]["micro_batches"]
         if est is not None and (est.ok or any(p.rows == rows and p.micro_batches == mb and p.device_type == dev
                                               for p in profs)):
             pj_id = cur.profile_job_id if cur.profile_job_id in by_id else ""
@@ -342,6 +342,24 @@ class Profiling:
                 or types_pb2.JobEstimate(status="profiling", profile_job_id=pj.id, time=self.clock(),
                                          reason=cur.reason or f"profiling job {pj.id}")
         return await self._write(job.id, new)
+
+    @staticmethod
+    def _device_kind(job: types_pb2.Job, doc: dict, nodes: dict, profs: list, rows: int, mb: int) -> str:
+        """The device kind a job is estimated on (profiles are filed by kind: ``cpu``,
+        ``gpu``): the one its spec asks for; else, placed, the kind of its first device;
+        else the kind of a profile at its per-rank shape (``rows``, ``mb``: what its own
+        profiling job measured); else the first profile's."""
+        kind = doc["resources"].get("device_kind")
+        if kind:
+            return kind
+        if job.status.placement:
+            s = job.status.placement[0]
+            node = nodes.get(s.node)
+            dev = next((d for d in node.devices if s.device_ids and d.id == s.device_ids[0]), None) if node else None
+            if dev is not None and dev.kind:
+                return dev.kind
+        at = next((p for p in profs if p.rows == rows and p.micro_batches == mb), None)
+        return (at or profs[0]).device_type
 
     @staticmethod
     def _quota(job: types_pb2.Job, nodes: dict, profs: list) -> tuple[float, int]:

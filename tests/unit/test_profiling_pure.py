@@ -169,3 +169,25 @@ def test_the_estimates_quota_is_the_jobs_grant_not_the_whole_device():
     from types import SimpleNamespace
 
     assert Profiling._quota(types_pb2.Job(), nodes, [SimpleNamespace(quota=2.0)]) == (2.0, 1)
+
+
+def test_a_job_naming_no_device_kind_is_estimated_on_the_kind_it_runs_on_or_was_profiled_at():
+    from types import SimpleNamespace
+
+    from controller.profiling import Profiling
+
+    any_kind = manifest.validate({"apiVersion": "tessera/v1", "name": "k", "tenant": "t",
+                                  "workload": {"type": "gpt", "model": MODEL, "steps": 10, "batch_size": 8},
+                                  "resources": {"devices": 1}})
+    cpu_other = SimpleNamespace(device_type="cpu", rows=4, micro_batches=1)
+    gpu_mine = SimpleNamespace(device_type="gpu", rows=8, micro_batches=1)
+    profs = [cpu_other, gpu_mine]  # a cpu profile at another batch first
+    nodes = _node([], [types_pb2.Device(id="cpu0", kind="cpu", capacity=4)])
+    # Not placed: the kind of the profile at its own shape (its profiling job's), not the first.
+    assert Profiling._device_kind(types_pb2.Job(), any_kind, nodes, profs, 8, 1) == "gpu"
+    # Placed: the kind of its device.
+    assert Profiling._device_kind(_placed("cpu0", "cpu0", 0), any_kind, nodes, profs, 8, 1) == "cpu"
+    # Asked for a kind: that one.
+    assert Profiling._device_kind(types_pb2.Job(), doc(), nodes, profs, 8, 1) == "cpu"
+    # No profile at its shape: the first.
+    assert Profiling._device_kind(types_pb2.Job(), any_kind, nodes, profs, 16, 2) == "cpu"
