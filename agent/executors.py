@@ -862,6 +862,11 @@ class ExecutorManager:
         # The window's steps ran on the old quota: its median would mix both for up to
         # STEP_WINDOW steps (the controller clears the job's step times with the decision).
         ex.step_times.clear()
+        # And its profile labels: the steps from here on run on the new quota, a new run of
+        # the estimator (run key: threads), whose first steps are its warm-up; under the old
+        # label they would join the old quota's profile point.
+        if "threads" in ex.labels:
+            ex.labels["threads"] = str(g.threads or (len(g.cores) if g.cores else ex.labels["threads"]))
         if g.cores:
             pin_process(ex.proc.pid, g.cores)
             ex.cores = len(g.cores)

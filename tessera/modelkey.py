@@ -87,13 +87,17 @@ def profile_labels(runtime_spec: dict, device_kind: str) -> dict[str, str]:
     for a non-gpt workload only in the run of a profiling job (``"profiling": true`` in the
     spec, set by the controller): a peft job's own later steps run fewer tasks as tasks
     end, a multimodal job's follow its modality schedule, so neither is its shape's step
-    (``module`` is "" then: no profile). Missing values come out as "0"."""
+    (``module`` is "" then: no profile); nor is an input-bound gpt job's
+    (``workload.step_delay_s`` > 0: its steps wait for their input, not the model's
+    compute — its profiling job runs without the delay). Missing values come out as "0"."""
     w = runtime_spec.get("workload", {}) or {}
     m = w.get("model", {}) or {}
     plan = w.get("plan", {}) or {}
     dist = runtime_spec.get("dist", {}) or {}
     gpt = w.get("type", "gpt") == "gpt"
     module = shape_key(w, dist.get("world_size", 1) or 1) if gpt or runtime_spec.get("profiling") else ""
+    if gpt and float(w.get("step_delay_s") or 0.0) > 0:
+        module = ""
     vals = {"module": module, "workload_type": w.get("type", "gpt"), "layers": m.get("layers"),
             "hidden": m.get("hidden"), "heads": m.get("heads"), "vocab": m.get("vocab"), "seq_len": m.get("seq_len"),
             "batch": w.get("batch_size"), "dp": plan.get("dp", 1), "tp": plan.get("tp", 1), "pp": plan.get("pp", 1),

@@ -219,3 +219,28 @@ def test_repartition_action_skips_splits_that_round_to_the_units_held():
     assert mx.repartition_action(g, jobs, 60.0, capacity=4) is None   # ... but 1:3 cores either way
     assert mx.repartition_action(g, jobs, 60.0, capacity=100) is not None
     assert [mx.quota_units(q, 4) for q in (0.05, 0.25, 0.5, 0.95, 1.0)] == [1, 1, 2, 3, 4]
+
+
+def test_a_live_grant_change_restarts_the_step_window_and_the_profile_run(tmp_path):
+    """UpdateGrant on a running executor: the median window restarts (its steps ran on the
+    old quota) and the profile labels carry the new quota, so the estimator files the
+    steps from here on as a new run (whose first steps are its warm-up), not into the old
+    quota's profile point. (No cores in the grants: nothing is re-pinned here.)"""
+    from agent.partitions.base import Grant
+
+    class Parts:
+        def regrant(self, gid, units):
+            return Grant(gid, "cpu0", "cpuset", "cpu0", units, threads=units)
+
+    mgr = ExecutorManager(tmp_path, [], None, report_interval_s=0.0)
+    mgr.parts = Parts()
+    ex = Executor("a1", "j", 0, [], tmp_path / "j.log", cores=4)
+    ex.proc = SimpleNamespace(pid=os.getpid())
+    ex.grant = Grant(ex.grant_id, "cpu0", "cpuset", "cpu0", 4, threads=4)
+    ex.labels = {"module": "gpt:x", "threads": "4"}
+    ex.step_times.extend([0.01, 0.011, 0.012])
+    mgr.executors[("a1", 0)] = ex
+    _, g, old = mgr.update_grant("a1", 0, 2)
+    assert (old, g.units) == (4, 2)
+    assert list(ex.step_times) == [] and step_time_median(ex.step_times) == 0.0
+    assert ex.labels == {"module": "gpt:x", "threads": "2"}

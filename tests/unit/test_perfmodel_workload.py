@@ -104,6 +104,10 @@ def test_profile_labels_carry_the_shape_key_over_the_world_size_in_a_profiling_r
     assert profile_labels({"workload": w, "dist": {"world_size": 1}}, "cpu")["module"] == ""
     g = {"type": "gpt", "model": MODEL, "batch_size": 8}
     assert profile_labels({"workload": g, "dist": {"world_size": 1}}, "cpu")["module"] == arch_key(g)
+    # an input-bound gpt job: its steps wait for their input, not the model's compute
+    assert profile_labels({"workload": {**g, "step_delay_s": 0.5}, "dist": {"world_size": 1}}, "cpu")["module"] == ""
+    assert profile_labels({"workload": {**g, "step_delay_s": 0.0}, "dist": {"world_size": 1}}, "cpu")["module"] \
+        == arch_key(g)
 
 
 def test_mean_mix_is_exact_and_cheap_for_any_schedule_and_run_length():
