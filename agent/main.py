@@ -79,6 +79,8 @@ class Agent:
         self.channel = grpc.aio.insecure_channel(cfg.controller)
         self.nodes = controller_pb2_grpc.NodeServiceStub(self.channel)
         self.prof = None
+        self.steps_unreported = 0  # step measurements profilerd did not take (it was down, or refused)
+        self._unreported_since: int | None = None  # steps_unreported when the current outage began
         if cfg.profilerd:
             self.prof_channel = grpc.aio.insecure_channel(cfg.profilerd)
             self.prof = profiler_pb2_grpc.ProfilerServiceStub(self.prof_channel)
@@ -163,8 +165,20 @@ class Agent:
         m.labels["rank"] = str(ex.rank)
         try:
             await self.prof.ReportStep(m, timeout=1)
-        except grpc.aio.AioRpcError:
-            pass  # profiling is best effort; training goes on
+        except grpc.aio.AioRpcError as e:
+            # Best effort (training goes on; the controller re-profiles a model whose
+            # profile never arrived), but never silent: counted, and logged once per outage.
+            self.steps_unreported += 1
+            if self._unreported_since is None:
+                self._unreported_since = self.steps_unreported - 1
+                self.log.warning("step measurements not reaching profilerd; training goes on without profiling",
+                                 profilerd=self.cfg.profilerd, job_id=ex.job_id, code=e.code().name,
+                                 error=e.details())
+            return
+        if self._unreported_since is not None:
+            self.log.info("step measurements reach profilerd again", profilerd=self.cfg.profilerd,
+                          lost=self.steps_unreported - self._unreported_since, lost_total=self.steps_unreported)
+            self._unreported_since = None
 
     # -- registration and heartbeats --------------------------------------------------
     async def register(self) -> None:

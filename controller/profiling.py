@@ -10,14 +10,15 @@ Each cycle (while leading) for every job of a ``gpt``, ``peft`` or ``multimodal`
    ``profile_steps`` steps; a real short run through the agents whose step timings
    reach the estimator via profilerd; the job's ``status.estimate`` says ``profiling``
    and names it (never for a finished job: it keeps the estimate it has, see
-   ``Profiling._ended``); a profiling job that FAILED is submitted again, up to
-   ``attempts`` jobs in all, each after ``retry_s * 2**(k-1)`` from the k-th one's
-   failure (a transient fault — a lost node, an out-of-memory on a busy device — must
-   not leave the module unprofiled for good; ``attempt_key``); a profiling job that
-   FAILED for the last time, was CANCELLED (deliberately: never retried), or SUCCEEDED
-   ``grace_s`` ago with no profile arrived turns that into ``insufficient_data`` naming
-   it (``Profiling._settled``); one still PENDING carries its placement decision's
-   reason (why it waits) in the estimate's reason;
+   ``Profiling._ended``); a profiling job that FAILED, or SUCCEEDED ``grace_s`` ago
+   with no profile arrived (its node's profilerd down or not streaming: the agent's
+   reports are best effort), is submitted again, up to ``attempts`` jobs in all, the
+   next after ``retry_s * 2**(k-1)`` from the k-th one's failure (at the end of the
+   grace for a lost profile) — a transient fault must not leave the module unprofiled
+   for good (``attempt_key``); the last of them, or one that was CANCELLED
+   (deliberately: never retried), turns that into ``insufficient_data`` naming it
+   (``Profiling._settled``); one still PENDING carries its placement decision's reason
+   (why it waits) in the estimate's reason;
 2. otherwise -> evaluate the cached model snapshot (GetModelSnapshot, polled with
    ``if_newer_than``) *locally* with ``tessera.perfmodel`` for the job's plan and write
    ``status.estimate`` (ok with seconds and confidence, or insufficient_data with the
@@ -271,9 +272,18 @@ class Profiling:
         keys = {attempt_key(idem, k): k for k in range(1, self.attempts + 1)}
         k, pj = max(((keys[j.idempotency_key], j) for j in jobs
                      if is_profile_job(j) and j.idempotency_key in keys), default=(0, None), key=lambda t: t[0])
-        retry_at = None
-        if pj is not None and pj.status.phase == P.FAILED and k < self.attempts:
-            retry_at = _ended_at(pj, P.FAILED) + self.retry_s * 2 ** (k - 1)
+        retry_at, gone = None, None  # when the next attempt is due; why the latest brings no profile
+        if pj is not None and k < self.attempts:
+            backoff = self.retry_s * 2 ** (k - 1)
+            if pj.status.phase == P.FAILED:
+                retry_at = _ended_at(pj, P.FAILED) + backoff
+                gone = (f"profiling job {pj.id} ended FAILED (attempt {k} of {self.attempts}: "
+                        f"{pj.status.reason or 'no reason given'})")
+            elif pj.status.phase == P.SUCCEEDED:
+                lost = self._settled(pj, module)  # grace passed, no profile (profilerd down?)
+                if lost is not None:
+                    retry_at = _ended_at(pj, P.SUCCEEDED) + max(self.grace_s, backoff)
+                    gone = f"{lost.reason} (attempt {k} of {self.attempts})"
         if pj is None or (retry_at is not None and self.clock() >= retry_at):
             k += 1
             pdoc = {**pdoc, "name": attempt_key(pdoc["name"], k)}
@@ -282,12 +292,10 @@ class Profiling:
             self.log.info("profiling job requested", job_id=job.id, profile_job=pj.id, module=module,
                           rows=rows, micro_batches=mb, attempt=k)
             retry_at = None
-        if retry_at is not None:  # failed; the next attempt is due at retry_at
+        if retry_at is not None:  # brings no profile; the next attempt is due at retry_at
             at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(retry_at))
-            new = types_pb2.JobEstimate(
-                status="profiling", profile_job_id=pj.id, time=self.clock(),
-                reason=f"profiling job {pj.id} ended FAILED (attempt {k} of {self.attempts}: "
-                       f"{pj.status.reason or 'no reason given'}); attempt {k + 1} at {at}")
+            new = types_pb2.JobEstimate(status="profiling", profile_job_id=pj.id, time=self.clock(),
+                                        reason=f"{gone}; attempt {k + 1} at {at}")
         else:
             new = self._settled(pj, module, k) or types_pb2.JobEstimate(
                 status="profiling", profile_job_id=pj.id, time=self.clock(),

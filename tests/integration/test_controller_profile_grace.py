@@ -34,7 +34,9 @@ async def setup(etcd_server, request):
     now = [T0]
     ctl, store, c = await leading_controller(etcd_server, f"/grace-{request.node.name[:40]}",
                                              ControllerConfig(grace_s=3.0), FirstFit(), clock=lambda: now[0])
-    prof = Profiling(ctl, "127.0.0.1:1", clock=lambda: now[0], grace_s=GRACE)
+    # One attempt: what the jobs say once no profiling job is left to try
+    # (test_controller_profile_retry.py: the attempts before it).
+    prof = Profiling(ctl, "127.0.0.1:1", clock=lambda: now[0], grace_s=GRACE, attempts=1)
     await prof.link.close()
     prof.link = ProfilesLink()
     yield store, prof, now

@@ -1,5 +1,6 @@
-"""A profiling job that FAILED is submitted again — up to ``attempts`` jobs, each after a
-doubling wait — instead of leaving its model unprofiled for good; a CANCELLED one is not
+"""A profiling job that FAILED, or SUCCEEDED without its profile reaching the estimator, is
+submitted again — up to ``attempts`` jobs, each after a doubling wait (a lost profile: after
+the grace) — instead of leaving its model unprofiled for good; a CANCELLED one is not
 retried; a PENDING one says why it waits; an input-bound job's wait for its input is not
 copied into its profiling job. A real etcd and controller store; the estimator link is a
 stand-in (``_live.ProfilesLink``, knowing no profile) and the loop's clock is injected:
@@ -107,6 +108,38 @@ async def test_a_failed_profiling_job_is_retried_after_a_doubling_wait_up_to_the
     assert est.reason == f"profiling job {pj.id} ended FAILED (attempt 3 of 3: out of memory)", est.reason
     now[0] += 1000
     assert await prof.once() == {"requested": 0, "estimated": 0}
+    assert len(await _profile_jobs(store)) == 3
+
+
+async def test_a_profiling_job_whose_profile_never_arrived_is_retried_after_the_grace(setup):
+    """Its node's profilerd was down while it ran (the agent's reports are best effort): it
+    SUCCEEDED, but no profile reached the estimator. After the grace, a new attempt —
+    possibly on another node — rather than insufficient_data at once."""
+    ctl, store, prof, now = setup
+    u = await _user_job(store)
+    _, idem = profile_doc(manifest.validate(DOC), prof.steps)
+    assert (await prof.once())["requested"] == 1
+    pj = (await _profile_jobs(store))[idem]
+    await _end(ctl, pj.id, P.SUCCEEDED, T0, "finished")
+    now[0] = T0 + prof.grace_s - 1  # within the grace: the profile may still be on its way
+    assert (await prof.once())["requested"] == 0
+    assert (await _estimate(store, u.id)).status == "profiling"
+    now[0] = T0 + prof.grace_s
+    assert (await prof.once())["requested"] == 1
+    pj2 = (await _profile_jobs(store))[attempt_key(idem, 2)]
+    est = await _estimate(store, u.id)
+    assert est.status == "profiling" and est.profile_job_id == pj2.id, est
+    # The last attempt's profile does not arrive either: insufficient_data naming it, no fourth.
+    await _end(ctl, pj2.id, P.FAILED, now[0], "node lost")
+    now[0] += 2 * RETRY
+    assert (await prof.once())["requested"] == 1
+    pj3 = (await _profile_jobs(store))[attempt_key(idem, 3)]
+    await _end(ctl, pj3.id, P.SUCCEEDED, now[0], "finished")
+    now[0] += prof.grace_s + 1
+    assert (await prof.once())["requested"] == 0
+    est = await _estimate(store, u.id)
+    assert est.status == "insufficient_data" and est.profile_job_id == pj3.id, est
+    assert "no profile of" in est.reason and "profilerd" in est.reason, est.reason
     assert len(await _profile_jobs(store)) == 3
 
 
