@@ -38,9 +38,9 @@ class ControllerConfig:
                 "(profilerd down or not streaming) marks the jobs waiting on it insufficient_data, naming it; a "
                 "profile arriving later still gives them estimates"})
     profile_attempts: int = field(default=3, metadata={
-        "help": "profiling jobs submitted for one model and shape when they FAIL (a transient fault must not leave "
-                "it unprofiled); after the last, the jobs waiting on it say insufficient_data. A CANCELLED profiling "
-                "job is not retried"})
+        "help": "profiling jobs submitted for one model and shape when they FAIL or their profile does not arrive "
+                "within profile_grace_s (a transient fault must not leave it unprofiled); after the last, the jobs "
+                "waiting on it say insufficient_data. A CANCELLED profiling job is not retried"})
     profile_retry_s: float = field(default=10.0, metadata={
         "help": "wait after the k-th profiling job of a shape FAILED before the next: profile_retry_s * 2^(k-1)"})
     policy: str = field(default="tessera", metadata={"help": "scheduling policy: tessera (packing, elastic resize, preemption) | firstfit (whole partitions, submission order)"})
