@@ -768,10 +768,30 @@ def evaluate(model: PerfModel, measured: list[dict]) -> dict:
                      "dp": c.dp, "tp": c.tp, "pp": c.pp, "micro_batches": c.micro_batches,
                      "colocated": c.colocated, "measured_s": t, "measured_raw_s": w,
                      "estimated_s": e.seconds if e.ok else None, "status": e.status,
-                     "confidence": e.confidence, "rel_std": e.rel_std,
+                     "confidence": e.confidence, "rel_std": e.rel_std if e.ok else None,
+                     "reason": "" if e.ok else e.reason,
                      "ape": abs(e.seconds - t) / t * 100 if e.ok else None,
                      "ape_raw": abs(e.seconds - w) / w * 100 if e.ok else None, "truth_noise": tn})
     return {"rows": rows, "eval_s": eval_s}
+
+
+def extra_step_device_s(measured: list[dict], rounds: int) -> float:
+    """Device-seconds the grid spent on measured steps beyond the profiles' ``MEASURED``
+    per point: a colocated pair measures ``PAIR_MEASURED`` steps (its slower job's step
+    time, on the cores the pair holds), a peft / multimodal held-out run
+    ``WORKLOAD_MEASURED`` (on its quota's cores), every round. An estimate from each
+    point's kept rounds' mean raw step time: what the grid would have cost measured with
+    the profiles' step counts is ``grid_device_s`` less this (JSON
+    ``profiling_cost_ratio_same_steps``), the comparison at one protocol."""
+    extra = 0.0
+    for p in measured:
+        jobs = p["jobs"]
+        if len(jobs) == 2:
+            held = len({c for j in jobs for rc in j["cores"] for c in rc})
+            extra += (PAIR_MEASURED - MEASURED) * max(p["raw"]) * held * rounds
+        elif jobs[0].get("shape"):
+            extra += (WORKLOAD_MEASURED - MEASURED) * p["raw"][0] * len(jobs[0]["cores"][0]) * rounds
+    return extra
 
 
 def mape(rows: list[dict], key: str = "ape") -> float | None:
@@ -851,6 +871,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if args.json:  # found out now, not after a 9-minute run
+        d = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(d) or not os.access(d, os.W_OK) or os.path.isdir(args.json):
+            ap.error(f"--json {args.json}: cannot write there ({d} is not a writable directory, or the path is one)")
     if args.device == "cuda":
         return main_cuda(args)
     t0 = time.monotonic()
@@ -878,22 +902,35 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "device": args.device, "quick": args.quick,
         "mape_single": mape(single), "mape_multi": mape(multi),
+        # Rows the model gave no estimate for (insufficient_data): not in any MAPE above,
+        # so counted here — a run with any is not a full result (printed as such).
+        "failed_single": sum(r["estimated_s"] is None for r in single),
+        "failed_multi": sum(r["estimated_s"] is None for r in multi),
         # Against raw wall times, other tenants' load included (see bench/_measure.py).
         "mape_single_raw": mape(single, "ape_raw"), "mape_multi_raw": mape(multi, "ape_raw"),
         # The grid's own reproducibility (truth_noise): what a perfect model would score.
         "truth_noise_single": mape(single, "truth_noise"), "truth_noise_multi": mape(multi, "truth_noise"),
         # Did the estimates' confidence match their errors (calibration)?
         "calibration_single": calibration(single), "calibration_multi": calibration(multi),
-        # Profiles and grid were measured with the same protocol and the same number
-        # of rounds: the ratio is the same per round and over all rounds.
+        # Profiles and grid were measured with the same warm-up and measured steps per
+        # point (but for the grid's colocated pairs and peft / multimodal runs, below) and
+        # the same number of rounds: the ratio is the same per round and over all rounds.
         "profiling_cost_ratio": grid_cost / prof_cost if prof_cost else None,
+        # The same with the grid's pairs and peft / multimodal runs costed at the profiles'
+        # measured steps (they measure 10 / 24; extra_step_device_s): one protocol.
+        "profiling_cost_ratio_same_steps": (grid_cost - extra_step_device_s(measured, rounds)) / prof_cost
+        if prof_cost else None,
         "profile_device_s": prof_cost, "grid_device_s": grid_cost, "profile_cost": prof["cost"],
         "profile_device_s_per_round": prof_cost / rounds, "grid_device_s_per_round": grid_cost / rounds,
         "categories": {c: {"mape": mape([r for r in rows if r["category"] == c]),
                            "mape_raw": mape([r for r in rows if r["category"] == c], "ape_raw"),
                            "n": sum(r["category"] == c for r in rows),
-                           "max_ape": max((r["ape"] or 0) for r in rows if r["category"] == c),
-                           "mean_confidence": statistics.fmean(r["confidence"] for r in rows if r["category"] == c),
+                           "failed": sum(r["category"] == c and r["estimated_s"] is None for r in rows),
+                           "max_ape": max((r["ape"] for r in rows if r["category"] == c and r["ape"] is not None),
+                                          default=None),
+                           "mean_confidence": statistics.fmean(r["confidence"] for r in rows
+                                                               if r["category"] == c and r["estimated_s"] is not None)
+                           if any(r["category"] == c and r["estimated_s"] is not None for r in rows) else None,
                            "truth_noise": mape([r for r in rows if r["category"] == c], "truth_noise"),
                            "faults_per_step": faults_median([p["faults_per_step"] for p in measured
                                                              if p["category"] == c])}
@@ -922,22 +959,31 @@ def main(argv: list[str] | None = None) -> int:
     }
     for c in cats:
         out[c] = out["categories"][c]["mape"]
-    pct = lambda v: f"{'-':>7}" if v is None else f"{v:>7.2f}"  # noqa: E731
-    print(f"{'category':<20} {'n':>3} {'MAPE %':>7} {'max %':>7} {'raw %':>7} {'conf':>5} {'noise %':>7}")
+    if args.json:  # first: whatever the table below meets, the measurements are kept
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+    pct = lambda v, w=7: f"{'-':>{w}}" if v is None else f"{v:>{w}.2f}"  # noqa: E731
+    print(f"{'category':<20} {'n':>3} {'MAPE %':>7} {'max %':>7} {'raw %':>7} {'conf':>5} {'noise %':>7} failed")
     for c in cats:
         v = out["categories"][c]
-        print(f"{c:<20} {v['n']:>3} {v['mape']:>7.2f} {v['max_ape']:>7.2f} {v['mape_raw']:>7.2f} "
-              f"{v['mean_confidence']:>5.2f} {pct(v['truth_noise'])}")
-    print(f"{'single-device':<20} {len(single):>3} {out['mape_single']:>7.2f} {'':>7} {out['mape_single_raw']:>7.2f} "
-          f"{'':>5} {pct(out['truth_noise_single'])}")
-    print(f"{'multi-rank':<20} {len(multi):>3} {out['mape_multi']:>7.2f} {'':>7} {out['mape_multi_raw']:>7.2f} "
-          f"{'':>5} {pct(out['truth_noise_multi'])}")
+        print(f"{c:<20} {v['n']:>3} {pct(v['mape'])} {pct(v['max_ape'])} {pct(v['mape_raw'])} "
+              f"{pct(v['mean_confidence'], 5)} {pct(v['truth_noise'])} {v['failed'] or ''}")
+    print(f"{'single-device':<20} {len(single):>3} {pct(out['mape_single'])} {'':>7} {pct(out['mape_single_raw'])} "
+          f"{'':>5} {pct(out['truth_noise_single'])} {out['failed_single'] or ''}")
+    print(f"{'multi-rank':<20} {len(multi):>3} {pct(out['mape_multi'])} {'':>7} {pct(out['mape_multi_raw'])} "
+          f"{'':>5} {pct(out['truth_noise_multi'])} {out['failed_multi'] or ''}")
+    if out["failed_single"] or out["failed_multi"]:
+        print(f"NOT A FULL RESULT: the model gave no estimate for {out['failed_single']} single-device and "
+              f"{out['failed_multi']} multi-rank rows (insufficient_data; their reasons are in the JSON rows); "
+              "the MAPEs above leave them out")
     print("noise %: the grid's own reproducibility (bootstrap of each point's rounds) — what a perfect model "
           "would score on this host")
     print(calibration_line(out["calibration_single"], out["calibration_multi"]))
     print(f"profiling cost per round: {prof_cost / rounds:.1f} device-s of profiles "
           f"({', '.join(f'{k} {v / rounds:.1f}' for k, v in prof['cost'].items())}) vs {grid_cost / rounds:.1f} "
-          f"device-s to measure the grid: {out['profiling_cost_ratio']:.1f}x less ({rounds} rounds of both); "
+          f"device-s to measure the grid: {out['profiling_cost_ratio']:.1f}x less ({rounds} rounds of both; "
+          f"{out['profiling_cost_ratio_same_steps']:.1f}x with the grid's pairs and peft/multimodal runs at the "
+          f"profiles' {MEASURED} measured steps); "
           f"wall {out['wall_s']:.0f} s (peft/multimodal runs {out['workload_wall_s']:.1f} s of it)")
     spread = out["round_spread_median"]
     print(f"host: CPU/wall of single-core steps {contention if contention is None else round(contention, 2)}, "
@@ -949,9 +995,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"page faults per measured step (heap {out['heap']}, agent.runtime.heap): grid median "
           f"{fmt(out['faults_per_step_grid'])} (max {fmt(max(grid_f) if grid_f else None)}), profile points median "
           f"{fmt(out['faults_per_step_profiles'])}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
     return 0
 
 
