@@ -268,7 +268,8 @@ class Profiling:
         if job.status.phase in TERMINAL:
             return 0, await self._ended(job, by_id)
         # Neither the model nor a profile of this module at this per-rank shape: profile it
-        # (the latest of its profiling jobs; after a FAILED one, the next attempt).
+        # (the latest of its profiling jobs; after a FAILED one, or one whose profile never
+        # arrived, the next attempt).
         keys = {attempt_key(idem, k): k for k in range(1, self.attempts + 1)}
         k, pj = max(((keys[j.idempotency_key], j) for j in jobs
                      if is_profile_job(j) and j.idempotency_key in keys), default=(0, None), key=lambda t: t[0])
