@@ -59,7 +59,7 @@ from tessera.procfs import process_start_ticks  # noqa: F401 - also this module'
 from tessera.procfs import read_proc as _read_proc
 
 from .devices import LocalDevice
-from .partitions import BadGrant, CapacityRefused, Grant, MpsBackend, NotLive, Partitions, UnknownPartition
+from .partitions import BadGrant, CapacityRefused, Grant, MpsBackend, Partitions, UnknownPartition
 
 
 KILL_WAIT_S = 5.0  # after SIGKILL of a group, how long stop waits for the executor's output to close
