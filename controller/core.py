@@ -1052,8 +1052,7 @@ class Controller:
             # A new placement, on new units: busy (a fraction of the old quota) is not
             # measured under it yet (0; the policy falls back to the requested share).
             j.status.busy = 0.0
-            j.status.step_time_s = 0.0  # likewise the step times (actions.forget_step_times)
-            j.status.step_time_median_s = 0.0
+            actions.forget_step_times(j)  # likewise the step times
             j.status.ClearField("plan")
             if plan is not None:
                 j.status.plan.CopyFrom(plan)

@@ -274,17 +274,14 @@ class Profiling:
         k, pj = max(((keys[j.idempotency_key], j) for j in jobs
                      if is_profile_job(j) and j.idempotency_key in keys), default=(0, None), key=lambda t: t[0])
         retry_at, gone = None, None  # when the next attempt is due; why the latest brings no profile
-        if pj is not None and k < self.attempts:
+        lost = self._settled(pj, module, k) if pj is not None and k < self.attempts else None
+        if lost is not None and pj.status.phase != P.CANCELLED:  # a cancelled one is not retried
             backoff = self.retry_s * 2 ** (k - 1)
             if pj.status.phase == P.FAILED:
-                retry_at = _ended_at(pj, P.FAILED) + backoff
-                gone = (f"profiling job {pj.id} ended FAILED (attempt {k} of {self.attempts}: "
-                        f"{pj.status.reason or 'no reason given'})")
-            elif pj.status.phase == P.SUCCEEDED:
-                lost = self._settled(pj, module)  # grace passed, no profile (profilerd down?)
-                if lost is not None:
-                    retry_at = _ended_at(pj, P.SUCCEEDED) + max(self.grace_s, backoff)
-                    gone = f"{lost.reason} (attempt {k} of {self.attempts})"
+                retry_at, gone = _ended_at(pj, P.FAILED) + backoff, lost.reason
+            else:  # SUCCEEDED, the grace passed and no profile arrived (profilerd down?)
+                retry_at = _ended_at(pj, P.SUCCEEDED) + max(self.grace_s, backoff)
+                gone = f"{lost.reason} (attempt {k} of {self.attempts})"
         if pj is None or (retry_at is not None and self.clock() >= retry_at):
             k += 1
             pdoc = {**pdoc, "name": attempt_key(pdoc["name"], k)}
