@@ -231,3 +231,15 @@ class ProfilesLink:
 
     async def close(self) -> None:
         pass
+
+
+async def stand_in_profiling(ctl, clock, **settings):
+    """``controller.profiling.Profiling`` over ``ctl`` with ``clock`` and ``settings``
+    (grace_s, attempts, retry_s, ...), its estimator link a ``ProfilesLink`` (knowing no
+    profile until a test gives it some; the loop's own link, never dialled, closed)."""
+    from controller.profiling import Profiling
+
+    prof = Profiling(ctl, "127.0.0.1:1", clock=clock, **settings)
+    await prof.link.close()
+    prof.link = ProfilesLink()
+    return prof

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from _live import ProfilesLink, leading_controller
+from _live import leading_controller, stand_in_profiling
 from controller.config import ControllerConfig
 from controller.policy import FirstFit
-from controller.profiling import Profiling, module_of, profile_doc
+from controller.profiling import module_of, profile_doc
 from controller.store import Store
 from tessera import manifest
 from tessera.api.v1 import estimator_pb2
@@ -36,9 +36,7 @@ async def setup(etcd_server, request):
                                              ControllerConfig(grace_s=3.0), FirstFit(), clock=lambda: now[0])
     # One attempt: what the jobs say once no profiling job is left to try
     # (test_controller_profile_retry.py: the attempts before it).
-    prof = Profiling(ctl, "127.0.0.1:1", clock=lambda: now[0], grace_s=GRACE, attempts=1)
-    await prof.link.close()
-    prof.link = ProfilesLink()
+    prof = await stand_in_profiling(ctl, lambda: now[0], grace_s=GRACE, attempts=1)
     yield store, prof, now
     await c.close()
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from _live import ProfilesLink, leading_controller
+from _live import leading_controller, stand_in_profiling
 from controller.config import ControllerConfig
 from controller.policy import FirstFit
-from controller.profiling import Profiling, attempt_key, is_profile_job, profile_doc
+from controller.profiling import attempt_key, is_profile_job, profile_doc
 from controller.store import Store
 from tessera import manifest
 from tessera.api.v1 import types_pb2 as tpb
@@ -33,9 +33,7 @@ async def setup(etcd_server, request):
     now = [T0]
     ctl, store, c = await leading_controller(etcd_server, f"/retry-{request.node.name[:40]}",
                                              ControllerConfig(grace_s=3.0), FirstFit(), clock=lambda: now[0])
-    prof = Profiling(ctl, "127.0.0.1:1", clock=lambda: now[0], attempts=3, retry_s=RETRY)
-    await prof.link.close()
-    prof.link = ProfilesLink()
+    prof = await stand_in_profiling(ctl, lambda: now[0], attempts=3, retry_s=RETRY)
     yield ctl, store, prof, now
     await c.close()
 

@@ -20,7 +20,7 @@ import aetcd
 import grpc
 import pytest
 
-from _live import ProfilesLink, etcd_client, leading_controller, take_leadership
+from _live import etcd_client, leading_controller, stand_in_profiling, take_leadership
 from controller.config import ControllerConfig
 from controller.core import Controller, NotFound, NotLeader
 from controller.policy import FirstFit
@@ -241,13 +241,11 @@ async def test_a_profiling_job_is_removed_after_the_job_naming_it_and_a_cycle_be
     job (even though the profiling job finished earlier), and a profiling cycle run between
     any two removals submits no new profiling job. It used to remove the profiling job
     first, and the cycle in between then profiled the long-finished job again."""
-    from controller.profiling import Profiling, is_profile_job
+    from controller.profiling import is_profile_job
 
     ctl, store, c, now = ctl
     pj, u = await _profiled_pair(store, T0, T0 + 1)
-    prof = Profiling(ctl, "127.0.0.1:1", clock=lambda: now[0])
-    await prof.link.close()
-    prof.link = ProfilesLink()  # knows no profile (its job failed)
+    prof = await stand_in_profiling(ctl, lambda: now[0])  # knows no profile (its job failed)
     assert await prof.once() == {"requested": 0, "estimated": 0}
     order, cycles = [], []
     real = store.delete_job
@@ -268,8 +266,6 @@ async def test_a_profiling_job_is_removed_after_the_job_naming_it_and_a_cycle_be
 async def test_a_finished_job_whose_profiling_job_is_gone_is_never_profiled_again(ctl):
     """The profiling loop never submits a profiling job on behalf of a finished job: one
     whose named profiling job was removed keeps (or marks) its estimate."""
-    from controller.profiling import Profiling
-
     ctl, store, c, now = ctl
     pj, u = await _profiled_pair(store, T0, T0 + 1)
     v = await store.get_job(u.id)
@@ -277,9 +273,7 @@ async def test_a_finished_job_whose_profiling_job_is_gone_is_never_profiled_agai
     v.value.status.estimate.reason = "no profile yet"
     await store.update_job(v.value, v.mod_revision)
     await store.delete_job(pj, (await store.get_job(pj.id)).mod_revision)  # removed (by hand, or an older version)
-    prof = Profiling(ctl, "127.0.0.1:1", clock=lambda: now[0])
-    await prof.link.close()
-    prof.link = ProfilesLink()  # knows no profile (its job failed)
+    prof = await stand_in_profiling(ctl, lambda: now[0])  # knows no profile (its job failed)
     assert await prof.once() == {"requested": 0, "estimated": 1}
     jobs = (await store.list_jobs())[0]
     assert [j.id for j in jobs] == [u.id]
