@@ -44,7 +44,8 @@ import sys
 import time
 
 from agent.runtime.heap import heap_mode
-from tessera.perfmodel import Candidate, ComputeSample, PerfModel, fit_comm, fit_compute, fit_interference
+from tessera.perfmodel import (Candidate, ComputeSample, PerfModel, fit_comm, fit_compute, fit_interference,
+                               fit_rank_interference)
 from tessera.perfmodel.priors import CONF_TOLERANCE
 
 DEVICE = "cpu"
@@ -72,6 +73,15 @@ PROFILE_POINTS = [
 # (in one process, seconds apart: the quota's speed-up is not confounded with the
 # host's drift, which decides the Amdahl fraction p for every estimate)
 COLO_PROFILE = ("A", 8, 64)  # alone, with its twin, alone again: one run per mode (colocation_profile)
+# Rank profiles (since 2026-12-07, sixteenth session): per round one short real run of
+# each rank mode's plan over 2 gloo ranks on cores 0 and 1 (mode, model, batch, seq,
+# plan, micro_batches), measured like a grid point. A rank of a multi-rank plan computes
+# slower beside its peers than the same work alone (a dp rank 1.08x, a pipeline stage
+# 1.14-1.20x on the 2-vCPU host; the split pair of two independent jobs ~1.0x): every
+# multi-rank category read 5-14 % low in the mean. The profiled module A, small: the two
+# runs cost ~0.75 device-s a round (A 64x32 at dp = 2, whose rank is a profile point,
+# cost 0.55-0.7 alone); neither is a grid point (a unit test checks it).
+RANK_PROFILES = [("ranks", "A", 16, 32, {"dp": 2}, 1), ("pipeline", "A", 8, 64, {"pp": 2}, 1)]
 
 # One protocol for profiles and grid points alike: WARMUP + MEASURED steps per run,
 # ROUNDS runs at different times (interleaved); median step of a run, mean of the least
@@ -119,8 +129,10 @@ COMM_SIZES = [64 << 10, 512 << 10, 4 << 20]
 COMM_OPS = ("all_reduce", "send_recv")
 # Each rep times the op alone after its compute chunk (profilerd.commbench), no
 # compute-alone run beside it: 12 reps cost about what 8 did (16 took 1.0 device-s per
-# round against 0.8).
-COMM_REPS = 12
+# round against 0.8). 8 since 2026-12-07 (sixteenth session), to make room for the rank
+# profiles: a table took 0.71-0.96 device-s at 8 against 1.05-1.06 at 12 (the sync,
+# resume and refill rows scale with the reps too).
+COMM_REPS = 8
 
 # Non-gpt workloads (estimated from their own step shape, tessera.perfmodel.workload):
 # name -> (category, job manifest). Each is profiled like a profiling job of the
@@ -354,10 +366,11 @@ def workload(model: str, batch: int, seq: int, m: int, steps: int, plan: dict | 
 def _profile_tasks(workloads: bool = False) -> list[tuple]:
     """The cheap profiles of one round: one profiling process (every point of both
     modules, each on its quota), the colocation profile (per mode, one module alone,
-    beside its twin, alone again) and the communication micro-benchmark; with ``workloads`` the
+    beside its twin, alone again), the communication micro-benchmark and the rank
+    profiles (``RANK_PROFILES``: one short 2-rank run per rank mode); with ``workloads`` the
     profiling runs of the peft / multimodal shapes of the grid (one fresh process each,
     as the controller's profiling jobs)."""
-    return [("prof",), ("colo",), ("comm",)] + ([("wprof",)] if workloads else [])
+    return [("prof",), ("colo",), ("comm",), ("ranks",)] + ([("wprof",)] if workloads else [])
 
 
 def _workload_child(spec: dict, cores: list[int], path: str) -> None:
@@ -558,15 +571,31 @@ def comm_kept(rows: list[dict]) -> list[dict]:
 
 
 def fit_model(samples: list[ComputeSample], comm_rows: list[dict], pairs: list[dict], wpoints: list,
-              interference_ref: dict) -> PerfModel:
+              interference_ref: dict, rank_profiles: list[dict] | None = None) -> PerfModel:
     """The model the benchmark fits from its profiles — :func:`measure`'s, and every re-fit
     of a stored run (``bench.estimator_refit``): the compute curve from ``samples``, the
     comm table from ``comm_rows`` (:func:`comm_kept`), interference from the colocation
     ``pairs``, the peft / multimodal points ``wpoints`` as they are; ``interference_ref``
-    (device type -> the pair module's shape) as given."""
-    return PerfModel(version=1, compute={DEVICE: fit_compute(DEVICE, samples)},
-                     comm={LINK: fit_comm(LINK, comm_kept(comm_rows))}, interference={DEVICE: fit_interference(pairs)},
-                     interference_ref=interference_ref, profiles={DEVICE: wpoints} if wpoints else {})
+    (device type -> the pair module's shape) as given; then the rank modes' interference
+    from ``rank_profiles`` (JSON ``rank_profiles``: per reference ``mode``, ``job`` and its
+    ``rounds``; its time is :func:`step_time` of them, as for any point) against that
+    model (``tessera.perfmodel.fit_rank_interference``). Runs stored before the rank
+    profiles have none: their multi-rank plans take the split pair's g, as they did."""
+    model = PerfModel(version=1, compute={DEVICE: fit_compute(DEVICE, samples)},
+                      comm={LINK: fit_comm(LINK, comm_kept(comm_rows))}, interference={DEVICE: fit_interference(pairs)},
+                      interference_ref=interference_ref, profiles={DEVICE: wpoints} if wpoints else {})
+    rows = [{"mode": r["mode"], "candidate": dataclasses.asdict(candidate(r["job"])), "seconds": step_time(r["rounds"])}
+            for r in rank_profiles or [] if r["rounds"]]
+    for dev, gs in fit_rank_interference(model, rows).items():
+        model.interference.setdefault(dev, {}).update(gs)
+    return model
+
+
+def rank_profile_jobs() -> list[tuple[str, dict]]:
+    """(mode, job) of each rank profile (``RANK_PROFILES``), jobs as in :func:`grid`: two
+    ranks of one core each, cores 0 and 1."""
+    return [(mode, {"model": n, "batch": b, "seq": s, "q": 1, "m": m, "plan": {**plan, "micro_batches": m},
+                    "cores": [[0], [1]]}) for mode, n, b, s, plan, m in RANK_PROFILES]
 
 
 def colocation_with_retry(profile, wl: dict, cores: list[list[int]], pcost: dict, tries: int = 2,
@@ -625,7 +654,9 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
     from bench._measure import colocation_profile, comm_table, profile_points, run_jobs
 
     steps = WARMUP + MEASURED
-    pcost = {"compute": 0.0, "colocation": 0.0, "comm": 0.0}
+    pcost = {"compute": 0.0, "colocation": 0.0, "comm": 0.0, "ranks": 0.0}
+    rank_jobs = rank_profile_jobs()
+    rank_rounds: list[list[float]] = [[] for _ in rank_jobs]  # per reference: its step time per round
     # peft / multimodal shapes of the grid: one profiling run each per round.
     shapes = list(dict.fromkeys(j["shape"] for pt in points for j in pt["jobs"] if j.get("shape")))
     wprof: dict[str, list[list[float]]] = {name: [] for name in shapes}
@@ -685,6 +716,13 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                     res = run_workload(workload_profile(name), [0], WARMUP)
                     pcost["workload"] += res["device_s"]
                     wprof[name].append(res["steps"])
+            elif task[0] == "ranks":
+                # A multi-rank plan's ranks beside each other, measured like a grid point.
+                for k, (_, j) in enumerate(rank_jobs):
+                    res = run_jobs([{"workload": workload(j["model"], j["batch"], j["seq"], j["m"], steps, j["plan"]),
+                                     "cores": j["cores"]}], WARMUP)
+                    pcost["ranks"] += res[0]["device_s"]
+                    rank_rounds[k].append(res[0]["step_s"])
             elif task[0] == "comm":
                 rows, dev_s = comm_table(sizes=COMM_SIZES, reps=COMM_REPS, ops=COMM_OPS)
                 pcost["comm"] += dev_s
@@ -713,15 +751,16 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                                      **point_stats(ts, alone_fb[(pn, pb, ps, pq, pm)])))
     comm_rows = [row for run in comm_runs for row in run]
     wpoints = [pt for name in shapes for pt in workload_points(name, wprof[name])]
+    rank_profiles = [{"mode": mode, "job": j, "rounds": rr} for (mode, j), rr in zip(rank_jobs, rank_rounds)]
     model = fit_model(samples, comm_rows, pairs, wpoints,
                       {DEVICE: {"layers": MODELS[n][0], "hidden": MODELS[n][1], "heads": MODELS[n][2],
-                                "vocab": MODELS[n][3], "rows": b, "seq": s_}})
+                                "vocab": MODELS[n][3], "rows": b, "seq": s_}}, rank_profiles)
     measured = [{**pt, **grid_values(jr), "job_rounds": [list(x) for x in jr],
                  "cpu_util": statistics.median(u) if u else None, "faults_rounds": fr,
                  "faults_per_step": faults_median([f for jobs in fr for f in jobs])}
                 for pt, jr, u, fr in zip(points, job_rounds, util, faults)]
     prof = {"cost": pcost, "samples": len(samples), "comm_rows": comm_rows, "pairs": pairs,
-            "colocation_steps": colo_steps, "colocation_skipped": colo_skipped,
+            "colocation_steps": colo_steps, "colocation_skipped": colo_skipped, "rank_profiles": rank_profiles,
             "profile_samples": [dict(x.__dict__) for x in samples],
             "profile_rounds": {point_key(k): v for k, v in alone.items()},
             "profile_mb_frac_rounds": {point_key(k): v for k, v in alone_fb.items()},
@@ -886,7 +925,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"profiles: {prof['samples']} compute points, 2 colocation pairs, {len(prof['comm_rows'])} comm rows, "
           f"{len(prof['workload_profiles'])} peft/multimodal shapes; "
           f"fit {fit.status} rel_sigma={fit.rel_sigma:.3f} p={fit.p:.2f} {fit.reason}; "
-          f"sync {model.comm[LINK].sync}", file=sys.stderr)
+          f"sync {model.comm[LINK].sync}; interference {model.interference.get(DEVICE)}", file=sys.stderr)
     res = evaluate(model, measured)
     # Host contention: CPU time / wall time of single-thread, single-rank grid steps
     # (1.0 on an idle host; 0.3 means other tenants took 70% of our core).
@@ -948,7 +987,7 @@ def main(argv: list[str] | None = None) -> int:
         "estimate_batch_s": res["eval_s"], "grid_points": len(rows),
         "model": model.to_dict(), "rows": rows, "profile_samples": prof["profile_samples"],
         "colocation_pairs": prof["pairs"], "colocation_steps": prof["colocation_steps"],
-        "colocation_skipped": prof["colocation_skipped"],
+        "colocation_skipped": prof["colocation_skipped"], "rank_profiles": prof.get("rank_profiles", []),
         "comm_rows": prof["comm_rows"], "profile_rounds": prof["profile_rounds"],
         "profile_mb_frac_rounds": prof["profile_mb_frac_rounds"], "profile_faults_rounds": prof["profile_faults_rounds"],
         "workload_profiles": prof["workload_profiles"], "workload_profile_rounds": prof["workload_profile_rounds"],

@@ -38,7 +38,8 @@ def refit(run: dict) -> PerfModel:
     rows, ``estimator_accuracy.comm_kept``), interference and the peft / multimodal
     profile points (from their per-round steps, ``estimator_accuracy.workload_points``);
     a run that did not keep the rows or steps, its stored comm fit and points. Its
-    interference reference as stored."""
+    interference reference as stored; the rank modes' interference from its rank
+    profiles (runs stored before them have none)."""
     stored = PerfModel.from_dict(run["model"])
     samples = [ComputeSample(**s) for s in run["profile_samples"]]
     # Runs stored before the samples carried their spread: the same figure from their rounds.
@@ -48,7 +49,8 @@ def refit(run: dict) -> PerfModel:
                for s, k in zip(samples, keys)]
     wrounds = run.get("workload_profile_rounds") or {}
     wp = [p for name, rr in wrounds.items() for p in ea.workload_points(name, rr)]
-    model = ea.fit_model(samples, run.get("comm_rows") or [], run["colocation_pairs"], wp, stored.interference_ref)
+    model = ea.fit_model(samples, run.get("comm_rows") or [], run["colocation_pairs"], wp, stored.interference_ref,
+                         run.get("rank_profiles"))
     return replace(model, comm=model.comm if run.get("comm_rows") else stored.comm,
                    profiles=model.profiles if wp else stored.profiles)
 
@@ -106,8 +108,9 @@ def subset(run: dict, keep: tuple[int, ...]) -> tuple[PerfModel, list[dict]]:
     comm = _per_round(run["comm_rows"], n, "comm rows")
     wp = [p for name, rr in (run.get("workload_profile_rounds") or {}).items()
           for p in ea.workload_points(name, [rr[i] for i in keep])]
+    ranks = [{**r, "rounds": [r["rounds"][i] for i in keep]} for r in run.get("rank_profiles") or []]
     model = ea.fit_model(samples, [r for i in keep for r in comm[i]], [p for i in keep for p in pairs[i]], wp,
-                         PerfModel.from_dict(run["model"]).interference_ref)
+                         PerfModel.from_dict(run["model"]).interference_ref, ranks)
     measured = []
     for g in run["grid_rounds"]:
         jr = [g["job_rounds"][i] for i in keep]

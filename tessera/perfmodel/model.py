@@ -43,7 +43,10 @@ Composition (one training step of the runtime's ``gpt`` workload, rank 0's view)
                pairs gave g (``interference_ref``; 1 without one). The communication
                tables were measured with every rank busy already. The ranks of a plan
                that share one device (a CPU node's cores) are colocated with each other:
-               ``colocated`` counts them.
+               ``colocated`` counts them; where the model has a *rank profile* of such
+               plans (mode "ranks": lock-step data / tensor ranks; "pipeline": pp > 1),
+               their g is that mode's (:func:`interference_mode`,
+               :func:`fit_rank_interference`), not the split pair's.
 """
 
 from __future__ import annotations
@@ -115,6 +118,25 @@ class Estimate:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+
+# Interference modes of a plan's own ranks sharing one device (a CPU node's cores), fitted
+# from rank profiles (:func:`fit_rank_interference`): lock-step data / tensor ranks, and
+# pipeline stages (which idle on each other by the schedule).
+RANK_MODES = ("ranks", "pipeline")
+
+
+def interference_mode(c: Candidate, fitted) -> str:
+    """The interference mode that prices candidate ``c`` given the modes ``fitted`` for its
+    device type: a multi-rank plan whose ranks share the device only with each other
+    (``colocated`` <= its world) takes "pipeline" (pp > 1) or "ranks" where that mode was
+    fitted; everything else "shared" when the quotas oversubscribe the device, else
+    "split" (two independent jobs on disjoint cores or SM shares)."""
+    if c.world > 1 and c.colocated <= c.world:
+        mode = "pipeline" if c.pp > 1 else "ranks"
+        if mode in fitted:
+            return mode
+    return "shared" if c.oversubscription > 1 else "split"
 
 
 def _insufficient(reason: str) -> Estimate:
@@ -309,7 +331,7 @@ class PerfModel:
             if missing:
                 return f"link {c.link!r} has no measurements of {', '.join(missing)}"
         if c.colocated > 1:
-            mode = "shared" if c.oversubscription > 1 else "split"
+            mode = interference_mode(c, self.interference.get(c.device_type, {}))
             if mode not in self.interference.get(c.device_type, {}):
                 return f"no colocation ({mode}) profile for device type {c.device_type!r}"
         return ""
@@ -462,8 +484,8 @@ class PerfModel:
         total = pipe + per_step + loss_ar + straggle
         # Colocation: time slicing stretches by the oversubscription, interference by mode.
         n_co, over = arr("colocated"), np.maximum(arr("oversubscription"), 1.0)
-        g = np.array([self.interference.get(dev, {}).get("shared" if c.oversubscription > 1 else "split", 0.0)
-                      for c in cs]) * self._interference_scale(fit, dev, rows, T, base + (extra > 0), h, a, V,
+        fitted = self.interference.get(dev, {})
+        g = np.array([fitted.get(interference_mode(c, fitted), 0.0) for c in cs]) * self._interference_scale(fit, dev, rows, T, base + (extra > 0), h, a, V,
                                                                single * 1.0, tp, q)
         total = np.where(n_co > 1, (total + g * (n_co - 1) * (comp_pipe + comp_step)) * over, total)
         # Uncertainty: fit residuals, extrapolation, unseen module, comm share, colocation.
@@ -564,3 +586,46 @@ def fit_interference(pairs: list[dict]) -> dict:
         over = max(1.0, r.get("oversubscription", 1.0))
         by.setdefault(r["mode"], []).append((r["together_s"] / (r["alone_s"] * over) - 1.0) / (n - 1))
     return {mode: max(0.0, float(np.median(v))) for mode, v in by.items()}
+
+
+def fit_rank_interference(model: PerfModel, rows: list[dict]) -> dict:
+    """Interference of a plan's own ranks on a shared device, per device type and rank
+    mode, from *rank profiles*: short real runs of a multi-rank plan whose ranks share
+    the device (a CPU node's cores).
+
+    Each row: ``{"mode": "ranks"|"pipeline", "candidate": Candidate fields (dict),
+    "seconds": the measured step time}``. A candidate's time is linear in its mode's g
+    (``(T + g * e * (n - 1) * C) * o``), so each row gives
+    ``g = (seconds - est(g=0)) / (est(g=1) - est(g=0))`` with ``model``'s own compute,
+    communication and pipeline terms: what the ranks lose beside each other beyond what
+    ``model`` already prices (a data-parallel rank computing beside its twin, a pipeline
+    stage coming back from its waits to cold caches; on the 2-vCPU host of 2026-12-07 a
+    stage's forward + backward ran 1.14-1.20x the same layers' in one process, a dp rank's
+    1.08x — neither of which the split pair of two independent jobs shows). Returns
+    ``{device_type: {mode: g}}``, g the median over a mode's rows, floored at 0 (a rank is
+    not faster beside its peers); rows whose candidate is not a multi-rank plan sharing
+    its device, the model cannot estimate, or whose time is not finite and > 0 are
+    skipped. Pure: ``model`` is not changed."""
+    by: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        mode, t = r.get("mode"), r.get("seconds")
+        if mode not in RANK_MODES or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
+            continue
+        try:
+            c = Candidate(**r["candidate"])
+        except (KeyError, TypeError):
+            continue
+        if c.world < 2 or not 1 < c.colocated <= c.world or ("pipeline" if c.pp > 1 else "ranks") != mode:
+            continue
+        dev = c.device_type
+        ests = []
+        for g in (0.0, 1.0):
+            inter = {**model.interference, dev: {**model.interference.get(dev, {}), mode: g}}
+            ests.append(replace(model, interference=inter).estimate(c))
+        if not all(e.ok for e in ests) or not ests[1].seconds > ests[0].seconds:
+            continue
+        by.setdefault((dev, mode), []).append((t - ests[0].seconds) / (ests[1].seconds - ests[0].seconds))
+    out: dict[str, dict[str, float]] = {}
+    for (dev, mode), gs in by.items():
+        out.setdefault(dev, {})[mode] = max(0.0, float(np.median(gs)))
+    return out

@@ -26,6 +26,16 @@ def test_no_grid_point_is_a_profile_point_or_a_repeat():
             assert (j["model"], j["batch"], j["seq"], j["q"], j["m"]) not in profiled, pt
     keys = [_key(pt) for pt in g]
     assert len(keys) == len(set(keys))
+    # The rank profiles (fitted) are not grid points (held out) either.
+    ranks = {_key({"category": c, "jobs": [j]})[1] for c in {pt["category"] for pt in g}
+             for _, j in ea.rank_profile_jobs()}
+    assert ranks and not ranks & {k[1] for k in keys}
+    # One reference per rank mode, of a profiled module, estimated as ranks sharing the CPU.
+    modes = [mode for mode, _ in ea.rank_profile_jobs()]
+    assert sorted(modes) == ["pipeline", "ranks"]
+    for mode, j in ea.rank_profile_jobs():
+        assert j["model"] in ea.PROFILED
+        assert ea.candidate(j).colocated == 2 and ("pipeline" if j["plan"].get("pp", 1) > 1 else "ranks") == mode
     # Models the profiles never ran are in the grid (the model-size category needs them).
     assert {j["model"] for pt in g for j in pt["jobs"] if j.get("model") in ea.MODELS} - set(ea.PROFILED)
 

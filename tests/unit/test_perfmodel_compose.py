@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tessera.perfmodel import Candidate, PerfModel, fit_comm, fit_compute, fit_interference
+from tessera.perfmodel import Candidate, PerfModel, fit_comm, fit_compute, fit_interference, fit_rank_interference
 from tessera.perfmodel.comm import steps_and_volume
 from tests.unit.test_perfmodel_fit import samples
 
@@ -448,6 +448,37 @@ def test_ranks_sharing_a_device_interfere_in_compute_not_in_communication(model)
     # One rank on its own: all of its time is compute, stretched by 1 + g as before.
     alone = model.estimate(cand(batch=16)).seconds
     assert model.estimate(cand(batch=16, colocated=2, oversubscription=1.0)).seconds == pytest.approx(alone * 1.1)
+
+
+def test_rank_profiles_recover_each_rank_modes_interference_and_only_ranks_take_it(model):
+    """Rank profiles (a dp=2 and a pp=2 plan whose ranks share the device, measured)
+    give each rank mode its own g — recovered exactly from times the model made with
+    known g — which then prices only multi-rank plans of that mode sharing the device:
+    two independent jobs on split cores keep the split pair's g, a plan whose ranks
+    also share the device with another job too, a pp plan takes "pipeline", a dp or tp
+    plan "ranks"; the snapshot keeps both; rows that are no such plan are skipped."""
+    dp = cand(dp=2, batch=32, colocated=2)
+    pp = cand(pp=2, micro_batches=4, colocated=2)
+    truth = replace(model, interference={"cpu": {**model.interference["cpu"], "ranks": 0.07, "pipeline": 0.18}})
+    rows = [{"mode": "ranks", "candidate": dp.__dict__, "seconds": truth.estimate(dp).seconds},
+            {"mode": "pipeline", "candidate": pp.__dict__, "seconds": truth.estimate(pp).seconds},
+            # skipped: not a shared-device multi-rank plan, its mode's name wrong, no time
+            {"mode": "ranks", "candidate": cand(colocated=2).__dict__, "seconds": 9.0},
+            {"mode": "pipeline", "candidate": dp.__dict__, "seconds": 9.0},
+            {"mode": "ranks", "candidate": dp.__dict__, "seconds": float("nan")}]
+    got = fit_rank_interference(model, rows)
+    assert got == {"cpu": {"ranks": pytest.approx(0.07), "pipeline": pytest.approx(0.18)}}
+    assert "ranks" not in model.interference["cpu"]  # pure: the model is not changed
+    # A rank that ran faster than the model prices is floored at no interference.
+    assert fit_rank_interference(model, [{**rows[0], "seconds": 0.5 * rows[0]["seconds"]}]) == {"cpu": {"ranks": 0.0}}
+    fitted = replace(model, interference={"cpu": {**model.interference["cpu"], **got["cpu"]}})
+    for c in (dp, pp, cand(tp=2, colocated=2)):
+        assert fitted.estimate(c).seconds == pytest.approx(truth.estimate(c).seconds)
+    for c in (cand(colocated=2), cand(dp=2, batch=32, colocated=3)):  # split pair / more than its own ranks
+        assert fitted.estimate(c).seconds == pytest.approx(model.estimate(c).seconds)
+    assert fitted.estimate(dp).seconds < model.estimate(dp).seconds  # g 0.07, not the split pair's 0.10
+    back = PerfModel.from_dict(json.loads(json.dumps(fitted.to_dict())))
+    assert back.estimate(pp).seconds == pytest.approx(fitted.estimate(pp).seconds)
 
 
 def test_interference_scales_with_the_element_wise_share_of_compute(model):
