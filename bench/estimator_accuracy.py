@@ -73,15 +73,20 @@ PROFILE_POINTS = [
 # (in one process, seconds apart: the quota's speed-up is not confounded with the
 # host's drift, which decides the Amdahl fraction p for every estimate)
 COLO_PROFILE = ("A", 8, 64)  # alone, with its twin, alone again: one run per mode (colocation_profile)
-# Rank profiles (since 2026-12-07, sixteenth session): per round one short real run of
-# each rank mode's plan over 2 gloo ranks on cores 0 and 1 (mode, model, batch, seq,
-# plan, micro_batches), measured like a grid point. A rank of a multi-rank plan computes
-# slower beside its peers than the same work alone (a dp rank 1.08x, a pipeline stage
-# 1.14-1.20x on the 2-vCPU host; the split pair of two independent jobs ~1.0x): every
-# multi-rank category read 5-14 % low in the mean. The profiled module A, small: the two
-# runs cost ~0.75 device-s a round (A 64x32 at dp = 2, whose rank is a profile point,
-# cost 0.55-0.7 alone); neither is a grid point (a unit test checks it).
-RANK_PROFILES = [("ranks", "A", 16, 32, {"dp": 2}, 1), ("pipeline", "A", 8, 64, {"pp": 2}, 1)]
+# Rank profiles (since 2026-12-07, sixteenth session): per round one short real run of a
+# multi-rank plan over 2 gloo ranks on cores 0 and 1 (mode, model, batch, seq, plan,
+# micro_batches), measured like a grid point; its g (tessera.perfmodel.
+# fit_rank_interference) prices every multi-rank plan whose ranks share the CPU. A rank
+# computes slower beside its peers than the same work alone (a dp rank 1.08x, a pipeline
+# stage 1.14-1.20x on the 2-vCPU host; the split pair of two independent jobs ~1.0x):
+# every multi-rank category read 5-14 % low in the mean. One pipeline of the profiled
+# module A (its two stages do A 8x64's work, a profile point), ~0.5 device-s a round.
+# Tried in the first run (s27a): a second reference, A 16x32 at dp = 2, for a "ranks"
+# mode of its own beside "pipeline" — its 9-ms steps were bimodal over the rounds
+# (8.7-8.8 ms in 2 rounds, 12.8-15.9 in 7), its g read 0.37 where the pipeline's read
+# 0.07 and every dp / tp row went +15-18 % high, and the two runs cost 1.1 device-s a
+# round (cost ratio 9.4x); not a grid point (a unit test checks it).
+RANK_PROFILES = [("ranks", "A", 8, 64, {"pp": 2}, 1)]
 
 # One protocol for profiles and grid points alike: WARMUP + MEASURED steps per run,
 # ROUNDS runs at different times (interleaved); median step of a run, mean of the least

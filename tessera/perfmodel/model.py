@@ -44,9 +44,9 @@ Composition (one training step of the runtime's ``gpt`` workload, rank 0's view)
                tables were measured with every rank busy already. The ranks of a plan
                that share one device (a CPU node's cores) are colocated with each other:
                ``colocated`` counts them; where the model has a *rank profile* of such
-               plans (mode "ranks": lock-step data / tensor ranks; "pipeline": pp > 1),
-               their g is that mode's (:func:`interference_mode`,
-               :func:`fit_rank_interference`), not the split pair's.
+               plans (mode "ranks": any such plan; "pipeline": pp > 1 only), their g is
+               that mode's (:func:`interference_mode`, :func:`fit_rank_interference`), not
+               the split pair's.
 """
 
 from __future__ import annotations
@@ -121,21 +121,22 @@ class Estimate:
 
 
 # Interference modes of a plan's own ranks sharing one device (a CPU node's cores), fitted
-# from rank profiles (:func:`fit_rank_interference`): lock-step data / tensor ranks, and
-# pipeline stages (which idle on each other by the schedule).
+# from rank profiles (:func:`fit_rank_interference`): "ranks" prices any such plan,
+# "pipeline" (where fitted) its pp > 1 plans, whose stages idle on each other by the schedule.
 RANK_MODES = ("ranks", "pipeline")
 
 
 def interference_mode(c: Candidate, fitted) -> str:
     """The interference mode that prices candidate ``c`` given the modes ``fitted`` for its
     device type: a multi-rank plan whose ranks share the device only with each other
-    (``colocated`` <= its world) takes "pipeline" (pp > 1) or "ranks" where that mode was
-    fitted; everything else "shared" when the quotas oversubscribe the device, else
-    "split" (two independent jobs on disjoint cores or SM shares)."""
+    (``colocated`` <= its world) takes "pipeline" when pp > 1 and that mode was fitted,
+    else "ranks" when fitted; everything else "shared" when the quotas oversubscribe the
+    device, else "split" (two independent jobs on disjoint cores or SM shares)."""
     if c.world > 1 and c.colocated <= c.world:
-        mode = "pipeline" if c.pp > 1 else "ranks"
-        if mode in fitted:
-            return mode
+        if c.pp > 1 and "pipeline" in fitted:
+            return "pipeline"
+        if "ranks" in fitted:
+            return "ranks"
     return "shared" if c.oversubscription > 1 else "split"
 
 
@@ -594,7 +595,8 @@ def fit_rank_interference(model: PerfModel, rows: list[dict]) -> dict:
     the device (a CPU node's cores).
 
     Each row: ``{"mode": "ranks"|"pipeline", "candidate": Candidate fields (dict),
-    "seconds": the measured step time}``. A candidate's time is linear in its mode's g
+    "seconds": the measured step time}``; "ranks" rows may be of any such plan,
+    "pipeline" rows of pp > 1 ones (see :func:`interference_mode`). A candidate's time is linear in its mode's g
     (``(T + g * e * (n - 1) * C) * o``), so each row gives
     ``g = (seconds - est(g=0)) / (est(g=1) - est(g=0))`` with ``model``'s own compute,
     communication and pipeline terms: what the ranks lose beside each other beyond what
@@ -615,7 +617,7 @@ def fit_rank_interference(model: PerfModel, rows: list[dict]) -> dict:
             c = Candidate(**r["candidate"])
         except (KeyError, TypeError):
             continue
-        if c.world < 2 or not 1 < c.colocated <= c.world or ("pipeline" if c.pp > 1 else "ranks") != mode:
+        if c.world < 2 or not 1 < c.colocated <= c.world or (mode == "pipeline" and c.pp < 2):
             continue
         dev = c.device_type
         ests = []

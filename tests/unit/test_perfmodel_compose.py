@@ -456,7 +456,8 @@ def test_rank_profiles_recover_each_rank_modes_interference_and_only_ranks_take_
     known g — which then prices only multi-rank plans of that mode sharing the device:
     two independent jobs on split cores keep the split pair's g, a plan whose ranks
     also share the device with another job too, a pp plan takes "pipeline", a dp or tp
-    plan "ranks"; the snapshot keeps both; rows that are no such plan are skipped."""
+    plan "ranks" — and every such plan "ranks" where it is the only rank mode fitted;
+    the snapshot keeps both; rows that are no such plan are skipped."""
     dp = cand(dp=2, batch=32, colocated=2)
     pp = cand(pp=2, micro_batches=4, colocated=2)
     truth = replace(model, interference={"cpu": {**model.interference["cpu"], "ranks": 0.07, "pipeline": 0.18}})
@@ -479,6 +480,13 @@ def test_rank_profiles_recover_each_rank_modes_interference_and_only_ranks_take_
     assert fitted.estimate(dp).seconds < model.estimate(dp).seconds  # g 0.07, not the split pair's 0.10
     back = PerfModel.from_dict(json.loads(json.dumps(fitted.to_dict())))
     assert back.estimate(pp).seconds == pytest.approx(fitted.estimate(pp).seconds)
+    # One rank profile of a pipeline, filed as "ranks": its g prices every rank mode.
+    one = fit_rank_interference(model, [{**rows[1], "mode": "ranks"}])
+    assert one == {"cpu": {"ranks": pytest.approx(0.18)}}
+    only = replace(model, interference={"cpu": {**model.interference["cpu"], **one["cpu"]}})
+    as_pipe = replace(model, interference={"cpu": {**model.interference["cpu"], "ranks": 0.18, "pipeline": 0.18}})
+    for c in (dp, pp):
+        assert only.estimate(c).seconds == pytest.approx(as_pipe.estimate(c).seconds)
 
 
 def test_interference_scales_with_the_element_wise_share_of_compute(model):
