@@ -80,12 +80,12 @@ COLO_PROFILE = ("A", 8, 64)  # alone, with its twin, alone again: one run per mo
 # computes slower beside its peers than the same work alone (a dp rank 1.08x, a pipeline
 # stage 1.14-1.20x on the 2-vCPU host; the split pair of two independent jobs ~1.0x):
 # every multi-rank category read 5-14 % low in the mean. One pipeline of the profiled
-# module A (its two stages do A 8x64's work, a profile point), ~0.5 device-s a round.
-# Tried in the first run (s27a): a second reference, A 16x32 at dp = 2, for a "ranks"
-# mode of its own beside "pipeline" — its 9-ms steps were bimodal over the rounds
-# (8.7-8.8 ms in 2 rounds, 12.8-15.9 in 7), its g read 0.37 where the pipeline's read
-# 0.07 and every dp / tp row went +15-18 % high, and the two runs cost 1.1 device-s a
-# round (cost ratio 9.4x); not a grid point (a unit test checks it).
+# module A (its two stages do A 8x64's work, a profile point), ~0.55 device-s a round;
+# not a grid point (a unit test checks it). Tried in the first run (s27a): a second
+# reference, A 16x32 at dp = 2, for a "ranks" mode of its own beside "pipeline" — its
+# 9-ms steps were bimodal over the rounds (8.7-8.8 ms in 2 rounds, 12.8-15.9 in 7), its g
+# read 0.37 where the pipeline's read 0.07 and every dp / tp row went +15-18 % high, and
+# the two runs cost 1.1 device-s a round (cost ratio 9.4x).
 RANK_PROFILES = [("ranks", "A", 8, 64, {"pp": 2}, 1)]
 
 # One protocol for profiles and grid points alike: WARMUP + MEASURED steps per run,
@@ -372,7 +372,7 @@ def _profile_tasks(workloads: bool = False) -> list[tuple]:
     """The cheap profiles of one round: one profiling process (every point of both
     modules, each on its quota), the colocation profile (per mode, one module alone,
     beside its twin, alone again), the communication micro-benchmark and the rank
-    profiles (``RANK_PROFILES``: one short 2-rank run per rank mode); with ``workloads`` the
+    profiles (``RANK_PROFILES``: one short 2-rank run each); with ``workloads`` the
     profiling runs of the peft / multimodal shapes of the grid (one fresh process each,
     as the controller's profiling jobs)."""
     return [("prof",), ("colo",), ("comm",), ("ranks",)] + ([("wprof",)] if workloads else [])

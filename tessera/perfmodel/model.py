@@ -486,8 +486,8 @@ class PerfModel:
         # Colocation: time slicing stretches by the oversubscription, interference by mode.
         n_co, over = arr("colocated"), np.maximum(arr("oversubscription"), 1.0)
         fitted = self.interference.get(dev, {})
-        g = np.array([fitted.get(interference_mode(c, fitted), 0.0) for c in cs]) * self._interference_scale(fit, dev, rows, T, base + (extra > 0), h, a, V,
-                                                               single * 1.0, tp, q)
+        g = np.array([fitted.get(interference_mode(c, fitted), 0.0) for c in cs]) \
+            * self._interference_scale(fit, dev, rows, T, base + (extra > 0), h, a, V, single * 1.0, tp, q)
         total = np.where(n_co > 1, (total + g * (n_co - 1) * (comp_pipe + comp_step)) * over, total)
         # Uncertainty: fit residuals, extrapolation, unseen module, comm share, colocation.
         point = {"tokens": rows * m * T, "seq": T, "layers": L / pp, "hidden": h / tp, "vocab": V, "q": q}
@@ -596,8 +596,8 @@ def fit_rank_interference(model: PerfModel, rows: list[dict]) -> dict:
 
     Each row: ``{"mode": "ranks"|"pipeline", "candidate": Candidate fields (dict),
     "seconds": the measured step time}``; "ranks" rows may be of any such plan,
-    "pipeline" rows of pp > 1 ones (see :func:`interference_mode`). A candidate's time is linear in its mode's g
-    (``(T + g * e * (n - 1) * C) * o``), so each row gives
+    "pipeline" rows of pp > 1 ones (see :func:`interference_mode`). A candidate's time is
+    linear in its mode's g (``(T + g * e * (n - 1) * C) * o``), so each row gives
     ``g = (seconds - est(g=0)) / (est(g=1) - est(g=0))`` with ``model``'s own compute,
     communication and pipeline terms: what the ranks lose beside each other beyond what
     ``model`` already prices (a data-parallel rank computing beside its twin, a pipeline
@@ -621,8 +621,10 @@ def fit_rank_interference(model: PerfModel, rows: list[dict]) -> dict:
             continue
         dev = c.device_type
         ests = []
+        # The row's mode alone among the rank modes, so that it is the one that prices c.
+        others = {k: v for k, v in model.interference.get(dev, {}).items() if k not in RANK_MODES}
         for g in (0.0, 1.0):
-            inter = {**model.interference, dev: {**model.interference.get(dev, {}), mode: g}}
+            inter = {**model.interference, dev: {**others, mode: g}}
             ests.append(replace(model, interference=inter).estimate(c))
         if not all(e.ok for e in ests) or not ests[1].seconds > ests[0].seconds:
             continue

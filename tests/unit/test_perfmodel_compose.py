@@ -487,6 +487,8 @@ def test_rank_profiles_recover_each_rank_modes_interference_and_only_ranks_take_
     as_pipe = replace(model, interference={"cpu": {**model.interference["cpu"], "ranks": 0.18, "pipeline": 0.18}})
     for c in (dp, pp):
         assert only.estimate(c).seconds == pytest.approx(as_pipe.estimate(c).seconds)
+    # Fitted beside an existing "pipeline" g, a pipeline's "ranks" row still sets "ranks".
+    assert fit_rank_interference(truth, [{**rows[1], "mode": "ranks"}]) == {"cpu": {"ranks": pytest.approx(0.18)}}
 
 
 def test_interference_scales_with_the_element_wise_share_of_compute(model):
