@@ -135,8 +135,8 @@ COMM_OPS = ("all_reduce", "send_recv")
 # Each rep times the op alone after its compute chunk (profilerd.commbench), no
 # compute-alone run beside it: 12 reps cost about what 8 did (16 took 1.0 device-s per
 # round against 0.8). 8 since 2026-12-07 (sixteenth session), to make room for the rank
-# profiles: a table took 0.71-0.96 device-s at 8 against 1.05-1.06 at 12 (the sync,
-# resume and refill rows scale with the reps too).
+# profiles: a table took 0.94-1.04 device-s a round at 8 (runs s27b-d) against 1.32-1.47
+# at 12 (s26a-c; the sync, resume and refill rows scale with the reps too).
 COMM_REPS = 8
 
 # Non-gpt workloads (estimated from their own step shape, tessera.perfmodel.workload):
@@ -589,11 +589,21 @@ def fit_model(samples: list[ComputeSample], comm_rows: list[dict], pairs: list[d
     model = PerfModel(version=1, compute={DEVICE: fit_compute(DEVICE, samples)},
                       comm={LINK: fit_comm(LINK, comm_kept(comm_rows))}, interference={DEVICE: fit_interference(pairs)},
                       interference_ref=interference_ref, profiles={DEVICE: wpoints} if wpoints else {})
+    return with_rank_profiles(model, rank_profiles)
+
+
+def with_rank_profiles(model: PerfModel, rank_profiles: list[dict] | None) -> PerfModel:
+    """``model`` with the rank modes' interference fitted from ``rank_profiles`` (JSON
+    ``rank_profiles``; a reference's time is :func:`step_time` of its rounds) against
+    ``model``'s own terms (``tessera.perfmodel.fit_rank_interference``); ``model`` as it
+    is without any."""
     rows = [{"mode": r["mode"], "candidate": dataclasses.asdict(candidate(r["job"])), "seconds": step_time(r["rounds"])}
             for r in rank_profiles or [] if r["rounds"]]
-    for dev, gs in fit_rank_interference(model, rows).items():
-        model.interference.setdefault(dev, {}).update(gs)
-    return model
+    gs = fit_rank_interference(model, rows)
+    if not gs:
+        return model
+    return dataclasses.replace(model, interference={**model.interference, **{
+        dev: {**model.interference.get(dev, {}), **g} for dev, g in gs.items()}})
 
 
 def rank_profile_jobs() -> list[tuple[str, dict]]:

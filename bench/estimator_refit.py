@@ -33,13 +33,14 @@ from bench import estimator_accuracy as ea
 from tessera.perfmodel import ComputeSample, PerfModel
 
 
-def refit(run: dict) -> PerfModel:
+def refit(run: dict, rank_profiles: bool = True) -> PerfModel:
     """The model this code fits from a stored run's profiles: compute, comm (from its comm
     rows, ``estimator_accuracy.comm_kept``), interference and the peft / multimodal
     profile points (from their per-round steps, ``estimator_accuracy.workload_points``);
     a run that did not keep the rows or steps, its stored comm fit and points. Its
-    interference reference as stored; the rank modes' interference from its rank
-    profiles (runs stored before them have none)."""
+    interference reference as stored; then the rank modes' interference from its rank
+    profiles (runs stored before them have none; ``rank_profiles`` False: left out, its
+    multi-rank plans priced as before them), against that model's comm fit."""
     stored = PerfModel.from_dict(run["model"])
     samples = [ComputeSample(**s) for s in run["profile_samples"]]
     # Runs stored before the samples carried their spread: the same figure from their rounds.
@@ -49,10 +50,10 @@ def refit(run: dict) -> PerfModel:
                for s, k in zip(samples, keys)]
     wrounds = run.get("workload_profile_rounds") or {}
     wp = [p for name, rr in wrounds.items() for p in ea.workload_points(name, rr)]
-    model = ea.fit_model(samples, run.get("comm_rows") or [], run["colocation_pairs"], wp, stored.interference_ref,
-                         run.get("rank_profiles"))
-    return replace(model, comm=model.comm if run.get("comm_rows") else stored.comm,
-                   profiles=model.profiles if wp else stored.profiles)
+    model = ea.fit_model(samples, run.get("comm_rows") or [], run["colocation_pairs"], wp, stored.interference_ref)
+    model = replace(model, comm=model.comm if run.get("comm_rows") else stored.comm,
+                    profiles=model.profiles if wp else stored.profiles)
+    return ea.with_rank_profiles(model, run.get("rank_profiles") if rank_profiles else None)
 
 
 def rows(run: dict, model: PerfModel) -> list[dict]:
@@ -78,12 +79,13 @@ def _per_round(items: list, rounds: int, what: str) -> list[list]:
     return [items[i * per:(i + 1) * per] for i in range(rounds)]
 
 
-def subset(run: dict, keep: tuple[int, ...]) -> tuple[PerfModel, list[dict]]:
+def subset(run: dict, keep: tuple[int, ...], rank_profiles: bool = True) -> tuple[PerfModel, list[dict]]:
     """(model, measured grid) of a stored run as if it had measured only its rounds
     ``keep`` (indices): every profile point's fields from those rounds
     (``estimator_accuracy.point_stats``), the comm rows, colocation pairs and peft /
-    multimodal profiles of those rounds, and each grid point's value from its rounds
-    ``keep`` (``estimator_accuracy.grid_values``). ``keep`` = every round gives the
+    multimodal profiles and rank profiles (unless ``rank_profiles`` is False) of those
+    rounds, and each grid point's value from its rounds ``keep``
+    (``estimator_accuracy.grid_values``). ``keep`` = every round gives the
     re-fit of :func:`refit` and the stored grid. ValueError for a run that did not keep
     its per-round data (before 2026-12-05) or an index out of range."""
     n = int(run["rounds"])
@@ -108,7 +110,8 @@ def subset(run: dict, keep: tuple[int, ...]) -> tuple[PerfModel, list[dict]]:
     comm = _per_round(run["comm_rows"], n, "comm rows")
     wp = [p for name, rr in (run.get("workload_profile_rounds") or {}).items()
           for p in ea.workload_points(name, [rr[i] for i in keep])]
-    ranks = [{**r, "rounds": [r["rounds"][i] for i in keep]} for r in run.get("rank_profiles") or []]
+    ranks = [{**r, "rounds": [r["rounds"][i] for i in keep]} for r in run.get("rank_profiles") or []
+             if rank_profiles]
     model = ea.fit_model(samples, [r for i in keep for r in comm[i]], [p for i in keep for p in pairs[i]], wp,
                          PerfModel.from_dict(run["model"]).interference_ref, ranks)
     measured = []
@@ -150,18 +153,22 @@ def main(argv: list[str] | None = None) -> int:
                          "the mean over K-subsets of its rounds) — what fewer rounds would have scored")
     ap.add_argument("--subsets", type=int, default=40, metavar="N",
                     help="with --rounds: at most N subsets per run (drawn at random, seed 0; default 40)")
+    ap.add_argument("--no-rank-profiles", action="store_true",
+                    help="leave the runs' rank profiles out: their multi-rank plans priced with the split pair's g, "
+                         "as before the rank profiles (2026-12-07)")
     args = ap.parse_args(argv)
+    ranks = not args.no_rank_profiles
     if args.rounds is not None:
         if args.rounds < 1 or args.subsets < 1:
             ap.error("--rounds and --subsets must be at least 1")
-        return main_rounds(args.runs, args.rounds, args.subsets)
+        return main_rounds(args.runs, args.rounds, args.subsets, ranks)
     per_cat: dict[str, list[float]] = {}
     singles, multis, cals = [], [], []
     print(f"{'run':<40} {'single stored':>13} {'re-fit':>7} {'multi stored':>12} {'re-fit':>7} {'noise s/m':>11}")
     for path in args.runs:
         with open(path, encoding="utf-8") as f:
             run = json.load(f)
-        rs = rows(run, refit(run))
+        rs = rows(run, refit(run, ranks))
         s, mu, cats = summary(rs)
         noise = [ea.mape([r for r in rs if r["category"].startswith("multi_") == multi], "truth_noise")
                  for multi in (False, True)]
@@ -191,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def main_rounds(paths: list[str], k: int, most: int) -> int:
+def main_rounds(paths: list[str], k: int, most: int, rank_profiles: bool = True) -> int:
     """``--rounds K``: per run, the mean single-device and multi-rank MAPE over (at most
     ``most``) K-subsets of its rounds (:func:`subset`), beside the same over all its
     rounds; then the means over the runs that measured at least K rounds."""
@@ -206,9 +213,9 @@ def main_rounds(paths: list[str], k: int, most: int) -> int:
             print(f"{path[-40:]:<40} {n:>6} skipped: fewer than {k} rounds")
             continue
         try:
-            full = summary(ea.evaluate(*subset(run, tuple(range(n))))["rows"])[:2]
+            full = summary(ea.evaluate(*subset(run, tuple(range(n)), rank_profiles))["rows"])[:2]
             picks = subsets(n, k, most)
-            per = [summary(ea.evaluate(*subset(run, keep))["rows"])[:2] for keep in picks]
+            per = [summary(ea.evaluate(*subset(run, keep, rank_profiles))["rows"])[:2] for keep in picks]
         except ValueError as e:
             print(f"{path[-40:]:<40} {n:>6} skipped: {e}")
             continue

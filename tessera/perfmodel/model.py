@@ -129,10 +129,12 @@ RANK_MODES = ("ranks", "pipeline")
 def interference_mode(c: Candidate, fitted) -> str:
     """The interference mode that prices candidate ``c`` given the modes ``fitted`` for its
     device type: a multi-rank plan whose ranks share the device only with each other
-    (``colocated`` <= its world) takes "pipeline" when pp > 1 and that mode was fitted,
-    else "ranks" when fitted; everything else "shared" when the quotas oversubscribe the
-    device, else "split" (two independent jobs on disjoint cores or SM shares)."""
-    if c.world > 1 and c.colocated <= c.world:
+    (``colocated`` <= its world: every co-resident counted is one of its own ranks) on
+    disjoint quotas (no oversubscription) takes "pipeline" when pp > 1 and that mode was
+    fitted, else "ranks" when fitted; everything else "shared" when the quotas
+    oversubscribe the device (time slicing), else "split" (two independent jobs on
+    disjoint cores or SM shares)."""
+    if c.world > 1 and c.colocated <= c.world and c.oversubscription <= 1:
         if c.pp > 1 and "pipeline" in fitted:
             return "pipeline"
         if "ranks" in fitted:
@@ -606,8 +608,9 @@ def fit_rank_interference(model: PerfModel, rows: list[dict]) -> dict:
     1.08x — neither of which the split pair of two independent jobs shows). Returns
     ``{device_type: {mode: g}}``, g the median over a mode's rows, floored at 0 (a rank is
     not faster beside its peers); rows whose candidate is not a multi-rank plan sharing
-    its device, the model cannot estimate, or whose time is not finite and > 0 are
-    skipped. Pure: ``model`` is not changed."""
+    its device with its own ranks only, on disjoint quotas (:func:`interference_mode`),
+    the model cannot estimate, or whose time is not finite and > 0 are skipped. Pure:
+    ``model`` is not changed."""
     by: dict[tuple[str, str], list[float]] = {}
     for r in rows:
         mode, t = r.get("mode"), r.get("seconds")
@@ -617,7 +620,8 @@ def fit_rank_interference(model: PerfModel, rows: list[dict]) -> dict:
             c = Candidate(**r["candidate"])
         except (KeyError, TypeError):
             continue
-        if c.world < 2 or not 1 < c.colocated <= c.world or (mode == "pipeline" and c.pp < 2):
+        if c.world < 2 or not 1 < c.colocated <= c.world or c.oversubscription > 1 \
+                or (mode == "pipeline" and c.pp < 2):
             continue
         dev = c.device_type
         ests = []

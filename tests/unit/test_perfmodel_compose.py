@@ -475,8 +475,13 @@ def test_rank_profiles_recover_each_rank_modes_interference_and_only_ranks_take_
     fitted = replace(model, interference={"cpu": {**model.interference["cpu"], **got["cpu"]}})
     for c in (dp, pp, cand(tp=2, colocated=2)):
         assert fitted.estimate(c).seconds == pytest.approx(truth.estimate(c).seconds)
-    for c in (cand(colocated=2), cand(dp=2, batch=32, colocated=3)):  # split pair / more than its own ranks
+    # A split pair, a plan sharing its device with another job too, a time-sliced plan
+    # (quotas oversubscribe the device: "shared"): not priced by the rank modes.
+    for c in (cand(colocated=2), cand(dp=2, batch=32, colocated=3), cand(dp=2, batch=32, colocated=2,
+                                                                         oversubscription=2.0)):
         assert fitted.estimate(c).seconds == pytest.approx(model.estimate(c).seconds)
+    over = cand(dp=2, batch=32, colocated=2, oversubscription=2.0)
+    assert fit_rank_interference(model, [{"mode": "ranks", "candidate": over.__dict__, "seconds": 9.0}]) == {}
     assert fitted.estimate(dp).seconds < model.estimate(dp).seconds  # g 0.07, not the split pair's 0.10
     back = PerfModel.from_dict(json.loads(json.dumps(fitted.to_dict())))
     assert back.estimate(pp).seconds == pytest.approx(fitted.estimate(pp).seconds)
