@@ -594,11 +594,11 @@ def fit_model(samples: list[ComputeSample], comm_rows: list[dict], pairs: list[d
 
 def with_rank_profiles(model: PerfModel, rank_profiles: list[dict] | None) -> PerfModel:
     """``model`` with the rank modes' interference fitted from ``rank_profiles`` (JSON
-    ``rank_profiles``; a reference's time is :func:`step_time` of its rounds) against
-    ``model``'s own terms (``tessera.perfmodel.fit_rank_interference``); ``model`` as it
-    is without any."""
-    rows = [{"mode": r["mode"], "candidate": dataclasses.asdict(candidate(r["job"])), "seconds": step_time(r["rounds"])}
-            for r in rank_profiles or [] if r["rounds"]]
+    ``rank_profiles``; a reference's time is :func:`step_time` of its rounds, leaving out a
+    round whose runs failed — None, ``rank_skipped``) against ``model``'s own terms
+    (``tessera.perfmodel.fit_rank_interference``); ``model`` as it is without any."""
+    rows = [{"mode": r["mode"], "candidate": dataclasses.asdict(candidate(r["job"])), "seconds": step_time(got)}
+            for r in rank_profiles or [] for got in [[x for x in r["rounds"] if x is not None]] if got]
     gs = fit_rank_interference(model, rows)
     if not gs:
         return model
@@ -613,28 +613,53 @@ def rank_profile_jobs() -> list[tuple[str, dict]]:
                     "cores": [[0], [1]]}) for mode, n, b, s, plan, m in RANK_PROFILES]
 
 
-def colocation_with_retry(profile, wl: dict, cores: list[list[int]], pcost: dict, tries: int = 2,
-                          **kw) -> dict:
-    """``profile(wl, cores, WARMUP, MEASURED, **kw)`` (bench._measure.colocation_profile), tried
-    again when it raises RuntimeError (too few alone or together steps: the twin ran more
-    than 2x slower than planned, e.g. under a burst of other work on the host) — one
-    failed pair no longer ends a 200 s run. Every attempt's device time counts in
-    ``pcost["colocation"]`` (a failed one: its wall time times the cores it held); the
-    last attempt's error propagates."""
-    held = len(set(cores[0]) | set(cores[1]))
+def profile_with_retry(call, held: int, pcost: dict, key: str, what: str, tries: int = 2) -> dict:
+    """``call()`` (a profile run returning a dict with ``device_s``), tried again when it
+    raises RuntimeError (a run that got too few steps or whose process failed, e.g. under
+    a burst of other work on the host) — one failed run no longer ends a 9-minute
+    benchmark. Every attempt's device time counts in ``pcost[key]`` (a failed one: its
+    wall time times the ``held`` cores); the last attempt's error propagates."""
     for attempt in range(tries):
         t0 = time.monotonic()
         try:
-            res = profile(wl, cores, WARMUP, MEASURED, **kw)
+            res = call()
         except RuntimeError as e:
-            pcost["colocation"] += (time.monotonic() - t0) * held
+            pcost[key] += (time.monotonic() - t0) * held
             if attempt + 1 >= tries:
                 raise
-            print(f"colocation profile on cores {cores} failed ({e}); trying again", file=sys.stderr)
+            print(f"{what} failed ({e}); trying again", file=sys.stderr)
             continue
-        pcost["colocation"] += res["device_s"]
+        pcost[key] += res["device_s"]
         return res
     raise ValueError(f"tries: {tries}, expected >= 1")
+
+
+def colocation_with_retry(profile, wl: dict, cores: list[list[int]], pcost: dict, tries: int = 2,
+                          **kw) -> dict:
+    """``profile(wl, cores, WARMUP, MEASURED, **kw)`` (bench._measure.colocation_profile)
+    through :func:`profile_with_retry`: too few alone or together steps (the twin ran
+    more than 2x slower than planned) is tried again; device time in
+    ``pcost["colocation"]``."""
+    held = len(set(cores[0]) | set(cores[1]))
+    return profile_with_retry(lambda: profile(wl, cores, WARMUP, MEASURED, **kw), held, pcost, "colocation",
+                              f"colocation profile on cores {cores}", tries)
+
+
+def rank_profile_or_skip(run, job: dict, wl: dict, pcost: dict, skipped: list[dict], r: int) -> float | None:
+    """One round's run of a rank profile (``run`` = bench._measure.run_jobs on ``wl`` over
+    ``job``'s cores) through :func:`profile_with_retry` (device time in ``pcost["ranks"]``):
+    its step time, or None when every try failed — that round then has no value of this
+    rank profile (``skipped`` gets ``{"plan", "round", "error"}``, JSON ``rank_skipped``;
+    :func:`with_rank_profiles` uses the other rounds) rather than the whole run ending."""
+    held = len({c for rc in job["cores"] for c in rc})
+    try:
+        res = profile_with_retry(lambda: run([{"workload": wl, "cores": job["cores"]}], WARMUP)[0], held, pcost,
+                                 "ranks", f"rank profile {job['plan']}")
+    except RuntimeError as e:
+        print(f"rank profile ({job['plan']}, round {r}) skipped: {e}", file=sys.stderr)
+        skipped.append({"plan": job["plan"], "round": r, "error": str(e)})
+        return None
+    return res["step_s"]
 
 
 def colocation_or_skip(profile, wl: dict, cores: list[list[int]], pcost: dict, skipped: list[dict], mode: str,
@@ -671,7 +696,8 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
     steps = WARMUP + MEASURED
     pcost = {"compute": 0.0, "colocation": 0.0, "comm": 0.0, "ranks": 0.0}
     rank_jobs = rank_profile_jobs()
-    rank_rounds: list[list[float]] = [[] for _ in rank_jobs]  # per reference: its step time per round
+    rank_rounds: list[list[float | None]] = [[] for _ in rank_jobs]  # per reference: its step time per round
+    rank_skipped: list[dict] = []  # rounds whose rank profile failed twice (JSON ``rank_skipped``)
     # peft / multimodal shapes of the grid: one profiling run each per round.
     shapes = list(dict.fromkeys(j["shape"] for pt in points for j in pt["jobs"] if j.get("shape")))
     wprof: dict[str, list[list[float]]] = {name: [] for name in shapes}
@@ -732,12 +758,12 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                     pcost["workload"] += res["device_s"]
                     wprof[name].append(res["steps"])
             elif task[0] == "ranks":
-                # A multi-rank plan's ranks beside each other, measured like a grid point.
+                # A multi-rank plan's ranks beside each other, measured like a grid point
+                # (None for a round whose runs failed twice: rank_skipped).
                 for k, (_, j) in enumerate(rank_jobs):
-                    res = run_jobs([{"workload": workload(j["model"], j["batch"], j["seq"], j["m"], steps, j["plan"]),
-                                     "cores": j["cores"]}], WARMUP)
-                    pcost["ranks"] += res[0]["device_s"]
-                    rank_rounds[k].append(res[0]["step_s"])
+                    rank_rounds[k].append(rank_profile_or_skip(
+                        run_jobs, j, workload(j["model"], j["batch"], j["seq"], j["m"], steps, j["plan"]), pcost,
+                        rank_skipped, r))
             elif task[0] == "comm":
                 rows, dev_s = comm_table(sizes=COMM_SIZES, reps=COMM_REPS, ops=COMM_OPS)
                 pcost["comm"] += dev_s
@@ -776,6 +802,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                 for pt, jr, u, fr in zip(points, job_rounds, util, faults)]
     prof = {"cost": pcost, "samples": len(samples), "comm_rows": comm_rows, "pairs": pairs,
             "colocation_steps": colo_steps, "colocation_skipped": colo_skipped, "rank_profiles": rank_profiles,
+            "rank_skipped": rank_skipped,
             "profile_samples": [dict(x.__dict__) for x in samples],
             "profile_rounds": {point_key(k): v for k, v in alone.items()},
             "profile_mb_frac_rounds": {point_key(k): v for k, v in alone_fb.items()},
@@ -1003,6 +1030,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": model.to_dict(), "rows": rows, "profile_samples": prof["profile_samples"],
         "colocation_pairs": prof["pairs"], "colocation_steps": prof["colocation_steps"],
         "colocation_skipped": prof["colocation_skipped"], "rank_profiles": prof.get("rank_profiles", []),
+        "rank_skipped": prof.get("rank_skipped", []),
         "comm_rows": prof["comm_rows"], "profile_rounds": prof["profile_rounds"],
         "profile_mb_frac_rounds": prof["profile_mb_frac_rounds"], "profile_faults_rounds": prof["profile_faults_rounds"],
         "workload_profiles": prof["workload_profiles"], "workload_profile_rounds": prof["workload_profile_rounds"],

@@ -107,6 +107,46 @@ def test_a_colocation_profile_that_fails_every_try_skips_its_round_not_the_run()
     assert len(skipped) == 1
 
 
+def test_a_rank_profile_that_fails_is_tried_again_and_one_that_fails_every_try_skips_its_round():
+    mode, job = ea.rank_profile_jobs()[0]
+    calls = []
+
+    def flaky(jobs, warmup):
+        calls.append(jobs[0]["cores"])
+        if len(calls) == 1:
+            raise RuntimeError("bench run failed: exit codes [1, -9]")
+        return [{"step_s": 0.02, "device_s": 0.4}]
+
+    pcost, skipped = {"ranks": 0.0}, []
+    assert ea.rank_profile_or_skip(flaky, job, {}, pcost, skipped, 3) == 0.02
+    assert len(calls) == 2 and calls[0] == job["cores"] and not skipped
+    assert pcost["ranks"] >= 0.4  # the retry's, plus the failed attempt's wall time x 2 cores
+
+    def broken(jobs, warmup):
+        raise RuntimeError("bench run failed: exit codes [1, 0]")
+
+    assert ea.rank_profile_or_skip(broken, job, {}, pcost, skipped, 4) is None
+    assert skipped == [{"plan": job["plan"], "round": 4, "error": "bench run failed: exit codes [1, 0]"}]
+
+
+def test_the_rank_g_leaves_out_a_skipped_round_and_needs_one_measured():
+    """A round without a value (None: its rank profile failed twice) is left out of the
+    reference's time; with no round measured there is no rank mode (the split pair's g
+    prices multi-rank plans, as before rank profiles)."""
+    from tessera.perfmodel import PerfModel
+    from tests.unit.test_perfmodel_compose import comm_rows
+    from tests.unit.test_perfmodel_fit import samples
+
+    model = PerfModel(version=1, compute={"cpu": ea.fit_compute("cpu", samples(noise=0.01))},
+                      comm={ea.LINK: ea.fit_comm(ea.LINK, comm_rows())}, interference={"cpu": {"split": 0.0}})
+    mode, job = ea.rank_profile_jobs()[0]
+    t0 = model.estimate(ea.candidate(job)).seconds
+    got = ea.with_rank_profiles(model, [{"mode": mode, "job": job, "rounds": [1.2 * t0, None, 1.2 * t0]}])
+    same = ea.with_rank_profiles(model, [{"mode": mode, "job": job, "rounds": [1.2 * t0, 1.2 * t0]}])
+    assert got.interference["cpu"][mode] > 0 and got.interference == same.interference
+    assert ea.with_rank_profiles(model, [{"mode": mode, "job": job, "rounds": [None, None]}]) is model
+
+
 def test_a_point_keeps_the_mean_of_its_least_disturbed_half_of_rounds():
     """bench step_time: the host only ever slows a run down, so a point's value is the
     mean of the least disturbed half of its rounds (rounded up), profiles and grid alike."""
