@@ -349,9 +349,9 @@ def candidate(job: dict, colocated: int = 1, oversub: float = 1.0) -> Candidate:
     p = job["plan"]
     world = p.get("dp", 1) * p.get("tp", 1) * p.get("pp", 1)
     if world > 1 and colocated == 1:
-        # The ranks share this one CPU, each on its own core: colocated with each other
-        # ("split"), like two jobs on cores 0 and 1 (a dp=2 rank's forward + backward ran
-        # 5 % slower than the same rows alone on one core, a split pair's 2-3 %).
+        # The ranks share this one CPU, each on its own core: colocated with each other —
+        # priced by the rank profile's mode "ranks" (tessera.perfmodel.interference_mode;
+        # a run stored before rank profiles: "split", like two jobs on cores 0 and 1).
         colocated = world
     return Candidate(device_type=DEVICE, layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq_len=seq_len,
                      batch=job["batch"], seq=job["seq"], dp=p.get("dp", 1), tp=p.get("tp", 1), pp=p.get("pp", 1),

@@ -58,7 +58,8 @@ def test_every_category_has_points_and_quick_keeps_two():
 
 def test_multi_rank_points_are_estimated_as_ranks_sharing_the_cpu():
     """A dp / tp / pp point's two ranks run on cores 0 and 1 of one CPU: its candidate
-    counts them as colocated "split" (disjoint cores); a single-rank point is alone."""
+    counts them as colocated on disjoint cores (priced by the rank profile's mode, else
+    "split"); a single-rank point is alone."""
     for pt in ea.grid(False):
         job = pt["jobs"][0]
         if job.get("shape") or len(pt["jobs"]) > 1:
