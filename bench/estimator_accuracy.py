@@ -652,14 +652,21 @@ def rank_profile_or_skip(run, job: dict, wl: dict, pcost: dict, skipped: list[di
     rank profile (``skipped`` gets ``{"plan", "round", "error"}``, JSON ``rank_skipped``;
     :func:`with_rank_profiles` uses the other rounds) rather than the whole run ending."""
     held = len({c for rc in job["cores"] for c in rc})
+    res = _or_skip(lambda: profile_with_retry(lambda: run([{"workload": wl, "cores": job["cores"]}], WARMUP)[0],
+                                              held, pcost, "ranks", f"rank profile {job['plan']}"),
+                   skipped, {"plan": job["plan"], "round": r}, f"rank profile ({job['plan']}, round {r})")
+    return None if res is None else res["step_s"]
+
+
+def _or_skip(call, skipped: list[dict], entry: dict, what: str) -> dict | None:
+    """``call()``, or None when it raises RuntimeError (every try of a profile failed):
+    ``skipped`` gets ``entry`` with the ``error``, and the run goes on without it."""
     try:
-        res = profile_with_retry(lambda: run([{"workload": wl, "cores": job["cores"]}], WARMUP)[0], held, pcost,
-                                 "ranks", f"rank profile {job['plan']}")
+        return call()
     except RuntimeError as e:
-        print(f"rank profile ({job['plan']}, round {r}) skipped: {e}", file=sys.stderr)
-        skipped.append({"plan": job["plan"], "round": r, "error": str(e)})
+        print(f"{what} skipped: {e}", file=sys.stderr)
+        skipped.append({**entry, "error": str(e)})
         return None
-    return res["step_s"]
 
 
 def colocation_or_skip(profile, wl: dict, cores: list[list[int]], pcost: dict, skipped: list[dict], mode: str,
@@ -668,12 +675,8 @@ def colocation_or_skip(profile, wl: dict, cores: list[list[int]], pcost: dict, s
     work on the host): that round then has no pair of this ``mode`` — its device time is
     counted, the fit uses the other rounds' pairs, ``skipped`` gets ``{"mode", "round",
     "error"}`` (JSON ``colocation_skipped``) — rather than the whole run ending on it."""
-    try:
-        return colocation_with_retry(profile, wl, cores, pcost, **kw)
-    except RuntimeError as e:
-        print(f"colocation profile ({mode}, round {r}) skipped: {e}", file=sys.stderr)
-        skipped.append({"mode": mode, "round": r, "error": str(e)})
-        return None
+    return _or_skip(lambda: colocation_with_retry(profile, wl, cores, pcost, **kw), skipped,
+                    {"mode": mode, "round": r}, f"colocation profile ({mode}, round {r})")
 
 
 def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict], float]:
