@@ -24,7 +24,10 @@ Each cycle (while leading) for every job of a ``gpt``, ``peft`` or ``multimodal`
    ``status.estimate`` (ok with seconds and confidence, or insufficient_data with the
    reason) when it changed. ``gpt`` estimates compose the fitted curve and the
    communication tables; ``peft``/``multimodal`` ones are the job's step shape measured,
-   carried to the job's quota (``tessera.perfmodel.workload``).
+   carried to the job's quota (``tessera.perfmodel.workload``). A placed job is
+   estimated beside the executors that share its partition (``partition_load``,
+   ``sharing_of``, ``estimate_placed``: colocated, oversubscription, the fitted
+   interference, or a reason saying it is not counted).
 
 The controller talks to the estimator only over gRPC; the numbers come from the same
 pure code the estimator runs. An unreachable estimator skips the cycle (estimates are
@@ -39,15 +42,18 @@ import asyncio
 import copy
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import grpc
 
 from tessera import grpcserver, log, manifest
 from tessera.api.v1 import estimator_pb2, estimator_pb2_grpc, types_pb2
 from tessera.modelkey import arch_key, shape_key
-from tessera.perfmodel import Candidate, Estimate, PerfModel
+from tessera.perfmodel import Candidate, Estimate, PerfModel, interference_mode
+from tessera.perfmodel.priors import COLOCATION, confidence
 from tessera.spec.multimodal import mean_mix
 
 from .adapter import node_partitions
@@ -126,6 +132,114 @@ def candidate(doc: dict, device_type: str, quota: float, nodes: int,
                      vocab=m["vocab"], seq_len=m["seq_len"], batch=w["batch_size"], dp=dp, tp=tp, pp=pp,
                      micro_batches=p["micro_batches"], quota=quota, link=link_for(device_type, nodes),
                      module=module_of(doc))
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """How a placed job shares its device with other executors (:func:`sharing_of`):
+    ``colocated`` executors on its most crowded partition, this job's rank there
+    included; ``oversubscription`` the sum of their grants over the partition's capacity
+    (time slicing: every executor wants the whole device, so their number); ``where``
+    that partition as "node/partition"; ``others`` the other jobs there."""
+
+    colocated: int = 1
+    oversubscription: float = 1.0
+    where: str = ""
+    others: tuple[str, ...] = ()
+
+    @property
+    def mode(self) -> str:
+        """The colocation mode the model prices it with for one-rank jobs: "shared" when the
+        grants oversubscribe the device (time slicing), else "split"."""
+        return "shared" if self.oversubscription > 1 else "split"
+
+
+ALONE = Sharing()
+
+
+def _timesliced(part: types_pb2.Partition) -> bool:
+    return part.kind == "timeslice" or part.unit == "slots"
+
+
+def partition_load(jobs: list[types_pb2.Job], nodes: dict) -> dict[tuple[str, str], tuple[int, int, tuple[str, ...]]]:
+    """(node, partition id) -> (executors, units granted, job ids) over every rank of every
+    SCHEDULED or RUNNING job, except jobs fused into another's executor (they run inside
+    it). A rank granted no units holds the whole partition (its capacity; 0 for one the
+    node does not report). Pure; computed once per profiling cycle."""
+    caps = {(name, p.id): p.capacity_units for name, n in nodes.items() for p in node_partitions(n)}
+    load: dict[tuple[str, str], tuple[int, int, tuple[str, ...]]] = {}
+    for j in jobs:
+        if j.status.phase not in (P.SCHEDULED, P.RUNNING) or j.status.fused_into:
+            continue
+        for s in j.status.placement:
+            for pid in (list(s.partition_ids) or list(s.device_ids)):
+                n, units, ids = load.get((s.node, pid), (0, 0, ()))
+                load[(s.node, pid)] = (n + 1, units + (s.units or caps.get((s.node, pid), 0)),
+                                       ids if j.id in ids else ids + (j.id,))
+    return load
+
+
+def sharing_of(job: types_pb2.Job, load: dict, nodes: dict) -> Sharing:
+    """Who shares ``job``'s partitions while it is SCHEDULED or RUNNING, from
+    :func:`partition_load` ``load``: every executor (rank) placed on the same (node,
+    partition id) — ``job``'s own other ranks there too (a multi-rank plan on one CPU core
+    set is its ranks sharing it). Over ``job``'s partitions the most crowded one counts
+    (the slowest rank sets the step). ``oversubscription``: the units granted there over
+    the partition's capacity (1.0 for a partition the node does not report), or on a
+    time-sliced one (kind "timeslice", unit "slots") the number of executors. ``ALONE``
+    for a job not placed or alone everywhere. Pure."""
+    if job.status.phase not in (P.SCHEDULED, P.RUNNING) or job.status.fused_into or not job.status.placement:
+        return ALONE
+    best = ALONE
+    for s in job.status.placement:
+        for pid in (list(s.partition_ids) or list(s.device_ids)):
+            n, units, ids = load.get((s.node, pid), (1, 0, (job.id,)))
+            if n <= best.colocated:
+                continue
+            node = nodes.get(s.node)
+            part = next((p for p in node_partitions(node) if p.id == pid), None) if node is not None else None
+            if part is not None and _timesliced(part):
+                over = float(n)
+            else:
+                over = units / part.capacity_units if part is not None and part.capacity_units else 1.0
+            best = Sharing(n, over, f"{s.node}/{pid}", tuple(sorted(set(ids) - {job.id})))
+    return best
+
+
+def estimate_placed(model: PerfModel, c: Candidate, share: Sharing) -> Estimate:
+    """The estimate of candidate ``c`` where it runs, sharing its device as ``share`` says:
+    alone, the model's estimate of ``c``; shared, the model's estimate with ``colocated``
+    and ``oversubscription`` set (the device type's fitted interference for the mode,
+    :func:`tessera.perfmodel.interference_mode`), its reason naming the partition and the
+    jobs beside it. Where the model has no colocation profile of that mode, the estimate
+    alone stretched by the oversubscription (time slicing: each executor gets 1/n of the
+    device), its uncertainty widened by the colocation prior, and its reason saying that
+    interference is not counted and why — an estimate that ignored the neighbours
+    without saying so would read as a model error. Pure."""
+    if share.colocated <= 1:
+        return model.estimate(c)
+    others = (f"{len(share.others)} other job{'s' if len(share.others) != 1 else ''} "
+              f"({', '.join(share.others[:3])}{', ...' if len(share.others) > 3 else ''})"
+              if share.others else "its own ranks")
+    where = (f"shares {share.where} with {others}: {share.colocated} executors, "
+             f"oversubscription {share.oversubscription:.2g}")
+    shared = replace(c, colocated=share.colocated, oversubscription=share.oversubscription)
+    e = model.estimate(shared)
+    if e.ok:
+        mode = interference_mode(shared, model.interference.get(c.device_type, {}))
+        return replace(e, reason=f"{where}; {mode} interference counted" + (f"; {e.reason}" if e.reason else ""))
+    if not e.reason.startswith("no colocation ("):
+        return e
+    alone = model.estimate(c)
+    if not alone.ok:
+        return alone
+    over = max(share.oversubscription, 1.0)
+    r = math.hypot(alone.rel_std, COLOCATION)
+    return replace(alone, seconds=alone.seconds * over, rel_std=r, confidence=confidence(r),
+                   breakdown={**alone.breakdown, "colocation": over},
+                   reason=f"{where}; interference not counted ({e.reason})"
+                          + (f", time slicing x{over:g} counted" if over > 1 else "")
+                          + (f"; {alone.reason}" if alone.reason else ""))
 
 
 def to_status(e: Estimate, version: int, now: float, profile_job: str = "") -> types_pb2.JobEstimate:
@@ -222,13 +336,14 @@ class Profiling:
         jobs, _ = await self.ctl.store.list_jobs()
         nodes = {v.value.name: v.value for v in await self.ctl.store.list_nodes()}
         by_id = {j.id: j for j in jobs}
+        load = partition_load(jobs, nodes)  # who shares which partition: estimates count it
         known: dict[str, list] = {}
         requested = estimated = 0
         for job in jobs:
             if is_profile_job(job) or job.spec.workload.type not in WORKLOADS:
                 continue
             try:
-                r, e = await self._one(job, model, jobs, nodes, by_id, known)
+                r, e = await self._one(job, model, jobs, nodes, by_id, known, load)
             except (NotLeader, Fenced, grpc.aio.AioRpcError, ConnectionError):
                 raise  # the cycle's own conditions (not leader, estimator unreachable): the loop retries
             except Exception:  # one bad job must not stop the estimates of the others
@@ -241,7 +356,7 @@ class Profiling:
                           ms=round((time.perf_counter() - t0) * 1000, 2))
         return {"requested": requested, "estimated": estimated}
 
-    async def _one(self, job, model, jobs, nodes, by_id, known) -> tuple[int, int]:
+    async def _one(self, job, model, jobs, nodes, by_id, known, load) -> tuple[int, int]:
         """One job of a cycle: (profiling jobs requested, estimates written)."""
         requested = estimated = 0
         cur = job.status.estimate
@@ -259,7 +374,7 @@ class Profiling:
             dev = self._device_kind(job, doc, nodes, profs, rows, mb)
             quota, n_nodes = self._quota(job, nodes, [p for p in profs if p.device_type == dev] or profs)
             plan = job.status.plan if job.status.HasField("plan") else None
-            est = model.estimate(candidate(doc, dev, quota, n_nodes, plan))
+            est = estimate_placed(model, candidate(doc, dev, quota, n_nodes, plan), sharing_of(job, load, nodes))
         if est is not None and (est.ok or any(p.rows == rows and p.micro_batches == mb and p.device_type == dev
                                               for p in profs)):
             pj_id = cur.profile_job_id if cur.profile_job_id in by_id else ""
@@ -375,7 +490,8 @@ class Profiling:
         of a core counted twice is half a core), on an MPS one (``sm_percent``) its units
         / 100 of the GPU, on any other the device's capacity (cores of a CPU, a GPU's
         percent / 100) times the grant's share of the partition (all of it when the
-        placement names no units)."""
+        placement names no units) — except a time-sliced partition (kind "timeslice",
+        unit "slots"), whose executors each run on the whole device: its capacity."""
         placement = list(job.status.placement)
         spanned = max(1, len({s.node for s in placement}))
         if placement:
@@ -389,6 +505,10 @@ class Profiling:
             if part is not None and part.unit == "cores" and units > 0:
                 per_core = part.attributes.get("units_per_core", "1")
                 return units / max(1, int(per_core) if per_core.isdigit() else 1), spanned
+            if part is not None and _timesliced(part) and dev is not None and dev.capacity > 0:
+                # Time slicing: no quota; each executor runs on the whole device (sharing
+                # it is the estimate's oversubscription, sharing_of).
+                return (float(dev.capacity) if dev.kind == "cpu" else dev.capacity / 100.0), spanned
             if part is not None and part.unit == "sm_percent" and units > 0:
                 return min(units, 100) / 100.0, spanned
             if dev is not None and dev.capacity > 0:

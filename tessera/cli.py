@@ -175,6 +175,8 @@ def _step_time(s: types_pb2.JobStatus) -> str:
     if e.status == "ok":
         est = (f"{e.step_time_s * 1000:.1f} ms estimated ±{e.rel_std * 100:.0f}% "
                f"(confidence {e.confidence:.0%}, model v{e.model_version})")
+        if e.reason:  # how it was made: from a profile, beside which jobs on a shared device
+            est += f" — {e.reason}"
     elif e.status == "profiling":
         est = f"estimate pending: profiling job {e.profile_job_id}"
     else:

@@ -3,6 +3,10 @@ and the CLI's step-time line."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
 from tessera import manifest
 from tessera.api.v1 import types_pb2
 from tessera.cli import _step_time
@@ -191,3 +195,107 @@ def test_a_job_naming_no_device_kind_is_estimated_on_the_kind_it_runs_on_or_was_
     assert Profiling._device_kind(types_pb2.Job(), doc(), nodes, profs, 8, 1) == "cpu"
     # No profile at its shape: the first.
     assert Profiling._device_kind(types_pb2.Job(), any_kind, nodes, profs, 16, 2) == "cpu"
+
+
+# --- jobs sharing a device: the estimate counts them (sharing_of, estimate_placed) --------
+
+def _running(job_id, node, parts, units=0, phase=types_pb2.RUNNING, fused_into=""):
+    """A job placed with one rank on each partition of ``parts`` (a list of (device, partition))."""
+    j = types_pb2.Job(id=job_id)
+    j.status.phase = phase
+    j.status.fused_into = fused_into
+    j.status.placement.add(node=node, device_ids=[d for d, _ in parts], partition_ids=[p for _, p in parts],
+                           units=units)
+    return j
+
+
+def _cpu_nodes(kind="cpuset", unit="cores", cap=4):
+    cpu = types_pb2.Device(id="cpu0", kind="cpu", capacity=4)
+    part = types_pb2.Partition(id="cpu0", kind=kind, device_id="cpu0", capacity_units=cap, unit=unit)
+    return _node([part], [cpu])
+
+
+def test_sharing_counts_every_executor_on_the_jobs_partition_its_own_ranks_included():
+    from controller.profiling import ALONE, partition_load, sharing_of
+
+    nodes = _cpu_nodes()
+    a = _running("j-a", "n1", [("cpu0", "cpu0")], units=2)
+    b = _running("j-b", "n1", [("cpu0", "cpu0")], units=1)
+    c = _running("j-c", "n1", [("cpu0", "cpu0"), ("cpu0", "cpu0")], units=1)   # two ranks on it
+    pending = _running("j-p", "n1", [("cpu0", "cpu0")], units=1, phase=types_pb2.PENDING)
+    ended = _running("j-e", "n1", [("cpu0", "cpu0")], units=1, phase=types_pb2.SUCCEEDED)
+    fused = _running("j-f", "n1", [("cpu0", "cpu0")], units=1, fused_into="j-a")
+    jobs = [a, b, c, pending, ended, fused]
+    load = partition_load(jobs, nodes)
+    s = sharing_of(a, load, nodes)
+    # a, b and c's two ranks: 4 executors, 2 + 1 + 1 + 1 = 5 of 4 cores' units granted.
+    assert (s.colocated, s.oversubscription, s.where, s.others) == (4, 5 / 4, "n1/cpu0", ("j-b", "j-c"))
+    assert s.mode == "shared"
+    alone = [_running("j-x", "n1", [("cpu0", "cpu0")], units=1)]
+    assert sharing_of(alone[0], partition_load(alone, nodes), nodes) == ALONE
+    assert sharing_of(pending, load, nodes) == ALONE          # not placed yet: nothing shared
+    two_ranks = [_running("j-r", "n1", [("cpu0", "cpu0"), ("cpu0", "cpu0")], units=2)]
+    s = sharing_of(two_ranks[0], partition_load(two_ranks, nodes), nodes)
+    assert (s.colocated, s.oversubscription, s.others, s.mode) == (2, 1.0, (), "split")
+
+
+def test_sharing_on_a_time_sliced_device_oversubscribes_it_by_the_executors_and_isolated_partitions_do_not_share():
+    from controller.profiling import Profiling, partition_load, sharing_of
+
+    nodes = _cpu_nodes(kind="timeslice", unit="slots", cap=4)
+    jobs = [_running(f"j-{i}", "n1", [("cpu0", "cpu0")], units=1) for i in range(3)]
+    s = sharing_of(jobs[0], partition_load(jobs, nodes), nodes)
+    assert (s.colocated, s.oversubscription, s.mode) == (3, 3.0, "shared")
+    # Each time-sliced executor runs on the whole device (not 1 slot of 4 of it).
+    assert Profiling._quota(jobs[0], nodes, []) == (4.0, 1)
+    # Two MIG instances of one GPU are two partitions: nobody shares either.
+    gpu = types_pb2.Device(id="gpu0", kind="gpu", capacity=100)
+    migs = [types_pb2.Partition(id=f"gpu0-mig{i}", kind="mig", device_id="gpu0", capacity_units=1, unit="instance")
+            for i in range(2)]
+    gnodes = _node(migs, [gpu])
+    g = [_running(f"j-g{i}", "n1", [("gpu0", f"gpu0-mig{i}")]) for i in range(2)]
+    assert sharing_of(g[0], partition_load(g, gnodes), gnodes).colocated == 1
+    # MPS: 30 + 50 % of one GPU's partition: split, not oversubscribed.
+    mps = types_pb2.Partition(id="gpu0-mps", kind="mps", device_id="gpu0", capacity_units=100, unit="sm_percent")
+    mnodes = _node([mps], [gpu])
+    m = [_running("j-m1", "n1", [("gpu0", "gpu0-mps")], units=30), _running("j-m2", "n1", [("gpu0", "gpu0-mps")], units=50)]
+    s = sharing_of(m[0], partition_load(m, mnodes), mnodes)
+    assert (s.colocated, s.oversubscription, s.mode, s.others) == (2, 0.8, "split", ("j-m2",))
+
+
+def test_a_shared_device_is_estimated_with_its_fitted_interference_or_says_it_is_not_counted():
+    from tests.unit.test_perfmodel_compose import cand, comm_rows
+    from tests.unit.test_perfmodel_fit import samples
+
+    from controller.profiling import ALONE, Sharing, estimate_placed, to_status
+    from tessera.perfmodel import PerfModel, fit_comm, fit_compute, fit_interference
+
+    pairs = [{"mode": "split", "colocated": 2, "oversubscription": 1.0, "alone_s": 1.0, "together_s": 1.1}]
+    fit = fit_compute("cpu", samples(noise=0.01))
+    with_split = PerfModel(version=1, compute={"cpu": fit}, comm={"lo": fit_comm("lo", comm_rows())},
+                           interference={"cpu": fit_interference(pairs)})
+    c = cand()
+    alone = estimate_placed(with_split, c, ALONE)
+    assert alone == with_split.estimate(c)
+    split = estimate_placed(with_split, c, Sharing(2, 0.75, "n1/cpu0", ("j-b",)))
+    assert split.ok and split.seconds == pytest.approx(alone.seconds * 1.1)
+    assert "shares n1/cpu0 with 1 other job (j-b)" in split.reason and "split interference counted" in split.reason
+    # Time slicing with no shared-mode profile: the estimate alone, stretched by the
+    # oversubscription, wider, and saying what it leaves out.
+    shared = estimate_placed(with_split, c, Sharing(2, 2.0, "n1/cpu0", ("j-b",)))
+    assert shared.ok and shared.seconds == pytest.approx(alone.seconds * 2)
+    assert shared.rel_std > alone.rel_std and shared.confidence < alone.confidence
+    assert "interference not counted (no colocation (shared) profile for device type 'cpu')" in shared.reason
+    assert "time slicing x2 counted" in shared.reason
+    # No interference at all: split neighbours leave the time as it is, and say so.
+    bare = replace(with_split, interference={})
+    s = estimate_placed(bare, c, Sharing(3, 1.0, "n1/cpu0", ("j-b", "j-c")))
+    assert s.seconds == pytest.approx(alone.seconds) and "interference not counted" in s.reason
+    assert "2 other jobs (j-b, j-c)" in s.reason
+    # An estimate that fails for another reason still fails.
+    bad = estimate_placed(with_split, cand(layers=0), Sharing(2, 1.0, "n1/cpu0", ("j-b",)))
+    assert not bad.ok and "invalid plan" in bad.reason
+    # The job's status carries the reason; `tessera get` shows it beside the estimate.
+    st = types_pb2.JobStatus(step_time_median_s=0.02)
+    st.estimate.CopyFrom(to_status(split, 1, 0.0))
+    assert "(j-b)" in _step_time(st) and "split interference counted" in _step_time(st)
