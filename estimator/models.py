@@ -144,8 +144,26 @@ def colocation_row(m) -> dict | None:
             or not 1 <= n <= MAX_INT \
             or over is None or over <= 0:
         return None
-    return {"device_kind": lb.get("device_kind", "cpu") or "cpu", "mode": lb["mode"],
-            "colocated": int(n), "oversubscription": over, "alone_s": alone, "together_s": together}
+    row = {"device_kind": lb.get("device_kind", "cpu") or "cpu", "mode": lb["mode"],
+           "colocated": int(n), "oversubscription": over, "alone_s": alone, "together_s": together}
+    ref = {k: _int(lb, k) for k in REF_LABELS}
+    if all(x is not None and 1 <= x <= MAX_INT for x in ref.values()):
+        row["ref"] = ref  # the measured module's shape (profilerd.colobench): interference_ref
+    return row
+
+
+# The labels of a colocation pair that name its module's shape (``PerfModel.interference_ref``).
+REF_LABELS = ("layers", "hidden", "heads", "vocab", "rows", "seq")
+
+
+def interference_ref(rows: list[dict]) -> dict | None:
+    """The shape of the module whose pairs ``rows`` (one device type's) measured, when
+    every row names one and all name the same (``colocation_row``'s ``ref``); else None:
+    g is then applied as fitted (a mix of modules has no one reference). Pure."""
+    refs = [r.get("ref") for r in rows]
+    if not refs or any(x is None or x != refs[0] for x in refs):
+        return None
+    return {k: float(v) for k, v in refs[0].items()}
 
 
 @dataclass(frozen=True)
@@ -295,17 +313,22 @@ def build_model(runs: dict, comm_rows: list[dict], colocation_rows: list[dict], 
         f = _fit_link(link, [r for r in comm_rows if r["link"] == link], lg)
         if f.ops:
             comm[link] = f
-    inter = {}
+    inter, refs = {}, {}
     for dev in sorted({r["device_kind"] for r in colocation_rows}):
+        mine = [r for r in colocation_rows if r["device_kind"] == dev]
         try:
-            g = fit_interference([r for r in colocation_rows if r["device_kind"] == dev])
+            g = fit_interference(mine)
         except Exception as e:
             lg.warning("interference fit failed", device_type=dev, error=repr(e))
             continue
         for mode in [m for m, v in g.items() if not math.isfinite(v)]:
             lg.warning("interference fit is not finite; left out", device_type=dev, mode=mode, g=g.pop(mode))
         inter[dev] = g
-    return PerfModel(version=version, compute=compute, comm=comm, interference=inter, profiles=points)
+        ref = interference_ref(mine)
+        if ref is not None and g:
+            refs[dev] = ref
+    return PerfModel(version=version, compute=compute, comm=comm, interference=inter, interference_ref=refs,
+                     profiles=points)
 
 
 def _canonical(model: PerfModel) -> str:

@@ -50,6 +50,8 @@ class Profilerd:
 
     comm_bench_argv: tuple[str, ...] = (sys.executable, "-m", "profilerd.commbench", "--sync")
     comm_bench_timeout_s: float = 300.0
+    colo_bench_argv: tuple[str, ...] = (sys.executable, "-m", "profilerd.colobench")
+    colo_bench_timeout_s: float = 300.0
 
     def __init__(self, cfg: ProfilerdConfig, samplers: list[Sampler] | None = None) -> None:
         self.cfg = cfg
@@ -213,11 +215,63 @@ class Profilerd:
                       device_s=round(doc["device_s"], 2))
         return rows[0]
 
+    async def colocation_benchmark(self) -> int:
+        """Run ``profilerd.colobench`` (``colo_bench_argv``) in a fresh process and buffer
+        its pairs as ``kind="colocation"`` measurements (labels mode, device_kind "cpu" and
+        the measured module's shape: layers, hidden, heads, vocab, rows, seq — the
+        estimator's ``interference_ref``; values colocated, oversubscription, alone_s,
+        together_s). Returns the rows buffered. Failures are logged ("colocation
+        micro-benchmark failed", with the child's last words), never raised; a child still
+        running on a timeout or a cancellation is killed and reaped, and a cancellation
+        propagates."""
+        rows = [0]
+        try:
+            return await self._colocation_benchmark(rows)
+        except TimeoutError:
+            self.log.warning("colocation micro-benchmark failed", rows=rows[0],
+                             error=f"no result within {self.colo_bench_timeout_s} s; killed it")
+            return rows[0]
+        except Exception as e:  # CancelledError is no Exception: it propagates
+            self.log.warning("colocation micro-benchmark failed", rows=rows[0], error=repr(e), exc_info=True)
+            return rows[0]
+
+    async def _colocation_benchmark(self, rows: list[int]) -> int:
+        proc = await asyncio.create_subprocess_exec(*self.colo_bench_argv,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), timeout=self.colo_bench_timeout_s)
+        except BaseException:  # timeout, cancellation: no orphaned benchmark
+            proc.kill()
+            await proc.wait()
+            raise
+        if proc.returncode != 0:
+            self.log.warning("colocation micro-benchmark failed", code=proc.returncode,
+                             stderr=err.decode(errors="replace")[-500:])
+            return 0
+        doc = json.loads(out)
+        for r in doc["rows"]:
+            labels = {"mode": r["mode"], "device_kind": "cpu",
+                      **{k: str(int(r[k])) for k in ("layers", "hidden", "heads", "vocab", "rows", "seq")}}
+            values = {k: float(r[k]) for k in ("colocated", "oversubscription", "alone_s", "together_s")}
+            self.add(profiler_pb2.Measurement(kind="colocation", labels=labels, values=values))
+            rows[0] += 1
+        self.log.info("colocation micro-benchmark reported", rows=rows[0], device_s=round(doc["device_s"], 2),
+                      **{f"{r['mode']}_ratio": round(r["together_s"] / r["alone_s"], 3) for r in doc["rows"]})
+        return rows[0]
+
+    async def _benchmarks(self) -> None:
+        """The start-up micro-benchmarks the configuration asks for, one after the other
+        (run together, each would measure the other's load)."""
+        if self.cfg.comm_benchmark:
+            await self.comm_benchmark()
+        if self.cfg.colocation_benchmark:
+            await self.colocation_benchmark()
+
     def start(self) -> None:
         """Start sampling, streaming and the periodic drop log (call from the running loop)."""
         self._tasks.append(asyncio.create_task(self._drop_log_loop()))
-        if self.cfg.comm_benchmark:
-            self._tasks.append(asyncio.create_task(self.comm_benchmark()))
+        if self.cfg.comm_benchmark or self.cfg.colocation_benchmark:
+            self._tasks.append(asyncio.create_task(self._benchmarks()))
         if self.samplers and self.cfg.sample_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._sample_loop()))
         if self.streamer is not None:

@@ -440,7 +440,7 @@ def cmd_up(a, client_for, out: Console, err: Console) -> int:
     tb = Testbed(a.dir, progress=lambda m: err.print(m, markup=False, highlight=False))
     try:
         info = tb.up(agents=a.agents, cpu_devices=a.cpu_devices, grace_s=a.grace_s, keep_state=a.keep_state,
-                     timeout=a.start_timeout)
+                     timeout=a.start_timeout, colocation_benchmark=a.colocation_benchmark)
     except TestbedError as e:
         err.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
         return 1
@@ -651,6 +651,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detach", action="store_true", help="return once everything is ready; stop with `tessera down`")
     p.add_argument("--keep-state", action="store_true", help="reuse etcd data and state of a previous testbed")
     p.add_argument("--start-timeout", type=seconds, default=60.0, metavar="S", help="per-process readiness deadline")
+    p.add_argument("--colocation-benchmark", action="store_true",
+                   help="node-1's profilerd measures how jobs sharing a CPU slow each other (~20 s at start), so "
+                        "that estimates of jobs sharing a device count it")
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("down", parents=[output_only, tb], help="stop the local testbed")

@@ -254,14 +254,17 @@ class Testbed:
 
     # -- start ------------------------------------------------------------------------
     def up(self, agents: int = 2, cpu_devices: int = 2, grace_s: float = 10.0, keep_state: bool = False,
-           timeout: float = 60.0, with_estimator: bool | None = None, with_profilerd: bool | None = None) -> dict:
+           timeout: float = 60.0, with_estimator: bool | None = None, with_profilerd: bool | None = None,
+           colocation_benchmark: bool = False) -> dict:
         """Start the cluster and return the testbed.json record. Raises ``TestbedError``
         (after stopping whatever it started) if a process fails to become ready within
         ``timeout`` seconds, and too when etcd is not installed or fails to start or ``dir``
         cannot be used: never a traceback for the CLI to show; at once, touching nothing,
         when another process holds ``<dir>/.lock`` (a testbed starting or running there).
         On success this object keeps the lock until ``down()`` or ``detach()``.
-        ``with_estimator``/``with_profilerd``: None = when installed. ``agents`` and
+        ``with_estimator``/``with_profilerd``: None = when installed. ``colocation_benchmark``:
+        node-1's profilerd also runs the colocation micro-benchmark at start (profilerd
+        ``--colocation-benchmark``: the estimator then prices jobs sharing a device). ``agents`` and
         ``cpu_devices`` must be >= 1 and ``grace_s`` finite and > 0 (else ``TestbedError``,
         nothing started; the CLI refuses them earlier, as usage errors)."""
         if agents < 1:
@@ -295,7 +298,8 @@ class Testbed:
                     old.unlink()
             except OSError as e:
                 raise TestbedError(self._dir_error(e)) from None
-            return self._start(agents, cpu_devices, grace_s, timeout, with_estimator, with_profilerd)
+            return self._start(agents, cpu_devices, grace_s, timeout, with_estimator, with_profilerd,
+                               colocation_benchmark)
         except BaseException:
             self._release()
             raise
@@ -305,7 +309,7 @@ class Testbed:
                 f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}")
 
     def _start(self, agents: int, cpu_devices: int, grace_s: float, timeout: float,
-               with_estimator: bool | None, with_profilerd: bool | None) -> dict:
+               with_estimator: bool | None, with_profilerd: bool | None, colocation_benchmark: bool = False) -> dict:
         self.marker = f"{self.dir}:{uuid.uuid4().hex[:12]}"
         env = dict(os.environ)
         env[MARKER_ENV] = self.marker
@@ -352,7 +356,9 @@ class Testbed:
                                              ["--node", name, "--listen", node["profilerd"], "--estimator", est_addr,
                                               "--state-dir", self._state("nodes", name, "profilerd")]
                                              # one loopback comm table per machine: node-1's profilerd measures it
-                                             + (["--comm-benchmark"] if i == 0 else []), node["profilerd"]))
+                                             + (["--comm-benchmark"] if i == 0 else [])
+                                             + (["--colocation-benchmark"] if i == 0 and colocation_benchmark else []),
+                                             node["profilerd"]))
                 self.info["addresses"]["nodes"][name] = node
             if profs:
                 self._wait_ready(profs, timeout)

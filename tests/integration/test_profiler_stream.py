@@ -515,3 +515,45 @@ async def test_comm_benchmark_reaches_the_estimator_model(tmp_path):
     finally:
         await stop_profilerd(d, prun, pch)
         await est.stop()
+
+
+async def test_colocation_benchmark_reaches_the_estimator_model(tmp_path, monkeypatch):
+    """profilerd --colocation-benchmark: a GPT module alone and beside its twin (real
+    executor processes, ``python -m agent.runtime``) on its own core (time slicing; the
+    split mode, the twin on another core, is the same code with other cores, left out to
+    keep the suite short); the pair streams to the estimator, which fits the shared
+    interference from it and takes the module's shape as the reference its g is scaled
+    from."""
+    import json as _json
+
+    from tessera.perfmodel import PerfModel
+
+    monkeypatch.setattr(pmain.Profilerd, "colo_bench_argv",
+                        (sys.executable, "-m", "profilerd.colobench", "--modes", "shared"))
+    est = await Estimator(tmp_path / "est").start()
+    d, prun, pch, prof = await start_profilerd(tmp_path, est.address, sample_interval_s=0, colocation_benchmark=True)
+    try:
+        await until(lambda: len(est.store.colocation_rows) >= 1, timeout=180, what="colocation rows persisted")
+        model = None
+        async with grpc.aio.insecure_channel(est.address) as ch:
+            stub = estimator_pb2_grpc.EstimatorServiceStub(ch)
+
+            async def refitted() -> bool:
+                nonlocal model
+                snap = await stub.GetModelSnapshot(estimator_pb2.GetModelSnapshotRequest())
+                model = PerfModel.from_dict(_json.loads(snap.json)) if snap.json else None
+                return model is not None and "shared" in model.interference.get("cpu", {})
+
+            await until(refitted, timeout=60, what="a snapshot fitted from the pair")
+        (row,) = est.store.colocation_rows
+        # Time slicing one core between two copies of the module: each step takes about twice
+        # as long (loosely: a busy host moves it); g is what is left above the 2x.
+        assert row["mode"] == "shared" and row["oversubscription"] == 2.0
+        assert 1.4 < row["together_s"] / row["alone_s"] < 4.0, row
+        g = max(0.0, row["together_s"] / (2 * row["alone_s"]) - 1)  # floored at 0 (fit_interference)
+        assert model.interference["cpu"]["shared"] == pytest.approx(g)
+        assert model.interference_ref["cpu"] == {"layers": 2.0, "hidden": 64.0, "heads": 4.0, "vocab": 256.0,
+                                                 "rows": 8.0, "seq": 64.0}
+    finally:
+        await stop_profilerd(d, prun, pch)
+        await est.stop()

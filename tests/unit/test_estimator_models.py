@@ -458,3 +458,27 @@ def test_a_time_below_a_nanosecond_is_malformed_and_no_row(kind, values, field):
     # 0 is no measurement rather than an impossible one: stored, no model input (as before)
     zero = profiler_pb2.Measurement(kind=kind, labels=labels, values={**base, **{k: 0.0 for k in values}})
     assert malformed(zero) is None
+
+
+def test_colocation_pairs_naming_one_module_shape_make_it_the_interference_reference():
+    from estimator.models import colocation_row
+
+    shape = {"layers": "2", "hidden": "64", "heads": "4", "vocab": "256", "rows": "8", "seq": "64"}
+
+    def colo(mode, together, **labels):
+        return colocation_row(profiler_pb2.Measurement(
+            kind="colocation", labels={"mode": mode, "device_kind": "cpu", **labels},
+            values={"colocated": 2, "oversubscription": 2.0 if mode == "shared" else 1.0, "alone_s": 0.01,
+                    "together_s": together}))
+
+    split, shared = colo("split", 0.011, **shape), colo("shared", 0.023, **shape)
+    assert split["ref"] == {k: int(v) for k, v in shape.items()}
+    m = build_model({}, [], [split, shared], version=1)
+    assert m.interference["cpu"] == pytest.approx({"split": 0.1, "shared": 0.15})
+    assert m.interference_ref["cpu"] == {k: float(v) for k, v in shape.items()}
+    assert PerfModel.from_dict(m.to_dict()).interference_ref == m.interference_ref
+    # A row naming no shape (or a partial or nonsensical one), or two shapes: g as fitted.
+    for other in (colo("split", 0.011), colo("split", 0.011, **{**shape, "rows": "0"}),
+                  colo("split", 0.011, **{**shape, "hidden": "128"})):
+        m = build_model({}, [], [other, shared], version=1)
+        assert "split" in m.interference["cpu"] and m.interference_ref == {}, other
