@@ -211,11 +211,13 @@ def estimate_placed(model: PerfModel, c: Candidate, share: Sharing) -> Estimate:
     alone, the model's estimate of ``c``; shared, the model's estimate with ``colocated``
     and ``oversubscription`` set (the device type's fitted interference for the mode,
     :func:`tessera.perfmodel.interference_mode`), its reason naming the partition and the
-    jobs beside it. Where the model has no colocation profile of that mode, the estimate
-    alone stretched by the oversubscription (time slicing: each executor gets 1/n of the
-    device), its uncertainty widened by the colocation prior, and its reason saying that
-    interference is not counted and why — an estimate that ignored the neighbours
-    without saying so would read as a model error. Pure."""
+    jobs beside it. Where only the estimate alone can be made (the model has no
+    colocation profile of that mode, or answers from a measured profile that cannot price
+    it), the estimate alone stretched by the oversubscription (time slicing: each executor
+    gets 1/n of the device), its uncertainty widened by the colocation prior, and its
+    reason saying that interference is not counted and why — an estimate that ignored
+    the neighbours without saying so would read as a model error. Where not even that,
+    the shared candidate's insufficient_data. Pure."""
     if share.colocated <= 1:
         return model.estimate(c)
     others = (f"{len(share.others)} other job{'s' if len(share.others) != 1 else ''} "
@@ -226,18 +228,24 @@ def estimate_placed(model: PerfModel, c: Candidate, share: Sharing) -> Estimate:
     shared = replace(c, colocated=share.colocated, oversubscription=share.oversubscription)
     e = model.estimate(shared)
     if e.ok:
-        mode = interference_mode(shared, model.interference.get(c.device_type, {}))
-        return replace(e, reason=f"{where}; {mode} interference counted" + (f"; {e.reason}" if e.reason else ""))
-    if not e.reason.startswith("no colocation ("):
-        return e
+        fitted = model.interference.get(c.device_type, {})
+        mode = interference_mode(shared, fitted)
+        g = f" (g {fitted[mode]:.2f} per neighbour)" if mode in fitted else ""
+        return replace(e, reason=f"{where}; {mode} interference counted{g}" + (f"; {e.reason}" if e.reason else ""))
     alone = model.estimate(c)
     if not alone.ok:
-        return alone
+        return e  # not even alone: the shared candidate's own reason
+    # Alone it can be estimated, beside its neighbours not: the device type has no
+    # colocation fit of the mode (also behind a measured profile answering without a
+    # fitted curve, which prices a fitted mode only); else the model's reason.
+    fitted = model.interference.get(c.device_type, {})
+    mode = interference_mode(shared, fitted)
+    why = e.reason if mode in fitted else f"no colocation ({mode}) profile for device type {c.device_type!r}"
     over = max(share.oversubscription, 1.0)
     r = math.hypot(alone.rel_std, COLOCATION)
     return replace(alone, seconds=alone.seconds * over, rel_std=r, confidence=confidence(r),
                    breakdown={**alone.breakdown, "colocation": over},
-                   reason=f"{where}; interference not counted ({e.reason})"
+                   reason=f"{where}; interference not counted ({why})"
                           + (f", time slicing x{over:g} counted" if over > 1 else "")
                           + (f"; {alone.reason}" if alone.reason else ""))
 

@@ -244,9 +244,20 @@ class PerfModel:
         the gradient all-reduce (4 bytes per parameter), the loss all-reduce and the wait
         for the slowest rank over the link's fitted table. A profile point with seconds
         not finite and > 0, or a spread not finite and >= 0, answers nothing; the answer's
-        seconds are finite and > 0 and its confidence in [0, 1], or there is none."""
-        if c.tp != 1 or c.pp != 1 or c.colocated != 1 or min(c.batch, c.layers, c.micro_batches, c.dp) < 1:
+        seconds are finite and > 0 and its confidence in [0, 1], or there is none. A
+        one-rank candidate sharing its device (``colocated`` > 1) is stretched by its
+        oversubscription and the device type's fitted interference for its mode, as fitted
+        (no reference scaling: there is no curve to scale by), ``rel_std`` widened by the
+        colocation prior; without that mode fitted, or with several ranks, no answer."""
+        if c.tp != 1 or c.pp != 1 or min(c.batch, c.layers, c.micro_batches, c.dp) < 1:
             return None
+        stretch = 1.0
+        if c.colocated > 1:  # a one-rank job beside others: the device's fitted interference, as fitted
+            fitted = self.interference.get(c.device_type, {})
+            mode = interference_mode(c, fitted)
+            if c.world != 1 or mode not in fitted:
+                return None
+            stretch = max(c.oversubscription, 1.0) * (1.0 + fitted[mode] * (c.colocated - 1))
         if c.batch % c.dp:
             return None
         rows = c.batch // c.dp
@@ -269,6 +280,10 @@ class PerfModel:
                     csig = comm.ops["all_reduce"].get("rel_sigma", 0.0)
                     r = math.sqrt(r * r + (csig * (grad + loss) / seconds) ** 2)
                     breakdown.update(grad_allreduce=grad, loss_allreduce=loss, straggle=wait)
+                if stretch != 1.0:
+                    seconds *= stretch
+                    r = math.sqrt(r * r + COLOCATION ** 2)
+                    breakdown["colocation"] = stretch
                 if not (math.isfinite(seconds) and seconds > 0 and math.isfinite(r) and r > 0):
                     continue
                 mem = 16.0 * params + F.activation_bytes(rows / c.micro_batches, seq, c.layers, c.hidden, c.heads,

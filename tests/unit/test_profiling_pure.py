@@ -299,3 +299,26 @@ def test_a_shared_device_is_estimated_with_its_fitted_interference_or_says_it_is
     st = types_pb2.JobStatus(step_time_median_s=0.02)
     st.estimate.CopyFrom(to_status(split, 1, 0.0))
     assert "(j-b)" in _step_time(st) and "split interference counted" in _step_time(st)
+
+
+def test_a_job_answered_from_its_measured_profile_counts_its_neighbours_where_the_mode_is_fitted():
+    """No fitted curve yet (a fresh testbed: a few profiles): the measured profile answers,
+    stretched by the fitted interference of the mode; without that mode, or with its own
+    ranks sharing, the estimate alone and a reason that says what is not counted."""
+    from tests.unit.test_perfmodel_compose import _point, _profiled, cand
+
+    from controller.profiling import Sharing, estimate_placed
+
+    model = replace(_profiled(_point()), interference={"cpu": {"split": 0.2}})
+    c = cand()
+    alone = model.estimate(c)
+    assert alone.ok and alone.seconds == pytest.approx(0.5)
+    split = estimate_placed(model, c, Sharing(3, 0.9, "n1/cpu0", ("j-b", "j-c")))
+    assert split.ok and split.seconds == pytest.approx(0.5 * 1.4) and split.breakdown["colocation"] == pytest.approx(1.4)
+    assert split.rel_std > alone.rel_std and "split interference counted" in split.reason
+    assert "measured profile of the per-rank configuration" in split.reason
+    shared = estimate_placed(model, c, Sharing(2, 2.0, "n1/cpu0", ("j-b",)))
+    assert shared.ok and shared.seconds == pytest.approx(0.5 * 2)
+    assert "interference not counted (no colocation (shared) profile for device type 'cpu')" in shared.reason
+    ranks = estimate_placed(model, cand(dp=2, batch=32, link="lo"), Sharing(2, 1.0, "n1/cpu0", ()))
+    assert not ranks.ok  # no communication table: not even alone
