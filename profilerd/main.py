@@ -191,19 +191,28 @@ class Profilerd:
                              exc_info=True)
             return rows[0]
 
-    async def _comm_benchmark(self, rows: list[int]) -> int:
-        proc = await asyncio.create_subprocess_exec(*self.comm_bench_argv,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    async def _child_json(self, argv: tuple[str, ...], timeout_s: float, what: str) -> dict | None:
+        """Run ``argv`` in a fresh process (forking the daemon, which has gRPC threads,
+        would be unsafe) and return its stdout as JSON; None, logged ("<what> failed" with
+        its exit code and last stderr), when it exits non-zero. A timeout (TimeoutError)
+        or a cancellation kills and reaps it, and propagates."""
+        proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE)
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), timeout=self.comm_bench_timeout_s)
+            out, err = await asyncio.wait_for(proc.communicate(), timeout=timeout_s)
         except BaseException:  # timeout, cancellation: no orphaned benchmark
             proc.kill()
             await proc.wait()
             raise
         if proc.returncode != 0:
-            self.log.warning("comm micro-benchmark failed", code=proc.returncode, stderr=err.decode(errors="replace")[-500:])
+            self.log.warning(f"{what} failed", code=proc.returncode, stderr=err.decode(errors="replace")[-500:])
+            return None
+        return json.loads(out)
+
+    async def _comm_benchmark(self, rows: list[int]) -> int:
+        doc = await self._child_json(self.comm_bench_argv, self.comm_bench_timeout_s, "comm micro-benchmark")
+        if doc is None:
             return 0
-        doc = json.loads(out)
         for r in doc["rows"]:
             values = {"bytes": float(r["bytes"]), "world": float(r["world"]), "seconds": float(r["seconds"])}
             # The sync rows' compute_s (the straggler wait), the refill row's idle_s.
@@ -236,19 +245,9 @@ class Profilerd:
             return rows[0]
 
     async def _colocation_benchmark(self, rows: list[int]) -> int:
-        proc = await asyncio.create_subprocess_exec(*self.colo_bench_argv,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), timeout=self.colo_bench_timeout_s)
-        except BaseException:  # timeout, cancellation: no orphaned benchmark
-            proc.kill()
-            await proc.wait()
-            raise
-        if proc.returncode != 0:
-            self.log.warning("colocation micro-benchmark failed", code=proc.returncode,
-                             stderr=err.decode(errors="replace")[-500:])
+        doc = await self._child_json(self.colo_bench_argv, self.colo_bench_timeout_s, "colocation micro-benchmark")
+        if doc is None:
             return 0
-        doc = json.loads(out)
         for r in doc["rows"]:
             labels = {"mode": r["mode"], "device_kind": "cpu",
                       **{k: str(int(r[k])) for k in ("layers", "hidden", "heads", "vocab", "rows", "seq")}}

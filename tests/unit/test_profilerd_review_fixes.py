@@ -216,6 +216,41 @@ async def test_comm_benchmark_cancelled_kills_the_child_and_propagates(tmp_path)
     assert not [e for e in logs if e["event"] == "comm micro-benchmark failed"]  # a cancellation is no failure
 
 
+COLO_ROWS = ("import json; r = dict(mode='shared', colocated=2, oversubscription=2.0, alone_s=0.01, together_s=0.022, "
+             "layers=2, hidden=64, heads=4, vocab=256, rows=8, seq=64); print(json.dumps(dict(device_s=3, rows=[r])))")
+
+
+@pytest.mark.parametrize("case, rows, what", [
+    ("table", 1, ""),
+    ("exit 3", 0, "code"),
+    ("missing key", 0, "KeyError('layers')"),
+    ("timeout", 0, "no result within 2.0 s; killed it"),
+])
+async def test_colocation_benchmark_buffers_its_pairs_or_logs_why_not(tmp_path, case, rows, what):
+    argv = {
+        "table": (sys.executable, "-c", COLO_ROWS),
+        "exit 3": (sys.executable, "-c", "import sys; print('no', file=sys.stderr); sys.exit(3)"),
+        "missing key": (sys.executable, "-c", "print('{\"rows\": [{\"mode\": \"split\"}], \"device_s\": 1}')"),
+        "timeout": (sys.executable, "-c", SLEEPER, str(tmp_path / "child.pid")),
+    }[case]
+    d = pmain.Profilerd(ProfilerdConfig(node="n1", state_dir=str(tmp_path / "prof"), sample_interval_s=0),
+                        samplers=[])
+    d.colo_bench_argv, d.colo_bench_timeout_s = argv, 2.0
+    with structlog.testing.capture_logs() as logs:
+        assert await d.colocation_benchmark() == rows
+    failed = [e for e in logs if e["event"] == "colocation micro-benchmark failed"]
+    assert len(d.buffer) == rows
+    if case == "table":
+        assert not failed
+        (m,) = d.buffer.pending()
+        assert m.kind == "colocation" and m.labels["mode"] == "shared" and m.labels["device_kind"] == "cpu"
+        assert m.labels["hidden"] == "64" and m.values["together_s"] == pytest.approx(0.022)
+    elif case == "exit 3":
+        assert len(failed) == 1 and failed[0]["code"] == 3 and "no" in failed[0]["stderr"]
+    else:
+        assert len(failed) == 1 and what in failed[0]["error"]
+
+
 # --- 4. the seq state cannot be written
 
 
