@@ -278,6 +278,19 @@ class ExecutorManager:
     def holders(self, device_id: str) -> set[str]:
         return {e.allocation_id for e in self.executors.values() if e.running and device_id in e.device_ids}
 
+    def sharing(self, ex: Executor) -> int:
+        """How many allocations run on ``ex``'s partition right now, its own included: the
+        running executors whose grant is on the partition of ``ex``'s grant, or, for an
+        executor without a grant, that hold any of its devices. Its own other ranks are one
+        allocation: a plan's ranks are its shape, not its neighbours. At least 1."""
+        if ex.grant is not None:
+            pid = ex.grant.partition_id
+            allocs = {e.allocation_id for e in self.executors.values()
+                      if e.running and e.grant is not None and e.grant.partition_id == pid}
+        else:
+            allocs = {a for d in ex.device_ids for a in self.holders(d)}
+        return len(allocs | {ex.allocation_id})
+
     def running_allocations(self) -> list[str]:
         return sorted({e.allocation_id for e in self.executors.values() if e.running})
 

@@ -163,6 +163,9 @@ class Agent:
             m.phases[k] = float(v)
         m.labels.update(ex.labels)  # the run's configuration: the estimator profiles from it
         m.labels["rank"] = str(ex.rank)
+        # Allocations on its partition at this step, its own included: a step measured
+        # beside other jobs is no profile of the module alone (estimator.models.run_key).
+        m.labels["colocated"] = str(self.mgr.sharing(ex))
         try:
             await self.prof.ReportStep(m, timeout=1)
         except grpc.aio.AioRpcError as e:

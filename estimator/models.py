@@ -79,7 +79,10 @@ def run_key(m) -> tuple | None:
     (``peft``, ``multimodal``) is rank 0 of any world size whose ``module`` is that
     workload's ``tessera.modelkey.shape_key`` (``<type>:...:w<digest>``; the world size
     is inside the digest). None too without configuration labels, a finite time > 0, a
-    label that is a finite number, or threads > 0. Total: never raises."""
+    label that is a finite number, or threads > 0, and for a step the agent labels
+    ``colocated`` > 1 (other jobs ran on its partition then: no profile of the module
+    alone; a running job's steps are profiles only while it has its partition to
+    itself). Total: never raises."""
     lb = m.labels
     t = m.step_time_s
     wt = lb.get("workload_type", "gpt") or "gpt"
@@ -97,6 +100,8 @@ def run_key(m) -> tuple | None:
         return None
     threads = _num(lb.get("threads", "1") or "1")
     if threads is None or threads <= 0:
+        return None
+    if _int(lb, "colocated", "1") != 1:  # measured beside other jobs (absent: an older agent, alone)
         return None
     return (m.job_id, lb.get("device_kind", "cpu") or "cpu", lb["module"]) + ints + (threads,)
 

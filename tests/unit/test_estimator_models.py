@@ -482,3 +482,20 @@ def test_colocation_pairs_naming_one_module_shape_make_it_the_interference_refer
                   colo("split", 0.011, **{**shape, "hidden": "128"})):
         m = build_model({}, [], [other, shared], version=1)
         assert "split" in m.interference["cpu"] and m.interference_ref == {}, other
+
+
+def test_a_step_measured_beside_other_jobs_is_no_profile_of_the_module_alone():
+    from tessera.measurement import malformed
+
+    assert run_key(step(colocated="1")) == run_key(step())   # alone (an older agent says nothing: alone)
+    assert run_key(step(colocated="2")) is None               # another job ran on its partition
+    assert "labels.colocated" in malformed(step(colocated="two"))
+    # A run that shared its partition for a while: only its steps alone make the profile.
+    steps = [step(i=i, t=0.01 if i < 8 else 0.03, colocated="1" if i < 8 else "2") for i in range(1, 14)]
+    runs: dict = {}
+    for m in steps:
+        k = run_key(m)
+        if k is not None:
+            runs.setdefault(k, {})[m.step] = m.step_time_s
+    (only,) = profiles(runs)
+    assert only.median_s == pytest.approx(0.01) and only.steps == 5  # steps 3-7: warm-up 1-2 out
