@@ -386,7 +386,8 @@ class Profiling:
         if est is not None and (est.ok or any(p.rows == rows and p.micro_batches == mb and p.device_type == dev
                                               for p in profs)):
             pj_id = cur.profile_job_id if cur.profile_job_id in by_id else ""
-            estimated += await self._write(job.id, to_status(est, model.version, self.clock(), pj_id))
+            estimated += await self._write(job.id, to_status(_at_other_quota(est, profs, dev, rows, mb, quota),
+                                                             model.version, self.clock(), pj_id))
             return requested, estimated
         if job.status.phase in TERMINAL:
             return 0, await self._ended(job, by_id)
@@ -541,6 +542,20 @@ class Profiling:
         except NotFound:
             return 0
         return wrote[0]
+
+
+def _at_other_quota(e: Estimate, profs: list, dev: str, rows: int, mb: int, quota: float) -> Estimate:
+    """``e``, its reason saying why a profile of the job's shape did not answer when that
+    is the quota: its module was profiled (its profiling job holds a whole partition) at
+    other quotas than the job runs at (a job packed with ``resources.share`` < 1), and
+    carrying a profile across quotas takes the fitted curve. Unchanged otherwise. Pure."""
+    if e.ok:
+        return e
+    qs = sorted({p.quota for p in profs if p.rows == rows and p.micro_batches == mb and p.device_type == dev})
+    if not qs or any(abs(q - quota) < 1e-9 for q in qs):
+        return e
+    return replace(e, reason=f"{e.reason} (its module was profiled at quota {', '.join(f'{q:g}' for q in qs)}; "
+                             f"it runs at {quota:g}, which only the fitted curve can carry it to)")
 
 
 def _ended_at(job: types_pb2.Job, phase: int) -> float:

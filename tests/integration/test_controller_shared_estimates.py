@@ -81,3 +81,18 @@ async def test_jobs_sharing_a_partition_are_estimated_with_their_interference_an
     a = await _estimate(store, "j-00000000000a")
     assert a.step_time_s == pytest.approx(alone.seconds) and a.model_version == 5
     assert "interference not counted (no colocation (split) profile for device type 'cpu')" in a.reason, a.reason
+
+
+async def test_a_packed_job_whose_module_was_profiled_at_another_quota_is_told_so(setup):
+    """No fitted curve yet, and the module's only profile is at the whole partition (its
+    profiling job's quota 4) while the job runs on 2 cores: no estimate, and the reason
+    says that the quota is why."""
+    store, prof = setup
+    prof.link.model = PerfModel(version=1)
+    for p in prof.link.known:
+        p.quota = 4.0
+    await _running(store, "j-00000000000d", "cpu0", 2)
+    assert (await prof.once())["estimated"] == 1
+    e = await _estimate(store, "j-00000000000d")
+    assert e.status == "insufficient_data", e
+    assert "its module was profiled at quota 4; it runs at 2" in e.reason, e.reason
