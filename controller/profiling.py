@@ -226,10 +226,10 @@ def estimate_placed(model: PerfModel, c: Candidate, share: Sharing) -> Estimate:
     where = (f"shares {share.where} with {others}: {share.colocated} executors, "
              f"oversubscription {share.oversubscription:.2g}")
     shared = replace(c, colocated=share.colocated, oversubscription=share.oversubscription)
+    fitted = model.interference.get(c.device_type, {})
+    mode = interference_mode(shared, fitted)
     e = model.estimate(shared)
     if e.ok:
-        fitted = model.interference.get(c.device_type, {})
-        mode = interference_mode(shared, fitted)
         g = f" (g {fitted[mode]:.2f} per neighbour)" if mode in fitted else ""
         return replace(e, reason=f"{where}; {mode} interference counted{g}" + (f"; {e.reason}" if e.reason else ""))
     alone = model.estimate(c)
@@ -238,8 +238,6 @@ def estimate_placed(model: PerfModel, c: Candidate, share: Sharing) -> Estimate:
     # Alone it can be estimated, beside its neighbours not: the device type has no
     # colocation fit of the mode (also behind a measured profile answering without a
     # fitted curve, which prices a fitted mode only); else the model's reason.
-    fitted = model.interference.get(c.device_type, {})
-    mode = interference_mode(shared, fitted)
     why = e.reason if mode in fitted else f"no colocation ({mode}) profile for device type {c.device_type!r}"
     over = max(share.oversubscription, 1.0)
     r = math.hypot(alone.rel_std, COLOCATION)

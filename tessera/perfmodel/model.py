@@ -253,11 +253,11 @@ class PerfModel:
             return None
         stretch = 1.0
         if c.colocated > 1:  # a one-rank job beside others: the device's fitted interference, as fitted
-            fitted = self.interference.get(c.device_type, {})
-            mode = interference_mode(c, fitted)
-            if c.world != 1 or mode not in fitted:
+            if c.world != 1:
                 return None
-            stretch = max(c.oversubscription, 1.0) * (1.0 + fitted[mode] * (c.colocated - 1))
+            stretch = W.colocation_stretch(c, self.interference.get(c.device_type, {}))[1]
+            if stretch is None:
+                return None
         if c.batch % c.dp:
             return None
         rows = c.batch // c.dp

@@ -180,14 +180,26 @@ def estimate(c, points, fit: ComputeFit | None, interference: dict) -> tuple[flo
         reason = (f"measured profile of this workload's step at quota {q0:g}, scaled to {q:g} by "
                   f"{c.device_type}'s fitted curve for a step of its backbone")
     if c.colocated > 1:
-        mode = "shared" if c.oversubscription > 1 else "split"
-        g = interference.get(mode)
-        if g is None:
+        mode, stretch = colocation_stretch(c, interference)
+        if stretch is None:
             return insufficient(f"no colocation ({mode}) profile for device type {c.device_type!r}")
-        stretch = max(c.oversubscription, 1.0) * (1.0 + g * (c.colocated - 1))
         seconds *= stretch
         r = math.sqrt(r * r + COLOCATION ** 2)
         breakdown["colocation"] = stretch
     if not (math.isfinite(seconds) and seconds > 0 and math.isfinite(r) and r > 0):
         return insufficient("the profiles give no finite positive time for this candidate")
     return float(seconds), float(r), breakdown, reason
+
+
+def colocation_stretch(c, interference: dict) -> tuple[str, float | None]:
+    """(mode, factor) of a one-rank candidate sharing its device (``colocated`` > 1) over
+    its time alone: mode "shared" when the quotas oversubscribe the device (time
+    slicing), else "split" (what ``model.interference_mode`` gives a one-rank plan);
+    factor = oversubscription x (1 + g (colocated - 1)), g the device type's fitted
+    interference for the mode (``interference``: mode -> g), as fitted; None without one.
+    Pure."""
+    mode = "shared" if c.oversubscription > 1 else "split"
+    g = interference.get(mode)
+    if g is None:
+        return mode, None
+    return mode, max(c.oversubscription, 1.0) * (1.0 + g * (c.colocated - 1))

@@ -43,6 +43,27 @@ async def until_sent(prof, n: int, what: str) -> None:
     await until(all_sent, what=what)
 
 
+async def snapshot_when(address: str, pred, what: str, timeout: float = 60.0):
+    """The estimator's model snapshot (a ``PerfModel``) at ``address`` once ``pred(model)``
+    holds: refits are rate-limited, so an earlier snapshot may hold a fit of the first
+    rows only. Polled, bounded by ``timeout``."""
+    import json as _json
+
+    from tessera.perfmodel import PerfModel
+
+    got = []
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = estimator_pb2_grpc.EstimatorServiceStub(ch)
+
+        async def ready() -> bool:
+            snap = await stub.GetModelSnapshot(estimator_pb2.GetModelSnapshotRequest())
+            got[:] = [PerfModel.from_dict(_json.loads(snap.json))] if snap.json else []
+            return bool(got) and pred(got[0])
+
+        await until(ready, timeout=timeout, what=what)
+    return got[0]
+
+
 def data_records(state_dir: Path) -> list:
     """The measurement records (meta records left out) of the estimator log in ``state_dir``."""
     return [r for r in read_log(state_dir / LOG_NAME)[0] if not is_meta(r)]
@@ -478,29 +499,16 @@ async def test_grpcserver_serve_stops_on_event_and_refuses_busy_port(tmp_path):
 async def test_comm_benchmark_reaches_the_estimator_model(tmp_path):
     """profilerd --comm-benchmark: the gloo loopback table (real torch.distributed, 2
     processes) streams to the estimator, which fits the link from it."""
-    import json as _json
-
-    from tessera.perfmodel import PerfModel
-
     est = await Estimator(tmp_path / "est").start()
     d, prun, pch, prof = await start_profilerd(tmp_path, est.address, sample_interval_s=0, comm_benchmark=True)
     try:
         await until(lambda: len(est.store.comm_rows) >= 18, timeout=180, what="comm rows persisted")
-        link = None
-        async with grpc.aio.insecure_channel(est.address) as ch:
-            stub = estimator_pb2_grpc.EstimatorServiceStub(ch)
-
-            async def refitted() -> bool:
-                # The sync rows come last in the table: a snapshot whose link has them fitted
-                # was refitted after every row arrived (refits are rate-limited, so an earlier
-                # snapshot may hold a fit of the first rows only).
-                nonlocal link
-                snap = await stub.GetModelSnapshot(estimator_pb2.GetModelSnapshotRequest())
-                comm = PerfModel.from_dict(_json.loads(snap.json)).comm if snap.json else {}
-                link = comm.get("loopback-gloo")
-                return link is not None and link.sync.get("n", 0) >= 2
-
-            await until(refitted, timeout=60, what="a snapshot fitted from every comm row")
+        # The sync rows come last in the table: a snapshot whose link has them fitted was
+        # refitted after every row arrived.
+        model = await snapshot_when(
+            est.address, lambda m: "loopback-gloo" in m.comm and m.comm["loopback-gloo"].sync.get("n", 0) >= 2,
+            "a snapshot fitted from every comm row")
+        link = model.comm["loopback-gloo"]
         assert {"all_reduce", "send_recv"} <= set(link.ops)
         # Fitted from every size of the table. (Not "1 MiB slower than 1 KiB": on a loaded
         # 2-core host the per-call noise can exceed the transfer time, and the fit's slope is
@@ -524,27 +532,14 @@ async def test_colocation_benchmark_reaches_the_estimator_model(tmp_path, monkey
     keep the suite short); the pair streams to the estimator, which fits the shared
     interference from it and takes the module's shape as the reference its g is scaled
     from."""
-    import json as _json
-
-    from tessera.perfmodel import PerfModel
-
     monkeypatch.setattr(pmain.Profilerd, "colo_bench_argv",
                         (sys.executable, "-m", "profilerd.colobench", "--modes", "shared"))
     est = await Estimator(tmp_path / "est").start()
     d, prun, pch, prof = await start_profilerd(tmp_path, est.address, sample_interval_s=0, colocation_benchmark=True)
     try:
         await until(lambda: len(est.store.colocation_rows) >= 1, timeout=180, what="colocation rows persisted")
-        model = None
-        async with grpc.aio.insecure_channel(est.address) as ch:
-            stub = estimator_pb2_grpc.EstimatorServiceStub(ch)
-
-            async def refitted() -> bool:
-                nonlocal model
-                snap = await stub.GetModelSnapshot(estimator_pb2.GetModelSnapshotRequest())
-                model = PerfModel.from_dict(_json.loads(snap.json)) if snap.json else None
-                return model is not None and "shared" in model.interference.get("cpu", {})
-
-            await until(refitted, timeout=60, what="a snapshot fitted from the pair")
+        model = await snapshot_when(est.address, lambda m: "shared" in m.interference.get("cpu", {}),
+                                    "a snapshot fitted from the pair")
         (row,) = est.store.colocation_rows
         # Time slicing one core between two copies of the module: each step takes about twice
         # as long (loosely: a busy host moves it); g is what is left above the 2x.
