@@ -1,6 +1,6 @@
 """From measurements to a versioned performance model (tessera.perfmodel), persisted.
 
-Inputs, as the store indexes them (``run_key``, ``comm_row``, ``colocation_row``):
+Inputs, as the store indexes them (``run_key``, ``comm_row``, ``colocation_row``, ``rank_row``):
 - step measurements of *single-device* ``gpt`` runs (labels ``world_size`` = 1, from
   ``tessera.modelkey.profile_labels``) and of rank 0 of ``peft``/``multimodal`` runs
   (``run_key``): each run (job, device kind, module, batch, micro-batches, threads)
@@ -13,7 +13,13 @@ Inputs, as the store indexes them (``run_key``, ``comm_row``, ``colocation_row``
   ``op="refill"`` row, the pipeline's refill after idling),
   e.g. from the gloo micro-benchmark of ``bench/_measure.py``;
 - ``kind="colocation"`` pairs (labels ``mode``, ``device_kind``; values ``colocated``,
-  ``oversubscription``, ``alone_s``, ``together_s``).
+  ``oversubscription``, ``alone_s``, ``together_s``);
+- ``kind="ranks"`` rows (``rank_row``: a multi-rank plan whose ranks share one device,
+  e.g. profilerd.colobench's 2-stage pipeline on two cores; labels ``mode`` "ranks" or
+  "pipeline", ``device_kind``, ``link``, the module's shape and the plan; values
+  ``seconds``, ``quota``): the rank modes' interference, fitted against the model's own
+  terms (``tessera.perfmodel.fit_rank_interference``) once its compute curve and the
+  link's comm fit exist.
 
 ``ModelKeeper`` refits when those inputs changed (not for device samples), at most
 every ``min_refit_interval_s``, off the event loop; the version increases only when
@@ -40,8 +46,9 @@ from tessera import log
 from tessera.fsutil import atomic_write
 from tessera.measurement import (NUMERIC_LABELS, PROFILE_MIN_MEASURED, PROFILE_WARMUP_STEPS, ROW_VALUES,  # noqa: F401
                                  COMM_OPTIONAL_VALUES, MIN_TIME_S, RUN_INTS, malformed, number)
-from tessera.perfmodel import (CommFit, ComputeFit, ComputeSample, PerfModel, ProfilePoint, fit_comm, fit_compute,
-                               fit_interference)
+from tessera.perfmodel import (CommFit, ComputeFit, ComputeSample, PerfModel, ProfilePoint, fit_comm,
+                               fit_compute, fit_interference, fit_rank_interference)
+from tessera.perfmodel.model import RANK_MODES
 from tessera.perfmodel.comm import OPS, REFILL, RESUME, SYNC
 from tessera.perfmodel.features import FEATURES_REV
 from tessera.perfmodel.workload import profiled, workload_of
@@ -155,6 +162,39 @@ def colocation_row(m) -> dict | None:
     if all(x is not None and 1 <= x <= MAX_INT for x in ref.values()):
         row["ref"] = ref  # the measured module's shape (profilerd.colobench): interference_ref
     return row
+
+
+# The integer labels of a ``kind="ranks"`` row: its module's shape and its plan (Candidate fields).
+RANK_INTS = ("layers", "hidden", "heads", "vocab", "seq_len", "batch", "seq", "dp", "tp", "pp", "micro_batches")
+
+
+def rank_row(m) -> dict | None:
+    """A rank profile of a ``kind="ranks"`` measurement — ``{"device_kind", "mode",
+    "link", "candidate": Candidate fields, "seconds"}`` with ``colocated`` = the plan's
+    world (its ranks share the device with each other only) — or None if it is not one:
+    mode not in ``RANK_MODES``, an integer label (``RANK_INTS``) missing or < 1, a world
+    below 2, a time below ``MIN_TIME_S`` or a quota that is not > 0. Total."""
+    v, lb = m.values, m.labels
+    if lb.get("mode") not in RANK_MODES:
+        return None
+    ints = {k: _int(lb, k) for k in RANK_INTS}
+    t, q = _num(v.get("seconds", 0)), _num(v.get("quota", 1.0))
+    if any(x is None or not 1 <= x <= MAX_INT for x in ints.values()) or t is None or t < MIN_TIME_S \
+            or q is None or q <= 0:
+        return None
+    world = ints["dp"] * ints["tp"] * ints["pp"]
+    if world < 2:
+        return None
+    dev = lb.get("device_kind", "cpu") or "cpu"
+    cand = {"device_type": dev, **ints, "quota": q, "link": lb.get("link", ""), "colocated": world}
+    return {"device_kind": dev, "mode": lb["mode"], "link": cand["link"], "candidate": cand, "seconds": t}
+
+
+def rank_key(row: dict) -> tuple:
+    """The configuration a rank row measured (its store window's key): device kind, mode,
+    link and the candidate's fields."""
+    c = row["candidate"]
+    return (row["device_kind"], row["mode"], row["link"]) + tuple(c[k] for k in RANK_INTS) + (c["quota"],)
 
 
 # The labels of a colocation pair that name its module's shape (``PerfModel.interference_ref``).
@@ -287,11 +327,14 @@ def _fit_link(link: str, rows: list[dict], lg) -> CommFit:
 
 
 def build_model(runs: dict, comm_rows: list[dict], colocation_rows: list[dict], version: int,
-                fb: dict | None = None) -> PerfModel:
+                fb: dict | None = None, rank_rows: list[dict] | None = None) -> PerfModel:
     """Fit every part the data allows (pure apart from numpy): a compute curve per
     device type (it says insufficient_data when too few profiles), profile points per
-    device type, a communication fit per link, interference per device type. ``fb``:
-    the runs' forward + backward seconds per step (:func:`profiles`).
+    device type, a communication fit per link, interference per device type — the
+    colocation pairs' modes, then the rank modes from ``rank_rows`` (``rank_row``s)
+    against that model's own terms (``fit_rank_interference``: rows the model cannot yet
+    estimate, e.g. before the device type's curve or the link's comm fit, give none).
+    ``fb``: the runs' forward + backward seconds per step (:func:`profiles`).
 
     One extreme row never freezes the model: an individual fit that raises or is not
     finite — one device type's compute curve (then insufficient_data with the reason),
@@ -332,8 +375,22 @@ def build_model(runs: dict, comm_rows: list[dict], colocation_rows: list[dict], 
         ref = interference_ref(mine)
         if ref is not None and g:
             refs[dev] = ref
-    return PerfModel(version=version, compute=compute, comm=comm, interference=inter, interference_ref=refs,
-                     profiles=points)
+    model = PerfModel(version=version, compute=compute, comm=comm, interference=inter, interference_ref=refs,
+                      profiles=points)
+    if rank_rows:
+        try:
+            gs = fit_rank_interference(model, [{"mode": r["mode"], "candidate": r["candidate"],
+                                                "seconds": r["seconds"]} for r in rank_rows])
+        except Exception as e:
+            lg.warning("rank interference fit failed", rows=len(rank_rows), error=repr(e))
+            gs = {}
+        for dev, g in gs.items():
+            for mode in [m for m, v in g.items() if not math.isfinite(v)]:
+                lg.warning("rank interference fit is not finite; left out", device_type=dev, mode=mode,
+                           g=g.pop(mode))
+            if g:
+                inter[dev] = {**inter.get(dev, {}), **g}
+    return model
 
 
 def _canonical(model: PerfModel) -> str:
@@ -425,9 +482,9 @@ class ModelKeeper:
         rev = st.model_revision
         runs = {k: dict(v) for k, v in st.runs.items()}
         fb = {k: dict(v) for k, v in st.run_fb.items()}
-        comm, colo = list(st.comm_rows), list(st.colocation_rows)
+        comm, colo, ranks = list(st.comm_rows), list(st.colocation_rows), list(st.rank_rows)
         t0 = time.perf_counter()
-        new = await asyncio.to_thread(build_model, runs, comm, colo, self.model.version, fb)
+        new = await asyncio.to_thread(build_model, runs, comm, colo, self.model.version, fb, ranks)
         self._last_fit = self.clock()
         try:
             changed = _canonical(new) != _canonical(self.model)

@@ -12,8 +12,9 @@ the log rewritten to its intact records, and an error logged; nothing intact is 
 Retention (``Retention``, the rule itself in ``Windows``): memory keeps the most recent
 ``step_window`` step samples per job, per model key and per (job, model key); per
 single-device run the warm-up steps plus the ``run_steps`` latest measured steps; the
-most recent ``row_window`` comm rows per (link, op, bytes, world) and colocation rows per
-(device kind, mode, colocated); and each source's latest record (its watermark).
+most recent ``row_window`` comm rows per (link, op, bytes, world), colocation rows per
+(device kind, mode, colocated) and rank rows per configuration (``models.rank_key``); and
+each source's latest record (its watermark).
 
 Compaction: once the log exceeds ``compact_bytes`` it is rewritten to exactly the records
 the windows hold (in log order) followed by one checkpoint record (``META_KIND``, empty
@@ -35,7 +36,7 @@ expire, the ones the controller plans with do not (``expired_keys`` is the rule)
   when it is no profile point or when a more recent run of the same configuration (the
   run key less its job) is one: the latest profile point of every configuration stays,
   however old, so ListProfiles and the fitted model never lose a configuration;
-- "model" (model key), "comm" and "colocation" keys never expire: they are configurations,
+- "model" (model key), "comm", "colocation" and "ranks" keys never expire: they are configurations,
   not jobs, and their last-N windows already bound them.
 Ages use the estimator's receipt time, not the profilerd's ``Measurement.time``: each
 appended batch is preceded by a receipt marker (``RX_KIND``, empty source, ``values.at``),
@@ -122,7 +123,7 @@ if not hasattr(time, "CLOCK_BOOTTIME"):  # not Linux
 DEFAULT_COMPACT_BYTES = 64 << 20
 DEFAULT_KEY_TTL_S = 7 * 86400.0
 # Windows whose change moves ``model_revision`` (the performance model's inputs).
-MODEL_INPUTS = frozenset({"run", "comm", "colocation"})
+MODEL_INPUTS = frozenset({"run", "comm", "colocation", "ranks"})
 
 # A record's place in one window: ((window name, key), value held there). The "run"
 # window's value is (step, seconds); the others keep the last N values of their key.
@@ -227,7 +228,7 @@ class Retention:
         """How many records a last-N window of this name keeps per key."""
         if window in ("job", "model", "job_model"):
             return self.step_window
-        if window in ("comm", "colocation"):
+        if window in ("comm", "colocation", "ranks"):
             return self.row_window
         if window == "source":
             return 1  # a source's records arrive in seq order: the last is its watermark
@@ -257,6 +258,10 @@ def slots(m: profiler_pb2.Measurement) -> list[Slot]:
         row = models.colocation_row(m)
         if row is not None:
             out.append((("colocation", (row["device_kind"], row["mode"], row["colocated"])), row))
+    elif m.kind == "ranks":
+        row = models.rank_row(m)
+        if row is not None:
+            out.append((("ranks", models.rank_key(row)), row))
     return out
 
 
@@ -531,7 +536,7 @@ class MeasurementStore:
         self.compactions = 0
         self._w = Windows(self.retention)
         # Inputs of the performance model (estimator/models.py): single-device runs
-        # (run key -> {step: seconds}), communication rows, colocation pairs; the
+        # (run key -> {step: seconds}), communication rows, colocation pairs, rank rows; the
         # revision moves only when one of them changed (device samples do not refit).
         self.runs = self._w.runs
         self.run_fb = self._w.run_fb  # per run and step: forward + backward seconds (0: not reported)
@@ -710,6 +715,11 @@ class MeasurementStore:
     def colocation_rows(self) -> list[dict]:
         """Retained colocation pairs, in arrival order."""
         return self._w.rows("colocation")
+
+    @property
+    def rank_rows(self) -> list[dict]:
+        """Retained rank profiles (``models.rank_row``), in arrival order."""
+        return self._w.rows("ranks")
 
     def _replay_slots(self, m: profiler_pb2.Measurement) -> list[Slot]:
         """``slots(m)`` of a logged record; one that cannot be indexed (written by an

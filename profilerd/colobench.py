@@ -23,10 +23,22 @@ together = its steps that began after Y's warm-up and ended before Y's last step
 drift (20-40 % over seconds on a shared VM) does not land on the ratio. Medians of the
 reported step times (raw: nothing subtracted for other tenants).
 
-Run as ``python -m profilerd.colobench [--cores A,B] [--modes split shared]`` it prints
-one JSON document ``{"rows": [...], "device_s": ...}`` (device-seconds: wall time x the
-cores held); profilerd (``--colocation-benchmark``) runs it that way in a fresh process
-and reports the rows to the estimator as ``kind="colocation"`` measurements.
+Mode ``ranks`` is no pair of jobs but one job's own ranks: the same module as a 2-stage
+pipeline (pp = 2, one micro-batch, ``ROWS`` rows), rank 0 on core A and rank 1 on core B,
+gloo over loopback, ``warmup`` + ``measured`` steps; its row ``{"mode": "ranks",
+"seconds", "n", "dp", "tp", "pp", "micro_batches", "quota"}`` plus the module's shape is
+the median of rank 0's measured step times. It is the accuracy benchmark's rank profile
+(``bench.estimator_accuracy.RANK_PROFILES``): the estimator fits from it what ranks of
+one plan lose beside each other on one CPU beyond what its own compute, communication
+and pipeline terms price (``tessera.perfmodel.fit_rank_interference``; g 0.10-0.27 on
+the 2-vCPU host of 2026-12-07, where a split pair of two independent jobs read
+0.00-0.05).
+
+Run as ``python -m profilerd.colobench [--cores A,B] [--modes split shared ranks]`` it
+prints one JSON document ``{"rows": [...], "device_s": ...}`` (device-seconds: wall time x
+the cores held); profilerd (``--colocation-benchmark``) runs it that way in a fresh
+process and reports the pairs to the estimator as ``kind="colocation"`` measurements and
+the ``ranks`` row as a ``kind="ranks"`` one.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -46,7 +59,9 @@ import time
 # tokens (its COLO_PROFILE), a step of ~5-10 ms on one core here.
 MODULE = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq_len": 64}
 ROWS = 8
-MODES = ("split", "shared")
+MODES = ("split", "shared")  # pairs of jobs
+RANKS = "ranks"  # one job's own ranks: a 2-stage pipeline (module docstring)
+ALL_MODES = MODES + (RANKS,)
 PREFIX = "TESSERA_EVENT "  # agent/runtime/report.py's line format (a contract, not an import)
 X_STEPS = 1_000_000  # X runs until stopped
 
@@ -133,13 +148,70 @@ class _Child:
         self.err.close()
 
 
-def _spec(tmp: str, name: str, steps: int) -> str:
+def _spec(tmp: str, name: str, steps: int, plan: dict | None = None, dist: dict | None = None) -> str:
     w = {"type": "gpt", "model": dict(MODULE), "steps": steps, "batch_size": ROWS, "learning_rate": 1e-3,
          "seed": 0, "checkpoint_every": 0, "data": {"kind": "synthetic"}}
+    if plan:
+        w["plan"] = dict(plan)
     path = os.path.join(tmp, f"{name}.json")
     with open(path, "w", encoding="utf-8") as f:
-        json.dump({"job_id": f"colobench-{name}", "workload": w, "threads": 1, "dist": {"rank": 0, "world_size": 1}}, f)
+        json.dump({"job_id": f"colobench-{name}", "workload": w, "threads": 1,
+                   "dist": dist or {"rank": 0, "world_size": 1}}, f)
     return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# The plan of the ``ranks`` row: the accuracy benchmark's rank profile (RANK_PROFILES).
+RANK_PLAN = {"dp": 1, "tp": 1, "pp": 2, "micro_batches": 1}
+
+
+def ranks(cores: tuple[int, int], warmup: int = 3, measured: int = 5, timeout_s: float = 120.0,
+          python: str = sys.executable) -> dict:
+    """The ``ranks`` row (module docstring): ``MODULE`` as a pp = 2 pipeline, rank 0 on
+    ``cores[0]``, rank 1 on ``cores[1]``; the median of rank 0's step times after
+    ``warmup``. RuntimeError naming the rank at fault when one fails or the run
+    outlives ``timeout_s``; both processes are killed and reaped whatever happens."""
+    if warmup < 0 or measured < 2:
+        raise ValueError("warmup >= 0 and measured >= 2")
+    if len(set(cores)) < 2:
+        raise ValueError(f"cores: two distinct cores for the two ranks, got {cores}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cond = threading.Condition()
+    steps = warmup + measured
+    t0 = time.monotonic()
+    kids: list[_Child] = []
+    with tempfile.TemporaryDirectory(prefix="tessera-colobench-") as tmp:
+        try:
+            port = _free_port()
+            for r in (0, 1):
+                dist = {"rank": r, "world_size": 2, "master_addr": "127.0.0.1", "master_port": port,
+                        "backend": "gloo", "timeout_s": max(10.0, timeout_s)}
+                kids.append(_Child([python, "-m", "agent.runtime", "--spec",
+                                    _spec(tmp, f"rank{r}", steps, RANK_PLAN, dist)], {cores[r]}, env, cond))
+            deadline = t0 + timeout_s
+            for k in kids:
+                k.reader.join(max(0.1, deadline - time.monotonic()))
+            for r, k in enumerate(kids):
+                if k.reader.is_alive():
+                    raise RuntimeError(f"colocation benchmark ({RANKS}): rank {r} not done within {timeout_s:g} s "
+                                       f"({len(k.steps)} steps)")
+                if k.proc.returncode != 0:
+                    raise RuntimeError(f"colocation benchmark ({RANKS}): " + k.why(f"rank {r}"))
+            with cond:
+                got = [dt for _, dt in kids[0].steps]
+        finally:
+            for k in kids:
+                k.kill()
+    wall = time.monotonic() - t0
+    if len(got) < steps:
+        raise RuntimeError(f"colocation benchmark ({RANKS}): rank 0 reported {len(got)} of {steps} steps")
+    return {"mode": RANKS, "seconds": statistics.median(got[warmup:]), "n": len(got) - warmup, **RANK_PLAN,
+            "quota": 1.0, **shape(), "device_s": wall * 2}
 
 
 def pair(mode: str, cores: tuple[int, int], warmup: int = 3, measured: int = 5, together: int = 10,
@@ -208,14 +280,19 @@ def pair(mode: str, cores: tuple[int, int], warmup: int = 3, measured: int = 5, 
             "device_s": wall * len({cx, cy})}
 
 
-def table(cores: tuple[int, ...], modes=MODES, **kw) -> tuple[list[dict], float]:
-    """Every mode's row in turn (``split`` needs two distinct cores and is left out with
-    one) and the device-seconds of all of them."""
+def table(cores: tuple[int, ...], modes=ALL_MODES, **kw) -> tuple[list[dict], float]:
+    """Every mode's row in turn (``split`` and ``ranks`` need two distinct cores and are
+    left out with one) and the device-seconds of all of them. ``kw``: ``pair``'s
+    (``ranks`` takes its ``warmup``, ``measured`` and ``timeout_s``)."""
     rows = []
     for mode in modes:
-        if mode == "split" and len(set(cores)) < 2:
+        if mode in ("split", RANKS) and len(set(cores)) < 2:
             continue
-        rows.append(pair(mode, (cores[0], cores[-1]), **kw))
+        if mode == RANKS:
+            rows.append(ranks((cores[0], cores[-1]), **{k: v for k, v in kw.items()
+                                                         if k in ("warmup", "measured", "timeout_s", "python")}))
+        else:
+            rows.append(pair(mode, (cores[0], cores[-1]), **kw))
     return rows, sum(r["device_s"] for r in rows)
 
 
@@ -233,8 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m profilerd.colobench",
                                  description="colocation micro-benchmark (JSON rows on stdout)")
     ap.add_argument("--cores", type=_cores, default=None,
-                    help="X's core and the split twin's, e.g. 0,1 (default: the first two this process may run on)")
-    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+                    help="X's core and the split twin's (the ranks' cores), e.g. 0,1 (default: the first two this "
+                         "process may run on)")
+    ap.add_argument("--modes", nargs="+", choices=ALL_MODES, default=list(ALL_MODES),
+                    help="split and shared: pairs of jobs; ranks: one job's 2-stage pipeline (default: all)")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="per mode")
     a = ap.parse_args(argv)
     cores = a.cores or tuple(sorted(os.sched_getaffinity(0))[:2])

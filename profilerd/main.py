@@ -229,7 +229,8 @@ class Profilerd:
         its pairs as ``kind="colocation"`` measurements (labels mode, device_kind "cpu" and
         the measured module's shape: layers, hidden, heads, vocab, rows, seq — the
         estimator's ``interference_ref``; values colocated, oversubscription, alone_s,
-        together_s). Returns the rows buffered. Failures are logged ("colocation
+        together_s) and its ``ranks`` row as a ``kind="ranks"`` one
+        (``_colobench_measurement``). Returns the rows buffered. Failures are logged ("colocation
         micro-benchmark failed", with the child's last words), never raised; a child still
         running on a timeout or a cancellation is killed and reaped, and a cancellation
         propagates."""
@@ -249,14 +250,33 @@ class Profilerd:
         if doc is None:
             return 0
         for r in doc["rows"]:
-            labels = {"mode": r["mode"], "device_kind": "cpu",
-                      **{k: str(int(r[k])) for k in ("layers", "hidden", "heads", "vocab", "rows", "seq")}}
-            values = {k: float(r[k]) for k in ("colocated", "oversubscription", "alone_s", "together_s")}
-            self.add(profiler_pb2.Measurement(kind="colocation", labels=labels, values=values))
+            self.add(self._colobench_measurement(r))
             rows[0] += 1
         self.log.info("colocation micro-benchmark reported", rows=rows[0], device_s=round(doc["device_s"], 2),
-                      **{f"{r['mode']}_ratio": round(r["together_s"] / r["alone_s"], 3) for r in doc["rows"]})
+                      **{f"{r['mode']}_ratio": round(r["together_s"] / r["alone_s"], 3)
+                         for r in doc["rows"] if "together_s" in r},
+                      **{f"{r['mode']}_step_s": round(r["seconds"], 5) for r in doc["rows"] if "seconds" in r})
         return rows[0]
+
+    def _colobench_measurement(self, r: dict) -> profiler_pb2.Measurement:
+        """One row of ``profilerd.colobench`` as a measurement: a pair (split, shared) as
+        ``kind="colocation"``; the ``ranks`` row (one job's 2-stage pipeline) as
+        ``kind="ranks"`` — labels mode, device_kind "cpu", link (``comm_link``: the link
+        its ranks' transfers take, whose comm fit the estimator prices them with), the
+        module's shape (layers, hidden, heads, vocab, seq_len) and the plan (batch, seq,
+        dp, tp, pp, micro_batches); values seconds (the median step) and quota (cores
+        per rank)."""
+        if r["mode"] == "ranks":
+            labels = {"mode": r["mode"], "device_kind": "cpu", "link": self.cfg.comm_link,
+                      "seq_len": str(int(r["seq"])), "batch": str(int(r["rows"])),
+                      **{k: str(int(r[k])) for k in ("layers", "hidden", "heads", "vocab", "seq",
+                                                     "dp", "tp", "pp", "micro_batches")}}
+            return profiler_pb2.Measurement(kind="ranks", labels=labels,
+                                            values={"seconds": float(r["seconds"]), "quota": float(r["quota"])})
+        labels = {"mode": r["mode"], "device_kind": "cpu",
+                  **{k: str(int(r[k])) for k in ("layers", "hidden", "heads", "vocab", "rows", "seq")}}
+        values = {k: float(r[k]) for k in ("colocated", "oversubscription", "alone_s", "together_s")}
+        return profiler_pb2.Measurement(kind="colocation", labels=labels, values=values)
 
     async def _benchmarks(self) -> None:
         """The start-up micro-benchmarks the configuration asks for, one after the other

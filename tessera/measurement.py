@@ -31,14 +31,16 @@ MAX_STEP_TIME_S = 1e6
 COMM_OPTIONAL_VALUES = ("compute_s", "idle_s")
 # Values of the row kinds that must be finite numbers when present.
 ROW_VALUES = {"comm": ("bytes", "world", "seconds") + COMM_OPTIONAL_VALUES,
-              "colocation": ("colocated", "oversubscription", "alone_s", "together_s")}
+              "colocation": ("colocated", "oversubscription", "alone_s", "together_s"),
+              "ranks": ("seconds", "quota")}
 # The row values that are measured durations (seconds), and the shortest one that can be
 # real: one nanosecond, about one tick of the clocks that time them (profilerd.commbench
 # floors its rows at 1e-6 s). A positive time below it is no measurement, and as a
 # divisor in the fits (together_s / alone_s, seconds / refill(idle_s), the comm fits'
 # relative residuals) it overflows them to inf. 0 (or below) is not refused: the row is
 # simply no model input (a missing optional value reads 0).
-ROW_TIMES = {"comm": ("seconds",) + COMM_OPTIONAL_VALUES, "colocation": ("alone_s", "together_s")}
+ROW_TIMES = {"comm": ("seconds",) + COMM_OPTIONAL_VALUES, "colocation": ("alone_s", "together_s"),
+             "ranks": ("seconds",)}
 MIN_TIME_S = 1e-9
 
 
@@ -55,8 +57,8 @@ def malformed(m) -> str | None:
     """"<field>: why" for a measurement whose model inputs are not numbers, else None:
     a ``time`` that is NaN/inf (any kind); for a step, a ``step_time_s`` or a
     ``phases.<name>`` that is NaN/inf, negative or above ``MAX_STEP_TIME_S``, or a numeric
-    label that does not parse; a NaN/inf value of a comm or colocation row, or a duration
-    of one (``ROW_TIMES``) that is positive but below ``MIN_TIME_S``."""
+    label that does not parse; a NaN/inf value of a comm, colocation or ranks row, or a
+    duration of one (``ROW_TIMES``) that is positive but below ``MIN_TIME_S``."""
     if not math.isfinite(m.time):
         return f"time: must be a finite number, got {m.time}"
     if m.kind == "step":

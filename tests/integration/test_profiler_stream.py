@@ -531,13 +531,16 @@ async def test_colocation_benchmark_reaches_the_estimator_model(tmp_path, monkey
     split mode, the twin on another core, is the same code with other cores, left out to
     keep the suite short); the pair streams to the estimator, which fits the shared
     interference from it and takes the module's shape as the reference its g is scaled
-    from."""
+    from. Then the ranks mode: the module as a 2-stage pipeline over gloo (two real
+    ranks), whose row the estimator keeps as a rank profile of that plan — fitted once a
+    compute curve and the link's comm fit exist (none here: no rank mode yet)."""
     monkeypatch.setattr(pmain.Profilerd, "colo_bench_argv",
-                        (sys.executable, "-m", "profilerd.colobench", "--modes", "shared"))
+                        (sys.executable, "-m", "profilerd.colobench", "--modes", "shared", "ranks"))
     est = await Estimator(tmp_path / "est").start()
     d, prun, pch, prof = await start_profilerd(tmp_path, est.address, sample_interval_s=0, colocation_benchmark=True)
     try:
-        await until(lambda: len(est.store.colocation_rows) >= 1, timeout=180, what="colocation rows persisted")
+        await until(lambda: len(est.store.colocation_rows) >= 1 and len(est.store.rank_rows) >= 1, timeout=180,
+                    what="colocation and rank rows persisted")
         model = await snapshot_when(est.address, lambda m: "shared" in m.interference.get("cpu", {}),
                                     "a snapshot fitted from the pair")
         (row,) = est.store.colocation_rows
@@ -549,6 +552,13 @@ async def test_colocation_benchmark_reaches_the_estimator_model(tmp_path, monkey
         assert model.interference["cpu"]["shared"] == pytest.approx(g)
         assert model.interference_ref["cpu"] == {"layers": 2.0, "hidden": 64.0, "heads": 4.0, "vocab": 256.0,
                                                  "rows": 8.0, "seq": 64.0}
+        (ranks,) = est.store.rank_rows
+        c = ranks["candidate"]
+        assert (ranks["mode"], ranks["link"], c["pp"], c["colocated"], c["batch"], c["layers"]) == \
+            ("ranks", "loopback-gloo", 2, 2, 8, 2)
+        # A pipeline step of the module (two stages, one micro-batch): milliseconds, not seconds.
+        assert 1e-3 < ranks["seconds"] < 1.0, ranks
+        assert "ranks" not in model.interference["cpu"]
     finally:
         await stop_profilerd(d, prun, pch)
         await est.stop()

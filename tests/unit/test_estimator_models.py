@@ -429,7 +429,7 @@ async def test_an_extreme_row_does_not_stop_every_refit(tmp_path):
     class Store:
         model_revision, run_fb, count = 1, {}, 3
         runs = {run_key(step()): {i: 0.02 for i in range(1, 9)}}
-        comm_rows, colocation_rows = EXTREME_COMM, EXTREME_COLO
+        comm_rows, colocation_rows, rank_rows = EXTREME_COMM, EXTREME_COLO, []
 
     keeper = ModelKeeper(Store(), tmp_path, min_refit_interval_s=0)
     m = await keeper.current()
@@ -499,3 +499,76 @@ def test_a_step_measured_beside_other_jobs_is_no_profile_of_the_module_alone():
             runs.setdefault(k, {})[m.step] = m.step_time_s
     (only,) = profiles(runs)
     assert only.median_s == pytest.approx(0.01) and only.steps == 5  # steps 3-7: warm-up 1-2 out
+
+
+# --- rank profiles (kind="ranks"): the rank modes' interference, fitted by the estimator
+
+RANK_LABELS = {"mode": "ranks", "device_kind": "cpu", "link": "lo", "layers": "2", "hidden": "64", "heads": "4",
+               "vocab": "256", "seq_len": "64", "batch": "8", "seq": "64", "dp": "1", "tp": "1", "pp": "2",
+               "micro_batches": "1"}
+
+
+def rank_meas(seconds=0.02, quota=1.0, **labels):
+    return profiler_pb2.Measurement(kind="ranks", labels={**RANK_LABELS, **labels},
+                                    values={"seconds": seconds, "quota": quota})
+
+
+def test_rank_rows_are_total_and_name_a_shared_device_multi_rank_plan():
+    from estimator.models import rank_row
+    from tessera.measurement import malformed
+
+    row = rank_row(rank_meas())
+    assert row["mode"] == "ranks" and row["link"] == "lo" and row["seconds"] == 0.02
+    c = Candidate(**row["candidate"])  # the fields fit_rank_interference takes
+    assert (c.pp, c.world, c.colocated, c.quota, c.batch, c.seq, c.seq_len) == (2, 2, 2, 1.0, 8, 64, 64)
+    assert rank_row(rank_meas(mode="pipeline"))["mode"] == "pipeline"
+    for bad in (rank_meas(mode="split"), rank_meas(pp="1"), rank_meas(layers="x"), rank_meas(hidden="0"),
+                rank_meas(batch=""), rank_meas(seconds=0.0), rank_meas(seconds=1e-12), rank_meas(quota=0.0),
+                rank_meas(dp="1e300")):
+        assert rank_row(bad) is None, bad
+    assert malformed(rank_meas(seconds=math.nan)).startswith("values.seconds: must be a finite number")
+    assert malformed(rank_meas(seconds=1e-12)).startswith("values.seconds: must be 0 or at least")
+    assert malformed(rank_meas(quota=math.inf)).startswith("values.quota: must be a finite number")
+
+
+def _curve_runs() -> dict:
+    """Twelve single-device gpt profile points of two model sizes (times from a smooth
+    formula: enough for a fitted compute curve)."""
+    runs = {}
+    for layers, hidden in ((2, 64), (4, 128)):
+        for batch, seq_len, mb, threads in ((4, 32, 1, 1), (16, 64, 1, 1), (32, 32, 1, 1), (8, 64, 2, 1),
+                                            (8, 64, 1, 1), (8, 64, 1, 2)):
+            t = (1e-3 * layers + 2e-9 * batch * seq_len * layers * hidden * hidden / 64) * (0.6 if threads == 2 else 1)
+            lb = {"layers": str(layers), "hidden": str(hidden), "batch": str(batch), "seq_len": str(seq_len),
+                  "micro_batches": str(mb), "threads": str(threads), "module": f"gpt:l{layers}-h{hidden}"}
+            runs[run_key(step(**lb))] = {i: t * (1 + mb / 20) for i in range(1, 9)}
+    return runs
+
+
+def test_a_rank_profile_gives_the_rank_mode_against_the_models_own_terms():
+    """build_model fits a rank row's g with the model it has just fitted (compute curve,
+    the link's comm fit): recovered exactly from a time that model made with a known g,
+    it then prices the plans whose ranks share the device; without the curve or the
+    link's comm fit the row gives nothing (kept for a later refit), and the colocation
+    pairs' modes stay as fitted."""
+    from estimator.models import rank_row
+
+    runs, comm = _curve_runs(), _link_rows("lo")
+    split = {"device_kind": "cpu", "mode": "split", "colocated": 2, "oversubscription": 1.0, "alone_s": 0.01,
+             "together_s": 0.0105}
+    base = build_model(runs, comm, [split], 1)
+    assert base.compute["cpu"].status == "ok" and base.interference["cpu"] == pytest.approx({"split": 0.05})
+    c = Candidate(**rank_row(rank_meas())["candidate"])
+    truth = PerfModel.from_dict({**base.to_dict(), "interference": {"cpu": {"split": 0.05, "ranks": 0.2}}})
+    t = truth.estimate(c).seconds
+    assert t > base.estimate(c).seconds  # priced with the split pair's g before
+    m = build_model(runs, comm, [split], 1, rank_rows=[rank_row(rank_meas(seconds=t))])
+    assert m.interference["cpu"] == pytest.approx({"split": 0.05, "ranks": 0.2})
+    assert m.estimate(c).seconds == pytest.approx(t)
+    dp = Candidate(**{**c.__dict__, "pp": 1, "dp": 2, "batch": 16})
+    assert m.estimate(dp).seconds == pytest.approx(truth.estimate(dp).seconds)
+    # No comm fit of the row's link, or no curve yet: nothing fitted, nothing raised.
+    other = rank_row(rank_meas(seconds=t, link="elsewhere"))
+    assert "ranks" not in build_model(runs, comm, [split], 1, rank_rows=[other]).interference["cpu"]
+    few = dict(list(runs.items())[:3])
+    assert build_model(few, comm, [], 1, rank_rows=[rank_row(rank_meas(seconds=t))]).interference == {}

@@ -135,6 +135,42 @@ async def test_row_windows_per_key(tmp_path):
     s.close()
 
 
+async def test_rank_rows_are_model_inputs_kept_per_configuration_across_a_restart(tmp_path):
+    """kind="ranks" rows (profilerd.colobench's 2-stage pipeline): the last row_window of
+    each configuration are kept, each moves the model's input revision, and a reopened
+    store (log replay, then a compaction's rewrite) has the same rows; a row that is no
+    rank profile (a world of 1) is stored but no model input."""
+    labels = {"mode": "ranks", "device_kind": "cpu", "link": "lo", "layers": "2", "hidden": "64", "heads": "4",
+              "vocab": "256", "seq_len": "64", "batch": "8", "seq": "64", "dp": "1", "tp": "1", "pp": "2",
+              "micro_batches": "1"}
+
+    def ranks(seq, seconds, **lb):
+        return profiler_pb2.Measurement(source="a", seq=seq, kind="ranks", labels={**labels, **lb},
+                                        values={"seconds": seconds, "quota": 1.0})
+
+    s = MeasurementStore(tmp_path, Retention(row_window=2), compact_bytes=0)
+    await s.append([ranks(n, 0.02 + n / 1000) for n in range(1, 5)] + [ranks(5, 0.05, batch="16")])
+    assert [round(r["seconds"] * 1000) for r in s.rank_rows] == [23, 24, 50]
+    assert s.rank_rows[-1]["candidate"]["batch"] == 16
+    rev = s.model_revision
+    await s.append([ranks(6, 0.03, pp="1")])  # world 1: no rank profile
+    assert s.model_revision == rev and len(s.rank_rows) == 3
+    await s.append([ranks(7, 0.031)])
+    assert s.model_revision == rev + 1
+    before = s.rank_rows
+    s.close()
+    r = MeasurementStore(tmp_path, Retention(row_window=2), compact_bytes=0)
+    assert r.rank_rows == before
+    r.close()
+    c = MeasurementStore(tmp_path, Retention(row_window=2), compact_bytes=1)  # compacts on its next append
+    await c.append([comm("a", 8)])
+    assert c.rank_rows == before and c.compactions >= 1
+    c.close()
+    again = MeasurementStore(tmp_path, Retention(row_window=2), compact_bytes=0)
+    assert again.rank_rows == before
+    again.close()
+
+
 # --- compaction --------------------------------------------------------------------------------
 
 def workload() -> list[list[profiler_pb2.Measurement]]:

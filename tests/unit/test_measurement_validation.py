@@ -78,9 +78,9 @@ async def test_non_finite_snapshot_is_never_published(tmp_path, monkeypatch):
             return d
 
     class Store:
-        model_revision, runs, run_fb, comm_rows, colocation_rows, count = 1, {}, {}, [], [], 0
+        model_revision, runs, run_fb, comm_rows, colocation_rows, rank_rows, count = 1, {}, {}, [], [], [], 0
 
-    monkeypatch.setattr(models, "build_model", lambda runs, comm, colo, version, fb=None: Bad(version=version))
+    monkeypatch.setattr(models, "build_model", lambda runs, comm, colo, version, fb=None, ranks=None: Bad(version=version))
     k = models.ModelKeeper(Store(), tmp_path, min_refit_interval_s=0)
     m = await k.current()
     assert m.version == 0 and k.stale and not (tmp_path / models.MODEL_NAME).exists()

@@ -1,5 +1,5 @@
 """profilerd.colobench's pure parts: which of X's steps ran alone and which beside its
-twin, and the command line's checks. (The benchmark itself runs in
+twin, the checks of the command line and of the ranks mode. (The benchmark itself runs in
 tests/integration/test_profiler_stream.py::test_colocation_benchmark_reaches_the_estimator_model.)"""
 
 from __future__ import annotations
@@ -29,6 +29,15 @@ def test_a_mode_must_be_known_and_the_counts_enough():
         colobench.pair("mixed", (0, 1))
     with pytest.raises(ValueError, match="together >= 2"):
         colobench.pair("split", (0, 1), together=1)
+
+
+def test_the_ranks_mode_needs_two_cores_and_enough_steps_and_one_core_leaves_it_out():
+    with pytest.raises(ValueError, match="two distinct cores"):
+        colobench.ranks((0, 0))
+    with pytest.raises(ValueError, match="measured >= 2"):
+        colobench.ranks((0, 1), measured=1)
+    assert colobench.table((0,), modes=("ranks",)) == ([], 0)
+    assert set(colobench.ALL_MODES) == {"split", "shared", "ranks"}
 
 
 def test_cores_must_be_one_or_two_ids_this_process_may_use(capsys):

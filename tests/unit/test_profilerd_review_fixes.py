@@ -251,6 +251,32 @@ async def test_colocation_benchmark_buffers_its_pairs_or_logs_why_not(tmp_path, 
         assert len(failed) == 1 and what in failed[0]["error"]
 
 
+RANK_ROWS = ("import json; r = dict(mode='ranks', seconds=0.021, n=5, dp=1, tp=1, pp=2, micro_batches=1, quota=1.0, "
+             "layers=2, hidden=64, heads=4, vocab=256, rows=8, seq=64); print(json.dumps(dict(device_s=10, rows=[r])))")
+
+
+async def test_the_ranks_row_goes_out_as_a_rank_profile_the_estimator_fits(tmp_path):
+    """colobench's ``ranks`` row (one job's 2-stage pipeline on two cores) is buffered as a
+    ``kind="ranks"`` measurement on profilerd's comm link, which is what the estimator
+    takes as a rank profile of that plan (estimator.models.rank_row) and nothing refuses."""
+    from estimator.models import rank_row
+    from tessera.measurement import malformed
+
+    d = pmain.Profilerd(ProfilerdConfig(node="n1", state_dir=str(tmp_path / "prof"), sample_interval_s=0,
+                                        comm_link="lo"), samplers=[])
+    d.colo_bench_argv, d.colo_bench_timeout_s = (sys.executable, "-c", RANK_ROWS), 10.0
+    with structlog.testing.capture_logs() as logs:
+        assert await d.colocation_benchmark() == 1
+    (m,) = d.buffer.pending()
+    assert m.kind == "ranks" and m.labels["link"] == "lo" and malformed(m) is None
+    row = rank_row(m)
+    assert row is not None and row["seconds"] == pytest.approx(0.021)
+    assert {k: row["candidate"][k] for k in ("pp", "dp", "batch", "seq", "seq_len", "colocated", "quota")} == \
+        {"pp": 2, "dp": 1, "batch": 8, "seq": 64, "seq_len": 64, "colocated": 2, "quota": 1.0}
+    (done,) = [e for e in logs if e["event"] == "colocation micro-benchmark reported"]
+    assert done["ranks_step_s"] == pytest.approx(0.021)
+
+
 # --- 4. the seq state cannot be written
 
 
