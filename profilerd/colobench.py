@@ -25,7 +25,7 @@ reported step times (raw: nothing subtracted for other tenants).
 
 Mode ``ranks`` is no pair of jobs but one job's own ranks: the same module as a 2-stage
 pipeline (pp = 2, one micro-batch, ``ROWS`` rows), rank 0 on core A and rank 1 on core B,
-gloo over loopback, ``warmup`` + ``measured`` steps; its row ``{"mode": "ranks",
+gloo over loopback, ``warmup`` + ``measured`` (``RANK_MEASURED``) steps; its row ``{"mode": "ranks",
 "seconds", "n", "dp", "tp", "pp", "micro_batches", "quota"}`` plus the module's shape is
 the median of rank 0's measured step times. It is the accuracy benchmark's rank profile
 (``bench.estimator_accuracy.RANK_PROFILES``): the estimator fits from it what ranks of
@@ -168,9 +168,14 @@ def _free_port() -> int:
 
 # The plan of the ``ranks`` row: the accuracy benchmark's rank profile (RANK_PROFILES).
 RANK_PLAN = {"dp": 1, "tp": 1, "pp": 2, "micro_batches": 1}
+# Measured steps of the ``ranks`` row. Its cost is the two processes' start (~5 s of wall
+# for ~0.2 s of steps), so more steps are nearly free, and the row is measured once where
+# the benchmark has 9 rounds: 5 steps read 15.4-21.6 ms over three runs here, 15 steps
+# 19.7-22.7 ms over four (2026-12-07, the 2-vCPU host).
+RANK_MEASURED = 20
 
 
-def ranks(cores: tuple[int, int], warmup: int = 3, measured: int = 5, timeout_s: float = 120.0,
+def ranks(cores: tuple[int, int], warmup: int = 3, measured: int = RANK_MEASURED, timeout_s: float = 120.0,
           python: str = sys.executable) -> dict:
     """The ``ranks`` row (module docstring): ``MODULE`` as a pp = 2 pipeline, rank 0 on
     ``cores[0]``, rank 1 on ``cores[1]``; the median of rank 0's step times after

@@ -653,7 +653,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=seconds, default=60.0, metavar="S", help="per-process readiness deadline")
     p.add_argument("--colocation-benchmark", action="store_true",
                    help="node-1's profilerd measures how jobs sharing a CPU, and one job's ranks, slow each other "
-                        "(~25 s at start), so that estimates of jobs sharing a device count it")
+                        "(~30 s at start), so that estimates of jobs sharing a device count it")
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("down", parents=[output_only, tb], help="stop the local testbed")
