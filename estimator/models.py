@@ -48,9 +48,9 @@ from tessera.measurement import (NUMERIC_LABELS, PROFILE_MIN_MEASURED, PROFILE_W
                                  COMM_OPTIONAL_VALUES, MIN_TIME_S, RUN_INTS, malformed, number)
 from tessera.perfmodel import (CommFit, ComputeFit, ComputeSample, PerfModel, ProfilePoint, fit_comm,
                                fit_compute, fit_interference, fit_rank_interference)
-from tessera.perfmodel.model import RANK_MODES
 from tessera.perfmodel.comm import OPS, REFILL, RESUME, SYNC
 from tessera.perfmodel.features import FEATURES_REV
+from tessera.perfmodel.model import RANK_MODES
 from tessera.perfmodel.workload import profiled, workload_of
 
 WARMUP_STEPS = PROFILE_WARMUP_STEPS  # tessera.measurement: the controller's profile_steps follows them too

@@ -25,9 +25,9 @@ reported step times (raw: nothing subtracted for other tenants).
 
 Mode ``ranks`` is no pair of jobs but one job's own ranks: the same module as a 2-stage
 pipeline (pp = 2, one micro-batch, ``ROWS`` rows), rank 0 on core A and rank 1 on core B,
-gloo over loopback, ``warmup`` + ``measured`` (``RANK_MEASURED``) steps; its row ``{"mode": "ranks",
-"seconds", "n", "dp", "tp", "pp", "micro_batches", "quota"}`` plus the module's shape is
-the median of rank 0's measured step times. It is the accuracy benchmark's rank profile
+gloo over loopback, ``warmup`` + ``measured`` (``RANK_MEASURED``) steps; its row
+``{"mode": "ranks", "seconds", "n", "dp", "tp", "pp", "micro_batches", "quota"}`` plus
+the module's shape is the median of rank 0's measured step times. It is the accuracy benchmark's rank profile
 (``bench.estimator_accuracy.RANK_PROFILES``): the estimator fits from it what ranks of
 one plan lose beside each other on one CPU beyond what its own compute, communication
 and pipeline terms price (``tessera.perfmodel.fit_rank_interference``; g 0.10-0.27 on

@@ -29,7 +29,7 @@ class ProfilerdConfig:
     disable_nvml: bool = field(default=False, metadata={"help": "do not sample NVIDIA GPUs even if NVML is present"})
     comm_benchmark: bool = field(default=False, metadata={"help": "run the gloo loopback communication micro-benchmark once at start and report its table (kind comm)"})
     comm_link: str = field(default="loopback-gloo", metadata={"help": "link type the micro-benchmark's rows are filed under"})
-    colocation_benchmark: bool = field(default=False, metadata={"help": "run the colocation micro-benchmark (a GPT module alone and beside its twin on another core and on its own core, python -m profilerd.colobench) then as one job's 2-stage pipeline on the two cores, python -m profilerd.colobench) once at start, after the comm benchmark, and report its pairs (kind colocation, device kind cpu) and the pipeline (kind ranks, under comm_link)"})
+    colocation_benchmark: bool = field(default=False, metadata={"help": "run the colocation micro-benchmark (a GPT module alone and beside its twin on another core and on its own core, then as one job's 2-stage pipeline on the two cores: python -m profilerd.colobench) once at start, after the comm benchmark, and report its pairs (kind colocation, device kind cpu) and the pipeline (kind ranks, under comm_link)"})
 
     def __post_init__(self) -> None:
         for name in ("node", "listen", "state_dir"):
