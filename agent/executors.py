@@ -57,6 +57,7 @@ from tessera.modelkey import model_key, profile_labels
 from tessera.procfs import proc_stat as _proc_stat
 from tessera.procfs import process_start_ticks  # noqa: F401 - also this module's interface (tests import it here)
 from tessera.procfs import read_proc as _read_proc
+from tessera.quota import quota_of
 
 from .devices import LocalDevice
 from .partitions import BadGrant, CapacityRefused, Grant, MpsBackend, Partitions, UnknownPartition
@@ -383,6 +384,20 @@ class ExecutorManager:
             raise ShuttingDown("agent is shutting down; not launching new executors")
         return ex, already
 
+    def _quota_label(self, dev: LocalDevice, grant: Grant | None) -> str:
+        """The executor's quota in the performance model's units (cores of a CPU, the GPU's
+        SM share), by the controller's rule (``tessera.quota.quota_of``): its steps' label
+        ``quota``, under which the estimator files their profile. Without a grant: the
+        whole device."""
+        if grant is None:
+            return f"{quota_of(dev.kind, dev.capacity):g}"
+        info = next((p for p in self.parts.describe() if p.id == grant.partition_id), None)
+        per_core = info.attributes.get("units_per_core", "1") if info is not None else "1"
+        q = quota_of(dev.kind, dev.capacity, grant.kind, info.unit if info is not None else "",
+                     info.capacity_units if info is not None else 0, grant.units,
+                     int(per_core) if per_core.isdigit() else 1)
+        return f"{q:g}"
+
     def _grant(self, allocation_id: str, rank: int, device_ids: list[str], partition_id: str, units: int,
                memory_bytes: int) -> Grant:
         pid = partition_id or device_ids[0]
@@ -432,6 +447,7 @@ class ExecutorManager:
         except (AttributeError, TypeError, ValueError, KeyError) as e:
             # A workload section of the wrong shape (the servicer checks the usual ones).
             raise BadRequest(f"runtime_spec_json.workload: malformed ({e!r})") from None
+        labels["quota"] = self._quota_label(devs[0], grant)
         if _has_control(spec):  # a relaunch re-applies earlier adds/cancels: not the spec's step shape
             labels.pop("module", None)
         env = dict(os.environ)
@@ -876,10 +892,12 @@ class ExecutorManager:
         # STEP_WINDOW steps (the controller clears the job's step times with the decision).
         ex.step_times.clear()
         # And its profile labels: the steps from here on run on the new quota, a new run of
-        # the estimator (run key: threads), whose first steps are its warm-up; under the old
+        # the estimator (run key: quota), whose first steps are its warm-up; under the old
         # label they would join the old quota's profile point.
         if "threads" in ex.labels:
             ex.labels["threads"] = str(g.threads or (len(g.cores) if g.cores else ex.labels["threads"]))
+        if "quota" in ex.labels and ex.device_ids and ex.device_ids[0] in self.devices:
+            ex.labels["quota"] = self._quota_label(self.devices[ex.device_ids[0]], g)
         if g.cores:
             pin_process(ex.proc.pid, g.cores)
             ex.cores = len(g.cores)

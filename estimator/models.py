@@ -3,7 +3,7 @@
 Inputs, as the store indexes them (``run_key``, ``comm_row``, ``colocation_row``, ``rank_row``):
 - step measurements of *single-device* ``gpt`` runs (labels ``world_size`` = 1, from
   ``tessera.modelkey.profile_labels``) and of rank 0 of ``peft``/``multimodal`` runs
-  (``run_key``): each run (job, device kind, module, batch, micro-batches, threads)
+  (``run_key``): each run (job, device kind, module, batch, micro-batches, quota)
   becomes one profile point, the median of its steps after ``WARMUP_STEPS`` (at least
   ``MIN_MEASURED`` measured steps); the compute curve is fitted on the ``gpt`` points
   only, the others answer estimates of their own step shape
@@ -86,7 +86,8 @@ def run_key(m) -> tuple | None:
     (``peft``, ``multimodal``) is rank 0 of any world size whose ``module`` is that
     workload's ``tessera.modelkey.shape_key`` (``<type>:...:w<digest>``; the world size
     is inside the digest). None too without configuration labels, a finite time > 0, a
-    label that is a finite number, or threads > 0, and for a step the agent labels
+    label that is a finite number, or a quota > 0 (label ``quota``, else ``threads``: the
+    last element of the key), and for a step the agent labels
     ``colocated`` > 1 (other jobs ran on its partition then: no profile of the module
     alone; a running job's steps are profiles only while it has its partition to
     itself). Total: never raises."""
@@ -105,12 +106,15 @@ def run_key(m) -> tuple | None:
     ints = tuple(_int(lb, k) for k in RUN_INTS)
     if any(v is None or v <= 0 for v in ints):
         return None
-    threads = _num(lb.get("threads", "1") or "1")
-    if threads is None or threads <= 0:
+    # The quota it ran at: the agent's ``quota`` label (tessera.quota: cores of a CPU, the
+    # GPU's SM share — the controller's candidates' units); an older agent's steps carry
+    # only their CPU threads, which are the cores on a CPU.
+    quota = _num(lb.get("quota") or lb.get("threads", "1") or "1")
+    if quota is None or quota <= 0:
         return None
     if _int(lb, "colocated", "1") != 1:  # measured beside other jobs (absent: an older agent, alone)
         return None
-    return (m.job_id, lb.get("device_kind", "cpu") or "cpu", lb["module"]) + ints + (threads,)
+    return (m.job_id, lb.get("device_kind", "cpu") or "cpu", lb["module"]) + ints + (quota,)
 
 
 def fb_seconds(phases) -> float:

@@ -21,7 +21,7 @@ PROFILE_MIN_MEASURED = 3
 # Fields of an estimator run key after (job_id, device_kind, module): integers in this order.
 RUN_INTS = ("layers", "hidden", "heads", "vocab", "seq_len", "batch", "micro_batches")
 # Labels a step measurement's run key parses as numbers (``malformed`` checks them).
-NUMERIC_LABELS = ("world_size",) + RUN_INTS + ("threads", "colocated")
+NUMERIC_LABELS = ("world_size",) + RUN_INTS + ("threads", "quota", "colocated")
 # Plausibility bound of a step time and of each phase (seconds: ~11.6 days). Anything
 # larger is a unit or clock bug, and would overflow the estimator's sums and medians.
 MAX_STEP_TIME_S = 1e6

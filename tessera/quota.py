@@ -1,0 +1,45 @@
+"""The quota of one executor (rank) in the performance model's units (pure).
+
+The performance model's ``q`` (``tessera.perfmodel``: ``Candidate.quota``,
+``ComputeSample.q``) is cores on a CPU and the share of the GPU's SMs on a GPU (1.0 = the
+whole GPU). Two services must agree on it: the controller, which estimates a placed job
+at its grant's quota (``controller/profiling.py``), and the agent, which labels every
+step its executors report with the quota they ran at (label ``quota``) so that the
+estimator files the profile under it (``estimator/models.py: run_key``). One rule, here:
+before it the agent labelled the executor's CPU threads, which on a GPU say nothing of
+its SM share (an MPS grant of 30 % and the whole GPU were one profile point) and on a
+core set with ``units_per_core`` > 1 counted units where the controller counts cores.
+"""
+
+from __future__ import annotations
+
+
+def quota_of(device_kind: str, device_capacity: float, partition_kind: str = "", unit: str = "",
+             capacity_units: int = 0, units: int = 0, units_per_core: int = 1) -> float:
+    """Per-rank quota of a grant of ``units`` of a partition (``partition_kind``: cpuset,
+    mps, mig, timeslice; ``unit``: cores, sm_percent, instance, slots; ``capacity_units``
+    its size) carved from a device of ``device_kind`` ("cpu" | "gpu") and
+    ``device_capacity`` (cores x units_per_core of a CPU, 100 for a GPU). ``units`` 0 is
+    the whole partition; no partition (kind and unit "") is the whole device.
+
+    - a core set (unit ``cores``): its units over ``units_per_core`` — cores;
+    - time slicing (kind ``timeslice`` or unit ``slots``): no quota, each executor runs on
+      the whole device (sharing it is the estimate's oversubscription) — the device's
+      cores on a CPU, 1.0 on a GPU;
+    - MPS (unit ``sm_percent``): the percentage / 100 (at most 1.0);
+    - anything else (a MIG instance, the whole device): the device's capacity (cores; a
+      GPU's 1.0) times the grant's share of the partition.
+    Never below a tiny positive number for a grant of units > 0; 1.0 when nothing is known
+    (a device of capacity 0)."""
+    per_core = max(1, int(units_per_core or 1))
+    cap = float(device_capacity) if device_kind == "cpu" else float(device_capacity) / 100.0
+    if unit == "cores" and units > 0:
+        return units / per_core
+    if (partition_kind == "timeslice" or unit == "slots") and device_capacity > 0:
+        return cap / (per_core if device_kind == "cpu" else 1)
+    if unit == "sm_percent" and units > 0:
+        return min(units, 100) / 100.0
+    if device_capacity > 0:
+        share = units / capacity_units if capacity_units and units else 1.0
+        return cap * min(share, 1.0)
+    return 1.0
