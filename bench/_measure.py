@@ -291,10 +291,20 @@ def dump_on_timeout() -> None:
 def _join(procs: list, timeout_s: float, what) -> None:
     """Wait for ``procs`` up to ``timeout_s`` in all; the ones still alive then are asked
     for their stacks (SIGUSR1), given :data:`DUMP_S`, and killed. RuntimeError naming
-    ``what`` unless every one exited 0."""
+    ``what`` unless every one exited 0. Interrupted while waiting (KeyboardInterrupt, a
+    test's timeout), it kills and reaps every one still alive before the exception goes
+    on: a forked rank left running holds its core for ever (a CI run of 2026-12-07: one
+    such orphan, spinning, cost the next test its together steps)."""
     deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
+    try:
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+    except BaseException:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        raise
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         try:

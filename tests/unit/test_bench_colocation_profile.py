@@ -26,12 +26,16 @@ def _profiles_until(cores: list[list[int]], accept, tries: int = 3) -> tuple[boo
     host one burst inside the few alone (or together) steps can move a ratio out of its
     band (each test below failed once so, 2026-12-06), or leave X too few steps inside
     the twin's window (RuntimeError; a CI run of 2026-12-06 got 0 together steps on split
-    cores) — the benchmark retries such a profile (``colocation_with_retry``), and so do
+    cores), or hang (RuntimeError after its timeout) — the benchmark retries such a profile (``colocation_with_retry``), and so do
     these tries; a profile that does the wrong thing reads so every time."""
     seen = []
     for _ in range(tries):
         try:
-            res = colocation_profile(SMALL, cores, warmup=2, measured=4)
+            # A run takes ~3 s. One whose forked rank hangs (once in a CI run of 2026-12-07:
+            # X spun for 5 minutes before its first step, until the suite's 300 s timeout
+            # ended the test) is given up after 60 s — its stack dumped to stderr, its
+            # ranks killed — and tried again, like a run that got too few steps.
+            res = colocation_profile(SMALL, cores, warmup=2, measured=4, timeout_s=60.0)
         except RuntimeError as e:
             seen.append({"error": str(e)})
             continue
@@ -72,3 +76,31 @@ def test_the_twin_runs_the_given_number_of_together_steps():
     assert x_t[2 + 3] <= y_t[0] and y_t[-1] < x_t[-1]
     with pytest.raises(ValueError, match="together"):
         colocation_profile(SMALL, [[core], [core]], warmup=2, measured=3, together=1)
+
+
+def test_an_interrupted_wait_kills_the_forked_ranks_before_it_goes_on():
+    """bench._measure._join interrupted (a test's timeout, ^C) kills and reaps the ranks
+    still running: before, they were left behind holding their cores."""
+    import multiprocessing as mp
+    import signal
+    import time
+
+    from bench._measure import _join
+
+    class Interrupted(Exception):
+        pass
+
+    def boom(*_):
+        raise Interrupted
+
+    p = mp.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+    p.start()
+    old = signal.signal(signal.SIGALRM, boom)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    try:
+        with pytest.raises(Interrupted):
+            _join([p], 30.0, "sleeper")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert not p.is_alive() and p.exitcode == -signal.SIGKILL
