@@ -14,7 +14,9 @@ Retention (``Retention``, the rule itself in ``Windows``): memory keeps the most
 single-device run the warm-up steps plus the ``run_steps`` latest measured steps; the
 most recent ``row_window`` comm rows per (link, op, bytes, world), colocation rows per
 (device kind, mode, colocated) and rank rows per configuration (``models.rank_key``); and
-each source's latest record (its watermark).
+each source's latest record (its watermark). A step measurement of one module of a step
+(``tessera.measurement.BREAKDOWN_MODULES``: a multimodal step's encoder and LLM, reported
+after the whole step) is in no step window: it is no step.
 
 Compaction: once the log exceeds ``compact_bytes`` it is rewritten to exactly the records
 the windows hold (in log order) followed by one checkpoint record (``META_KIND``, empty
@@ -96,6 +98,7 @@ from typing import Any
 from tessera import log
 from tessera.fsutil import fsync_dir
 from tessera.api.v1 import profiler_pb2
+from tessera.measurement import BREAKDOWN_MODULES
 
 from . import models
 from .profiles import StepSample
@@ -239,6 +242,12 @@ def slots(m: profiler_pb2.Measurement) -> list[Slot]:
     """The windows a measurement takes part in and what it holds in each (pure). Every
     record is in its source's window, so the watermark record survives compaction."""
     out: list[Slot] = [(("source", m.source), None)]
+    if m.kind == "step" and m.module in BREAKDOWN_MODULES:
+        # One module's share of a step already reported whole (a multimodal step's encoder
+        # and LLM, the step's wall time repeated): counted as steps, a job's GetProfile had
+        # three samples a step and mean phases mixing the modules' with the step's, and
+        # its run's forward + backward was the last module's.
+        return out
     if m.kind == "step":
         s = StepSample(m.step_time_s, dict(m.phases), m.time)
         if m.job_id:

@@ -22,6 +22,11 @@ PROFILE_MIN_MEASURED = 3
 RUN_INTS = ("layers", "hidden", "heads", "vocab", "seq_len", "batch", "micro_batches")
 # Labels a step measurement's run key parses as numbers (``malformed`` checks them).
 NUMERIC_LABELS = ("world_size",) + RUN_INTS + ("threads", "quota", "colocated")
+# Modules a runtime breaks a step into (multimodal: after the whole step's ``progress``
+# event, one per module — ``module: encoder|llm`` — with that module's phases and the
+# step's wall time repeated). Such a step measurement is a breakdown of a step already
+# reported, not another step: the estimator keeps it out of its step windows.
+BREAKDOWN_MODULES = ("encoder", "llm")
 # Plausibility bound of a step time and of each phase (seconds: ~11.6 days). Anything
 # larger is a unit or clock bug, and would overflow the estimator's sums and medians.
 MAX_STEP_TIME_S = 1e6

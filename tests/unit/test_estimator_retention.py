@@ -171,6 +171,37 @@ async def test_rank_rows_are_model_inputs_kept_per_configuration_across_a_restar
     again.close()
 
 
+async def test_a_steps_per_module_breakdown_is_no_step_of_the_job(tmp_path):
+    """A multimodal step reaches the estimator as the whole step (module "multimodal")
+    then one measurement per module (encoder, llm: the step's wall time repeated, the
+    module's phases). Only the whole step is a step: GetProfile counts one sample a step
+    with the step's phases, and the run's forward + backward is the step's. Before, every
+    step was three samples and its profile's phases were the last module's."""
+    from estimator.models import profiles
+    from estimator.profiles import summarize
+
+    labels = dict(module="multimodal:l2-h64-a4-s64-v128:wabc", workload_type="multimodal")
+    s = MeasurementStore(tmp_path, compact_bytes=0)
+    recs, seq = [], 0
+    for i in range(1, 9):
+        for mod, ph in (("multimodal", {"forward": 0.04, "backward": 0.05}),
+                        ("encoder", {"forward": 0.01, "backward": 0.02, "idle": 0.0}),
+                        ("llm", {"forward": 0.03, "backward": 0.03, "idle": 0.0})):
+            seq += 1
+            m = step("a", seq, t=0.1, i=i, **labels)
+            m.module = mod
+            m.phases.clear()
+            m.phases.update(ph)
+            recs.append(m)
+    await s.append(recs)
+    got = summarize(s.steps(job_id="j1"))
+    assert got.samples == 8 and got.mean_phases == pytest.approx({"forward": 0.04, "backward": 0.05})
+    (p,) = profiles(s.runs, s.run_fb)
+    assert p.mb_s == pytest.approx(0.09)
+    assert s.count == 24 and s.watermark("a") == 24  # received and acknowledged, all of them
+    s.close()
+
+
 # --- compaction --------------------------------------------------------------------------------
 
 def workload() -> list[list[profiler_pb2.Measurement]]:
