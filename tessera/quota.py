@@ -28,9 +28,9 @@ def quota_of(device_kind: str, device_capacity: float, partition_kind: str = "",
       cores on a CPU, 1.0 on a GPU;
     - MPS (unit ``sm_percent``): the percentage / 100 (at most 1.0);
     - anything else (a MIG instance, the whole device): the device's capacity (cores; a
-      GPU's 1.0) times the grant's share of the partition.
-    Never below a tiny positive number for a grant of units > 0; 1.0 when nothing is known
-    (a device of capacity 0)."""
+      GPU's 1.0) times the grant's share of the partition (a MIG instance is one unit of
+      its partition: 1.0, as the controller has always priced it — not its slices' share);
+    1.0 when nothing is known (a device of capacity 0). Pure."""
     per_core = max(1, int(units_per_core or 1))
     cap = float(device_capacity) if device_kind == "cpu" else float(device_capacity) / 100.0
     if unit == "cores" and units > 0:
