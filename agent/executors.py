@@ -58,7 +58,7 @@ from tessera.modelkey import model_key, profile_labels
 from tessera.procfs import proc_stat as _proc_stat
 from tessera.procfs import process_start_ticks  # noqa: F401 - also this module's interface (tests import it here)
 from tessera.procfs import read_proc as _read_proc
-from tessera.quota import quota_of
+from tessera.quota import quota_of, sm_share_of
 
 from .devices import LocalDevice
 from .partitions import BadGrant, CapacityRefused, Grant, MpsBackend, Partitions, UnknownPartition
@@ -397,7 +397,7 @@ class ExecutorManager:
         per_core = info.attributes.get("units_per_core", "1") if info is not None else "1"
         q = quota_of(dev.kind, dev.capacity, grant.kind, info.unit if info is not None else "",
                      info.capacity_units if info is not None else 0, grant.units,
-                     int(per_core) if per_core.isdigit() else 1)
+                     int(per_core) if per_core.isdigit() else 1, sm_share_of(info.attributes if info else None))
         return f"{q:g}"
 
     def _grant(self, allocation_id: str, rank: int, device_ids: list[str], partition_id: str, units: int,

@@ -34,6 +34,7 @@ from controller.policy.types import ColocationGroup, Plan
 from controller.policy.snapshot_estimator import DeviceClass, JobShape, job_key, plan_for
 from tessera import manifest
 from tessera.errors import SpecError
+from tessera.quota import quota_of, sm_share_of
 from tessera.modelkey import arch_key, shape_key
 from tessera.api.v1 import types_pb2
 
@@ -138,8 +139,10 @@ def model_key(job: types_pb2.Job) -> str:
 
 def device_classes(nodes: list[types_pb2.Node]) -> dict[str, DeviceClass]:
     """Per policy device type of the READY nodes: the perf model's kind, the quota of one
-    partition (cores of the smallest CPU core set; the SM share of the smallest GPU
-    partition) and the least partition memory (0 = unknown)."""
+    whole partition (``tessera.quota.quota_of``, the rule of the controller's estimates and
+    the agent's profiles: cores of the smallest CPU core set; the SM share of the smallest
+    GPU partition — an MPS partition's whole GPU, a MIG instance's share of its SMs, a
+    time slice's whole device) and the least partition memory (0 = unknown)."""
     out: dict[str, DeviceClass] = {}
     for n in nodes:
         if n.state != types_pb2.READY:
@@ -149,7 +152,9 @@ def device_classes(nodes: list[types_pb2.Node]) -> dict[str, DeviceClass]:
             d = devs.get(p.device_id)
             kind = d.kind if d is not None else "cpu"
             t = device_type(d) if d is not None else "cpu"
-            q = float(p.capacity_units) if kind == "cpu" else p.capacity_units / 100.0
+            per_core = p.attributes.get("units_per_core", "1")
+            q = quota_of(kind, d.capacity if d is not None else 0, p.kind, p.unit, p.capacity_units,
+                         p.capacity_units, int(per_core) if per_core.isdigit() else 1, sm_share_of(p.attributes))
             mem = float(p.memory_bytes or (d.memory_bytes if d else 0))
             cur = out.get(t)
             if cur is None:

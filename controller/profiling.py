@@ -54,7 +54,7 @@ from tessera.api.v1 import estimator_pb2, estimator_pb2_grpc, types_pb2
 from tessera.modelkey import arch_key, shape_key
 from tessera.perfmodel import Candidate, Estimate, PerfModel, interference_mode
 from tessera.perfmodel.priors import COLOCATION, confidence
-from tessera.quota import quota_of
+from tessera.quota import quota_of, sm_share_of
 from tessera.spec.multimodal import mean_mix
 
 from .adapter import node_partitions
@@ -497,7 +497,8 @@ class Profiling:
         labels its executors' steps with (``tessera.quota.quota_of``) — on a core-set
         partition (unit ``cores``) its units over the partition's ``units_per_core``
         (cores; a unit of a core counted twice is half a core), on an MPS one
-        (``sm_percent``) its units / 100 of the GPU, on any other the device's capacity
+        (``sm_percent``) its units / 100 of the GPU, on a MIG instance its share of the
+        GPU's SMs (attribute ``sm_share``), on any other the device's capacity
         (cores of a CPU, a GPU's percent / 100) times the grant's share of the partition
         (all of it when the placement names no units) — except a time-sliced partition
         (kind "timeslice", unit "slots"), whose executors each run on the whole device:
@@ -518,7 +519,8 @@ class Profiling:
                 return quota_of(dev.kind if dev is not None else "", dev.capacity if dev is not None else 0,
                                 part.kind if part is not None else "", part.unit if part is not None else "",
                                 part.capacity_units if part is not None else 0, units,
-                                int(per_core) if per_core.isdigit() else 1), spanned
+                                int(per_core) if per_core.isdigit() else 1,
+                                sm_share_of(part.attributes) if part is not None else 0.0), spanned
         return float(profs[0].quota or 1.0), spanned
 
     async def _write(self, job_id: str, new: types_pb2.JobEstimate) -> int:

@@ -300,6 +300,7 @@ class MigBackend(LedgerBackend):
         self.device, self.manager = device, manager
         self.instances: dict[str, MigInstance] = {}
         self._recreated: dict[str, MigInstance] = {}  # granted pid -> its instance's new UUID
+        self._sm_share: dict[int, float] = {}  # GPU-instance profile id -> its SMs / the whole GPU's
         self.log = log.get(component="partitions", backend=self.kind, device_id=device.id)
         self.refresh()
 
@@ -313,6 +314,8 @@ class MigBackend(LedgerBackend):
         its partition is granted keeps the old ledger and instance (logged) until the
         grants are released — a fresh ledger would grant the partition a second time."""
         st = self.manager.state(self.device.index)
+        whole = max((p.multiprocessors for p in st.profiles), default=0)
+        self._sm_share = {p.id: p.multiprocessors / whole for p in st.profiles if whole > 0 and p.multiprocessors > 0}
         seen = {}
         for inst in st.instances:
             pid = self.partition_id(inst)
@@ -352,8 +355,15 @@ class MigBackend(LedgerBackend):
         return g
 
     def _attributes(self, partition_id: str) -> dict[str, str]:
+        """The instance's UUID, profile, slices and GPU, and ``sm_share``: its profile's
+        streaming multiprocessors over the GPU's (the largest profile's), the quota the
+        performance model prices work on it at (``tessera.quota.quota_of``; absent when
+        NVML reports no SM counts)."""
         i = self.instances[partition_id]
-        return {"uuid": i.uuid, "profile": i.profile_name, "slices": str(i.slices), "gpu_uuid": self.device.uuid}
+        out = {"uuid": i.uuid, "profile": i.profile_name, "slices": str(i.slices), "gpu_uuid": self.device.uuid}
+        if i.profile_id in self._sm_share:
+            out["sm_share"] = f"{self._sm_share[i.profile_id]:.4g}"
+        return out
 
     def _make_grant(self, grant_id: str, partition_id: str, units: int, memory_bytes: int) -> Grant:
         uuid = self.instances[partition_id].uuid

@@ -124,3 +124,51 @@ async def test_a_live_repartition_relabels_the_steps_with_the_new_quota(tmp_path
     finally:
         proc.kill()
         await proc.wait()
+
+
+def test_a_mig_instance_is_priced_at_its_share_of_the_gpus_sms_by_agent_controller_and_policy(tmp_path):
+    """A MIG instance reports ``sm_share`` (its profile's SMs over the GPU's, from NVML —
+    here the test double's H200 profiles: 1g 16, 3g 60, 7g 132 SMs); the agent's step
+    label, the controller's estimate and the policy's device class all take it as the
+    quota. Before, the controller priced an instance as the whole GPU (1.0) and the
+    policy as 1 % of it (capacity 1 instance / 100)."""
+    from agent.partitions import MigBackend, MigManager
+    from agent.partitions.fake_nvml import FakeNvml
+    from controller import adapter
+
+    gpu = LocalDevice(id="gpu0", kind="gpu", model="H200", memory_bytes=0, capacity=100, uuid="GPU-x", index=0)
+    b = MigBackend(gpu, MigManager(FakeNvml(), allow_changes=True))
+    one, three = b.create_instance("1g.18gb"), b.create_instance("3g.71gb")
+    infos = {p.id: p for p in b.partitions()}
+    assert float(infos[one].attributes["sm_share"]) == pytest.approx(16 / 132, rel=1e-3)
+    assert float(infos[three].attributes["sm_share"]) == pytest.approx(60 / 132, rel=1e-3)
+    mgr = _mgr(tmp_path, [gpu], list(infos.values()))
+    node = types_pb2.Node(name="n1", state=types_pb2.READY)
+    node.devices.add(id="gpu0", kind="gpu", capacity=100, model="H200")
+    for pid in (one, three):
+        info = infos[pid]
+        node.partitions.add(id=pid, kind=info.kind, device_id="gpu0", capacity_units=1, unit=info.unit,
+                            attributes=info.attributes)
+    for pid, share in ((one, 16 / 132), (three, 60 / 132)):
+        label = mgr._quota_label(gpu, Grant(f"{pid}/r0", pid, "mig", "gpu0", 1))
+        job = types_pb2.Job()
+        job.status.placement.add(node="n1", device_ids=["gpu0"], partition_ids=[pid], units=1)
+        q, _ = Profiling._quota(job, {"n1": node}, [])
+        assert float(label) == pytest.approx(share, rel=1e-3) and q == pytest.approx(share, rel=1e-3)
+    (cls,) = adapter.device_classes([node]).values()
+    assert cls.kind == "gpu" and cls.quota == pytest.approx(16 / 132, rel=1e-3)  # the smallest partition
+
+
+def test_the_policys_device_class_is_a_whole_partitions_quota():
+    from controller import adapter
+
+    node = types_pb2.Node(name="n1", state=types_pb2.READY)
+    node.devices.add(id="cpu0", kind="cpu", capacity=8)
+    node.partitions.add(id="cpu0", kind="cpuset", device_id="cpu0", capacity_units=8, unit="cores",
+                        attributes={"units_per_core": "2"})
+    assert adapter.device_classes([node])["cpu"].quota == 4.0  # 8 units at 2 per core: 4 cores (was 8)
+    gnode = types_pb2.Node(name="n2", state=types_pb2.READY)
+    gnode.devices.add(id="gpu0", kind="gpu", capacity=100, model="H200")
+    gnode.partitions.add(id="gpu0", kind="timeslice", device_id="gpu0", capacity_units=4, unit="slots")
+    (cls,) = adapter.device_classes([gnode]).values()
+    assert cls.quota == 1.0  # each time-sliced executor runs on the whole GPU (was 4 slots / 100)
