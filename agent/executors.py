@@ -58,7 +58,7 @@ from tessera.modelkey import model_key, profile_labels
 from tessera.procfs import proc_stat as _proc_stat
 from tessera.procfs import process_start_ticks  # noqa: F401 - also this module's interface (tests import it here)
 from tessera.procfs import read_proc as _read_proc
-from tessera.quota import quota_of, sm_share_of
+from tessera.quota import partition_quota
 
 from .devices import LocalDevice
 from .partitions import BadGrant, CapacityRefused, Grant, MpsBackend, Partitions, UnknownPartition
@@ -388,17 +388,14 @@ class ExecutorManager:
 
     def _quota_label(self, dev: LocalDevice, grant: Grant | None) -> str:
         """The executor's quota in the performance model's units (cores of a CPU, the GPU's
-        SM share), by the controller's rule (``tessera.quota.quota_of``): its steps' label
-        ``quota``, under which the estimator files their profile. Without a grant: the
-        whole device."""
-        if grant is None:
-            return f"{quota_of(dev.kind, dev.capacity):g}"
-        info = next((p for p in self.parts.describe() if p.id == grant.partition_id), None)
-        per_core = info.attributes.get("units_per_core", "1") if info is not None else "1"
-        q = quota_of(dev.kind, dev.capacity, grant.kind, info.unit if info is not None else "",
-                     info.capacity_units if info is not None else 0, grant.units,
-                     int(per_core) if per_core.isdigit() else 1, sm_share_of(info.attributes if info else None))
-        return f"{q:g}"
+        SM share), by the controller's rule (``tessera.quota.partition_quota``): its steps'
+        label ``quota``, under which the estimator files their profile. Without a grant:
+        the whole device; 1 when the device's capacity says nothing."""
+        info = None
+        if grant is not None:
+            info = next((p for p in self.parts.describe() if p.id == grant.partition_id), None)
+        q = partition_quota(dev.kind, dev.capacity, info, grant.units if grant is not None else 0)
+        return f"{1.0 if q is None else q:g}"
 
     def _grant(self, allocation_id: str, rank: int, device_ids: list[str], partition_id: str, units: int,
                memory_bytes: int) -> Grant:

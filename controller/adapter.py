@@ -34,7 +34,7 @@ from controller.policy.types import ColocationGroup, Plan
 from controller.policy.snapshot_estimator import DeviceClass, JobShape, job_key, plan_for
 from tessera import manifest
 from tessera.errors import SpecError
-from tessera.quota import quota_of, sm_share_of
+from tessera.quota import partition_quota
 from tessera.modelkey import arch_key, shape_key
 from tessera.api.v1 import types_pb2
 
@@ -152,9 +152,8 @@ def device_classes(nodes: list[types_pb2.Node]) -> dict[str, DeviceClass]:
             d = devs.get(p.device_id)
             kind = d.kind if d is not None else "cpu"
             t = device_type(d) if d is not None else "cpu"
-            per_core = p.attributes.get("units_per_core", "1")
-            q = quota_of(kind, d.capacity if d is not None else 0, p.kind, p.unit, p.capacity_units,
-                         p.capacity_units, int(per_core) if per_core.isdigit() else 1, sm_share_of(p.attributes))
+            q = partition_quota(kind, d.capacity if d is not None else 0, p, p.capacity_units)
+            q = 1.0 if q is None else q  # a partition of an unknown device: all of one
             mem = float(p.memory_bytes or (d.memory_bytes if d else 0))
             cur = out.get(t)
             if cur is None:

@@ -54,7 +54,7 @@ from tessera.api.v1 import estimator_pb2, estimator_pb2_grpc, types_pb2
 from tessera.modelkey import arch_key, shape_key
 from tessera.perfmodel import Candidate, Estimate, PerfModel, interference_mode
 from tessera.perfmodel.priors import COLOCATION, confidence
-from tessera.quota import quota_of, sm_share_of
+from tessera.quota import partition_quota
 from tessera.spec.multimodal import mean_mix
 
 from .adapter import node_partitions
@@ -494,7 +494,7 @@ class Profiling:
     def _quota(job: types_pb2.Job, nodes: dict, profs: list) -> tuple[float, int]:
         """(quota per rank, nodes spanned) of the job where it is placed, else the quota its
         module was profiled at. Placed: its first shard's grant, by the rule the agent
-        labels its executors' steps with (``tessera.quota.quota_of``) — on a core-set
+        labels its executors' steps with (``tessera.quota.partition_quota``) — on a core-set
         partition (unit ``cores``) its units over the partition's ``units_per_core``
         (cores; a unit of a core counted twice is half a core), on an MPS one
         (``sm_percent``) its units / 100 of the GPU, on a MIG instance its share of the
@@ -513,14 +513,10 @@ class Profiling:
             dev_id = part.device_id if part is not None else (s.device_ids or [""])[0]
             dev = next((d for d in node.devices if d.id == dev_id), None) if node else None
             units = s.units or (part.capacity_units if part is not None else 0)
-            per_core = part.attributes.get("units_per_core", "1") if part is not None else "1"
-            if (part is not None and part.unit in ("cores", "sm_percent") and units > 0) \
-                    or (dev is not None and dev.capacity > 0):
-                return quota_of(dev.kind if dev is not None else "", dev.capacity if dev is not None else 0,
-                                part.kind if part is not None else "", part.unit if part is not None else "",
-                                part.capacity_units if part is not None else 0, units,
-                                int(per_core) if per_core.isdigit() else 1,
-                                sm_share_of(part.attributes) if part is not None else 0.0), spanned
+            q = partition_quota(dev.kind if dev is not None else "", dev.capacity if dev is not None else 0,
+                                part, units)
+            if q is not None:
+                return q, spanned
         return float(profs[0].quota or 1.0), spanned
 
     async def _write(self, job_id: str, new: types_pb2.JobEstimate) -> int:

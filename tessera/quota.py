@@ -17,7 +17,8 @@ from __future__ import annotations
 
 
 def quota_of(device_kind: str, device_capacity: float, partition_kind: str = "", unit: str = "",
-             capacity_units: int = 0, units: int = 0, units_per_core: int = 1, sm_share: float = 0.0) -> float:
+             capacity_units: int = 0, units: int = 0, units_per_core: int = 1,
+             sm_share: float = 0.0) -> float | None:
     """Per-rank quota of a grant of ``units`` of a partition (``partition_kind``: cpuset,
     mps, mig, timeslice; ``unit``: cores, sm_percent, instance, slots; ``capacity_units``
     its size) carved from a device of ``device_kind`` ("cpu" | "gpu") and
@@ -34,7 +35,8 @@ def quota_of(device_kind: str, device_capacity: float, partition_kind: str = "",
       share times the grant's share of the partition;
     - anything else (the whole device): the device's capacity (cores; a GPU's 1.0) times
       the grant's share of the partition;
-    1.0 when nothing is known (a device of capacity 0). Pure."""
+    None when nothing is known (none of the above, on a device of capacity 0 or not
+    known: the caller's fallback). Pure."""
     per_core = max(1, int(units_per_core or 1))
     cap = float(device_capacity) if device_kind == "cpu" else float(device_capacity) / 100.0
     if unit == "cores" and units > 0:
@@ -44,11 +46,25 @@ def quota_of(device_kind: str, device_capacity: float, partition_kind: str = "",
     if unit == "sm_percent" and units > 0:
         return min(units, 100) / 100.0
     share = units / capacity_units if capacity_units and units else 1.0
+    if device_capacity <= 0:
+        return None
     if device_kind == "gpu" and 0 < sm_share <= 1:
         return sm_share * min(share, 1.0)
-    if device_capacity > 0:
-        return cap * min(share, 1.0)
-    return 1.0
+    return cap * min(share, 1.0)
+
+
+def partition_quota(device_kind: str, device_capacity: float, part, units: int) -> float | None:
+    """:func:`quota_of` a grant of ``units`` of ``part`` — anything with ``kind``, ``unit``,
+    ``capacity_units`` and an ``attributes`` mapping (the agent's ``PartitionInfo``, the
+    controller's ``types_pb2.Partition``), whose ``units_per_core`` and ``sm_share``
+    attributes it reads; ``part`` None: the whole device. The one reading of a partition
+    for the agent's step labels, the controller's estimates and the policy's device
+    classes. Pure."""
+    if part is None:
+        return quota_of(device_kind, device_capacity, units=units)
+    per_core = str(part.attributes.get("units_per_core", "1"))
+    return quota_of(device_kind, device_capacity, part.kind, part.unit, part.capacity_units, units,
+                    int(per_core) if per_core.isdigit() else 1, sm_share_of(part.attributes))
 
 
 def sm_share_of(attributes) -> float:

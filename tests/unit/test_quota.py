@@ -28,10 +28,12 @@ from tessera.quota import quota_of
     (("gpu", 100, "device", "slices", 4, 2), 0.5),
     (("gpu", 100), 1.0),                                     # no partition: the whole device
     (("cpu", 4), 4.0),
-    (("gpu", 0), 1.0),                                       # nothing known
+    (("gpu", 0), None),                                      # nothing known: the caller's fallback
+    (("gpu", 0, "mig", "instance", 1, 1, 1, 0.5), None),
+    (("gpu", 0, "mps", "sm_percent", 100, 30), 0.3),         # the grant alone says it
 ])
 def test_quota_of(args, q):
-    assert quota_of(*args) == pytest.approx(q)
+    assert quota_of(*args) == (None if q is None else pytest.approx(q))
 
 
 class _Parts:
