@@ -373,9 +373,7 @@ def build_model(runs: dict, comm_rows: list[dict], colocation_rows: list[dict], 
         except Exception as e:
             lg.warning("interference fit failed", device_type=dev, error=repr(e))
             continue
-        for mode in [m for m, v in g.items() if not math.isfinite(v)]:
-            lg.warning("interference fit is not finite; left out", device_type=dev, mode=mode, g=g.pop(mode))
-        inter[dev] = g
+        inter[dev] = _finite_modes(g, dev, "interference", lg)
         ref = interference_ref(mine)
         if ref is not None and g:
             refs[dev] = ref
@@ -383,18 +381,23 @@ def build_model(runs: dict, comm_rows: list[dict], colocation_rows: list[dict], 
                       profiles=points)
     if rank_rows:
         try:
-            gs = fit_rank_interference(model, [{"mode": r["mode"], "candidate": r["candidate"],
-                                                "seconds": r["seconds"]} for r in rank_rows])
+            gs = fit_rank_interference(model, rank_rows)  # reads each row's mode, candidate, seconds
         except Exception as e:
             lg.warning("rank interference fit failed", rows=len(rank_rows), error=repr(e))
             gs = {}
         for dev, g in gs.items():
-            for mode in [m for m, v in g.items() if not math.isfinite(v)]:
-                lg.warning("rank interference fit is not finite; left out", device_type=dev, mode=mode,
-                           g=g.pop(mode))
+            g = _finite_modes(g, dev, "rank interference", lg)
             if g:
                 inter[dev] = {**inter.get(dev, {}), **g}
     return model
+
+
+def _finite_modes(g: dict, dev: str, what: str, lg) -> dict:
+    """``g`` (mode -> coefficient) less the modes whose coefficient is not finite, each
+    left out with a warning ("<what> fit is not finite; left out") naming it."""
+    for mode in [m for m, v in g.items() if not math.isfinite(v)]:
+        lg.warning(f"{what} fit is not finite; left out", device_type=dev, mode=mode, g=g.pop(mode))
+    return g
 
 
 def _canonical(model: PerfModel) -> str:
