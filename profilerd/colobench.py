@@ -160,6 +160,11 @@ def _spec(tmp: str, name: str, steps: int, plan: dict | None = None, dist: dict 
     return path
 
 
+def _child_env() -> dict:
+    """An executor child's environment: one OpenMP thread (its quota is one core), no GPU."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -185,7 +190,7 @@ def ranks(cores: tuple[int, int], warmup: int = 3, measured: int = RANK_MEASURED
         raise ValueError("warmup >= 0 and measured >= 2")
     if len(set(cores)) < 2:
         raise ValueError(f"cores: two distinct cores for the two ranks, got {cores}")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = _child_env()
     cond = threading.Condition()
     steps = warmup + measured
     t0 = time.monotonic()
@@ -230,7 +235,7 @@ def pair(mode: str, cores: tuple[int, int], warmup: int = 3, measured: int = 5, 
     if warmup < 0 or measured < 2 or together < 2:
         raise ValueError("warmup >= 0, measured >= 2 and together >= 2")
     cx, cy = cores[0], (cores[1] if mode == "split" else cores[0])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = _child_env()
     cond = threading.Condition()
     deadline = time.monotonic() + timeout_s
     t0 = time.monotonic()

@@ -161,6 +161,18 @@ TOO_LARGE_ROW = ("import json; row = dict(op='all_reduce', bytes=1024, world=2, 
                  "print(json.dumps(dict(device_s=1, rows=[row, dict(row, op='x' * (300 << 10))])))")
 
 
+async def _bench(tmp_path, which: str, argv: tuple, timeout_s: float = 2.0, **cfg) -> tuple:
+    """A daemon (no samplers) whose ``which`` micro-benchmark ("comm", "colo") runs
+    ``argv`` within ``timeout_s``; (daemon, what the benchmark returned, the logs)."""
+    d = pmain.Profilerd(ProfilerdConfig(node="n1", state_dir=str(tmp_path / "prof"), sample_interval_s=0, **cfg),
+                        samplers=[])
+    setattr(d, f"{which}_bench_argv", argv)
+    setattr(d, f"{which}_bench_timeout_s", timeout_s)
+    with structlog.testing.capture_logs() as logs:
+        got = await (d.comm_benchmark() if which == "comm" else d.colocation_benchmark())
+    return d, got, logs
+
+
 @pytest.mark.parametrize("case, rows, what", [
     ("spawn", 0, "FileNotFoundError"),
     ("bad json", 0, "JSONDecodeError"),
@@ -177,11 +189,8 @@ async def test_comm_benchmark_failure_is_logged_not_raised(tmp_path, case, rows,
         "add refuses a row": (sys.executable, "-c", TOO_LARGE_ROW),
         "timeout": (sys.executable, "-c", SLEEPER, str(pidfile)),
     }[case]
-    d = pmain.Profilerd(ProfilerdConfig(node="n1", state_dir=str(tmp_path / "prof"), sample_interval_s=0,
-                                        buffer_bytes=256 << 10), samplers=[])
-    d.comm_bench_argv, d.comm_bench_timeout_s = argv, 2.0
-    with structlog.testing.capture_logs() as logs:
-        assert await d.comm_benchmark() == rows
+    d, got, logs = await _bench(tmp_path, "comm", argv, buffer_bytes=256 << 10)
+    assert got == rows
     failed = [e for e in logs if e["event"] == "comm micro-benchmark failed"]
     assert len(failed) == 1 and what in failed[0]["error"] and failed[0]["rows"] == rows
     assert len(d.buffer) == rows
@@ -233,11 +242,8 @@ async def test_colocation_benchmark_buffers_its_pairs_or_logs_why_not(tmp_path, 
         "missing key": (sys.executable, "-c", "print('{\"rows\": [{\"mode\": \"split\"}], \"device_s\": 1}')"),
         "timeout": (sys.executable, "-c", SLEEPER, str(tmp_path / "child.pid")),
     }[case]
-    d = pmain.Profilerd(ProfilerdConfig(node="n1", state_dir=str(tmp_path / "prof"), sample_interval_s=0),
-                        samplers=[])
-    d.colo_bench_argv, d.colo_bench_timeout_s = argv, 2.0
-    with structlog.testing.capture_logs() as logs:
-        assert await d.colocation_benchmark() == rows
+    d, got, logs = await _bench(tmp_path, "colo", argv)
+    assert got == rows
     failed = [e for e in logs if e["event"] == "colocation micro-benchmark failed"]
     assert len(d.buffer) == rows
     if case == "table":
@@ -262,11 +268,8 @@ async def test_the_ranks_row_goes_out_as_a_rank_profile_the_estimator_fits(tmp_p
     from estimator.models import rank_row
     from tessera.measurement import malformed
 
-    d = pmain.Profilerd(ProfilerdConfig(node="n1", state_dir=str(tmp_path / "prof"), sample_interval_s=0,
-                                        comm_link="lo"), samplers=[])
-    d.colo_bench_argv, d.colo_bench_timeout_s = (sys.executable, "-c", RANK_ROWS), 10.0
-    with structlog.testing.capture_logs() as logs:
-        assert await d.colocation_benchmark() == 1
+    d, got, logs = await _bench(tmp_path, "colo", (sys.executable, "-c", RANK_ROWS), 10.0, comm_link="lo")
+    assert got == 1
     (m,) = d.buffer.pending()
     assert m.kind == "ranks" and m.labels["link"] == "lo" and malformed(m) is None
     row = rank_row(m)
