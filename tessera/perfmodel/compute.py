@@ -80,11 +80,23 @@ def design(mbf: dict, stf: dict, m, q, p: float, q_sat: float, q_mem: float = IN
     return np.stack(np.broadcast_arrays(*[np.asarray(c, dtype=float) for c in cols]), axis=-1)
 
 
-def nnls(a: np.ndarray, b: np.ndarray, iters: int = 50) -> np.ndarray:
-    """Non-negative least squares (Lawson-Hanson active set, small problems)."""
+def nnls(a: np.ndarray, b: np.ndarray, iters: int = 50, start: np.ndarray | None = None) -> np.ndarray:
+    """Non-negative least squares (Lawson-Hanson active set, small problems).
+
+    ``start``: a guess of the solution (e.g. that of a nearby problem); its positive
+    entries are tried as the first passive set and kept when their least squares is
+    positive, which skips the one-column-at-a-time build-up. The answer is the same
+    either way (the least squares of the final passive set, which the KKT test at the
+    end of the loop certifies); only the number of solves changes."""
     n = a.shape[1]
     x = np.zeros(n)
     passive = np.zeros(n, dtype=bool)
+    if start is not None and (start > 0).any():
+        guess = start > 0
+        z = np.zeros(n)
+        z[guess] = np.linalg.lstsq(a[:, guess], b, rcond=None)[0]
+        if (z[guess] > 0).all():
+            x, passive = z, guess
     w = a.T @ (b - a @ x)
     for _ in range(iters):
         if passive.all() or (w[~passive] <= 1e-12 * max(1.0, np.abs(w).max())).all():
@@ -217,16 +229,21 @@ class ComputeFit:
 HUBER_K = 1.345  # Huber's constant: 95% efficiency on clean normal residuals
 
 
-def _robust_fit(x: np.ndarray, y: np.ndarray, iters: int = 6) -> tuple[np.ndarray, np.ndarray]:
+def _robust_fit(x: np.ndarray, y: np.ndarray, iters: int = 6,
+                start: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """NNLS on relative residuals, iteratively reweighted with Huber weights so that a
     few profiles disturbed by other tenants on a shared host cannot drag the whole
-    curve (on clean data it is plain least squares). Returns (coef, rel residuals)."""
+    curve (on clean data it is plain least squares). Returns (coef, rel residuals).
+    ``start``: coefficients of a nearby fit, a guess for the first NNLS (same answer,
+    fewer solves)."""
     n = len(y)
     a0 = x / y[:, None]
     scale = np.maximum(np.abs(a0).max(axis=0), 1e-300)  # features span ~12 decades
     w = np.ones(n)
+    guess = start  # only its positive entries matter (nnls's start)
     for _ in range(iters):
-        c = nnls(a0 * w[:, None] / scale, w) / scale
+        c = nnls(a0 * w[:, None] / scale, w, start=guess) / scale
+        guess = c
         r = (x @ c - y) / y
         s = max(1.4826 * float(np.median(np.abs(r))), 1e-9)
         u = np.abs(r) / (HUBER_K * s)
@@ -341,7 +358,7 @@ def fit_compute(device_type: str, samples: list[ComputeSample], *, q_sat_grid: t
                 x = design(mbf, stf, m, q, p, qsat, qmem)
                 xm = x[split].copy()
                 xm[:, len(F.MB_FEATURES):] = 0.0
-                c, r = _robust_fit(np.concatenate([x, xm]), y_all)
+                c, r = _robust_fit(np.concatenate([x, xm]), y_all, start=fits[-1][3] if fits else None)
                 fits.append((p, qsat, qmem, c, r))
     # Every candidate (p, q_sat, q_mem) is judged at one common scale — the best candidate's
     # robust scale — not at its own: at its own, a fit that misses everything by 30%

@@ -129,6 +129,29 @@ def test_nnls_matches_unconstrained_when_positive_and_clips_otherwise():
     assert (g[got == 0] <= 1e-9).all()
 
 
+
+def test_nnls_from_a_start_gives_the_same_answer_with_fewer_solves(monkeypatch):
+    """A start (the fit's previous grid point) only picks the first passive set: the
+    answer is bit-identical to the cold one whether the guess is right, too large, too
+    small or infeasible, and a right guess needs one solve and the final check."""
+    rng = np.random.default_rng(1)
+    solves = []
+    real = np.linalg.lstsq
+    monkeypatch.setattr(np.linalg, "lstsq", lambda *a, **k: solves.append(1) or real(*a, **k))
+    for trial in range(20):
+        a = rng.random((40, 6))
+        truth = rng.random(6) * (rng.random(6) > 0.4)
+        b = a @ truth + 0.01 * rng.standard_normal(40) - 0.3 * a[:, 0]
+        solves.clear()
+        cold = nnls(a, b)
+        n_cold = len(solves)
+        for guess in (cold, np.ones(6), np.zeros(6), -np.ones(6), rng.standard_normal(6), None):
+            solves.clear()
+            assert np.array_equal(nnls(a, b, start=guess), cold), (trial, guess)
+        solves.clear()
+        nnls(a, b, start=cold)
+        assert len(solves) <= min(2, n_cold), (trial, n_cold, len(solves))
+
 def test_comm_fit_recovers_latency_and_bandwidth():
     alpha, beta = 50e-6, 1 / 2e9
     rows = []
