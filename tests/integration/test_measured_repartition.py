@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.slow,
 
 TINY = {"vocab": 64, "seq_len": 16, "layers": 1, "hidden": 32, "heads": 2}
 SMALL = {"vocab": 64, "seq_len": 32, "layers": 2, "hidden": 64, "heads": 4}
-IDLE_STEPS, IDLE_DELAY_S = 120, 0.25   # ~30 s of mostly waiting
+IDLE_STEPS, IDLE_DELAY_S = 80, 0.25    # ~20 s of mostly waiting; the decision came 3-5 s in
 BUSY_STEPS = 700                       # compute-bound: ~10-60 s depending on the machine's load
 
 
