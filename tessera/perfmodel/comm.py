@@ -191,10 +191,11 @@ def fit_comm(link: str, rows: list[dict]) -> CommFit:
     if len({round(r["compute_s"], 6) for r in rs}) >= 2:
         y = np.array([r["seconds"] for r in rs])
         x = np.column_stack([np.ones(len(rs)), np.array([r["compute_s"] for r in rs])])
-        a = x / y[:, None]
-        scale = np.maximum(np.abs(a).max(axis=0), 1e-300)
-        c = nnls(a / scale, np.ones(len(rs))) / scale
-        r = (x @ c - y) / y
+        with np.errstate(all="ignore"):  # an extreme row: a non-finite fit, which callers leave out
+            a = x / y[:, None]
+            scale = np.maximum(np.abs(a).max(axis=0), 1e-300)
+            c = nnls(a / scale, np.ones(len(rs))) / scale
+            r = (x @ c - y) / y
         out.sync = {"a": float(c[0]), "kappa": float(c[1]), "n": len(rs),
                     "rel_sigma": math.sqrt(float(r @ r) / max(1, len(rs) - 2))}
     for op in OPS:
@@ -204,10 +205,11 @@ def fit_comm(link: str, rows: list[dict]) -> CommFit:
         st, vol = zip(*(steps_and_volume(op, r["world"], r["bytes"]) for r in rs))
         y = np.array([r["seconds"] for r in rs])
         x = np.column_stack([np.array(st, dtype=float), np.array(vol, dtype=float)])
-        a = x / y[:, None]
-        scale = np.maximum(np.abs(a).max(axis=0), 1e-300)
-        c = nnls(a / scale, np.ones(len(rs))) / scale
-        r = (x @ c - y) / y
+        with np.errstate(all="ignore"):  # as above
+            a = x / y[:, None]
+            scale = np.maximum(np.abs(a).max(axis=0), 1e-300)
+            c = nnls(a / scale, np.ones(len(rs))) / scale
+            r = (x @ c - y) / y
         dof = max(1, len(rs) - 2)
         out.ops[op] = {"alpha": float(c[0]), "beta": float(c[1]), "rel_sigma": math.sqrt(float(r @ r) / dof),
                        "n": sum(row["n"] for row in rs), "max_bytes": float(max(rr["bytes"] for rr in rs))}
