@@ -613,12 +613,14 @@ def rank_profile_jobs() -> list[tuple[str, dict]]:
                     "cores": [[0], [1]]}) for mode, n, b, s, plan, m in RANK_PROFILES]
 
 
-def profile_with_retry(call, held: int, pcost: dict, key: str, what: str, tries: int = 2) -> dict:
-    """``call()`` (a profile run returning a dict with ``device_s``), tried again when it
-    raises RuntimeError (a run that got too few steps or whose process failed, e.g. under
-    a burst of other work on the host) — one failed run no longer ends a 9-minute
-    benchmark. Every attempt's device time counts in ``pcost[key]`` (a failed one: its
-    wall time times the ``held`` cores); the last attempt's error propagates."""
+def profile_with_retry(call, held: int, pcost: dict, key: str, what: str, tries: int = 2,
+                       device_s=lambda res: res["device_s"]):
+    """``call()`` (a run of a profile or of a grid point), tried again when it raises
+    RuntimeError (a run that got too few steps or whose process failed, e.g. under a
+    burst of other work on the host) — one failed run no longer ends a 9-minute
+    benchmark. Every attempt's device time counts in ``pcost[key]``: a successful one's
+    ``device_s(result)`` (default: its ``device_s``), a failed one's wall time times the
+    ``held`` cores; the last attempt's error propagates."""
     for attempt in range(tries):
         t0 = time.monotonic()
         try:
@@ -629,7 +631,7 @@ def profile_with_retry(call, held: int, pcost: dict, key: str, what: str, tries:
                 raise
             print(f"{what} failed ({e}); trying again", file=sys.stderr)
             continue
-        pcost[key] += res["device_s"]
+        pcost[key] += device_s(res)
         return res
     raise ValueError(f"tries: {tries}, expected >= 1")
 
@@ -720,7 +722,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
     colo_steps: list[dict] = []
     colo_skipped: list[dict] = []  # rounds whose colocation profile failed twice (JSON ``colocation_skipped``)
     comm_runs: list[list[dict]] = []
-    grid_cost = 0.0
+    gcost = {"grid": 0.0}  # device-seconds of the grid's runs, failed attempts included
     job_rounds: list[list[tuple]] = [[] for _ in points]  # per round: (step times, raw times) of its jobs
     faults: list[list[list]] = [[] for _ in points]  # per round: minor page faults per measured step of its jobs
     util: list[list[float]] = [[] for _ in points]
@@ -734,9 +736,11 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
             if task[0] == "prof":
                 pts = PROFILE_POINTS
                 warm = [WARMUP] + [WARM_WARMUP] * (len(pts) - 1)
-                meds, dev_s = profile_points([(workload(pn, pb, ps, pm, w + MEASURED), list(range(int(pq))))
-                                              for (pn, pb, ps, pq, pm), w in zip(pts, warm)], warm)
-                pcost["compute"] += dev_s
+                runs = [(workload(pn, pb, ps, pm, w + MEASURED), list(range(int(pq))))
+                        for (pn, pb, ps, pq, pm), w in zip(pts, warm)]
+                meds, _ = profile_with_retry(lambda: profile_points(runs, warm), max(len(c) for _, c in runs),
+                                             pcost, "compute", f"profile points (round {r})",
+                                             device_s=lambda res: res[1])
                 for pt, x in zip(pts, meds):
                     alone.setdefault(pt, []).append(x["step_s"])
                     alone_fb.setdefault(pt, []).append(x.get("mb_frac"))
@@ -757,8 +761,8 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                 # The controller's profiling job of each shape: its own workload, WARMUP +
                 # MEASURED steps, quota 1, a fresh process.
                 for name in shapes:
-                    res = run_workload(workload_profile(name), [0], WARMUP)
-                    pcost["workload"] += res["device_s"]
+                    res = profile_with_retry(lambda: run_workload(workload_profile(name), [0], WARMUP), 1, pcost,
+                                             "workload", f"{name} profile (round {r})")
                     wprof[name].append(res["steps"])
             elif task[0] == "ranks":
                 # A multi-rank plan's ranks beside each other, measured like a grid point
@@ -768,20 +772,25 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                         run_jobs, j, workload(j["model"], j["batch"], j["seq"], j["m"], steps, j["plan"]), pcost,
                         rank_skipped, r))
             elif task[0] == "comm":
-                rows, dev_s = comm_table(sizes=COMM_SIZES, reps=COMM_REPS, ops=COMM_OPS)
-                pcost["comm"] += dev_s
+                rows, _ = profile_with_retry(lambda: comm_table(sizes=COMM_SIZES, reps=COMM_REPS, ops=COMM_OPS), 2,
+                                             pcost, "comm", f"comm table (round {r})", device_s=lambda res: res[1])
                 comm_runs.append(rows)
             else:
                 i = task[1]
-                if points[i]["jobs"][0].get("shape"):
-                    j = points[i]["jobs"][0]
-                    res = [run_workload(workload_heldout(j["shape"]), j["cores"][0], WARMUP)]
+                pj = points[i]["jobs"]
+                if pj[0].get("shape"):
+                    def call():
+                        return [run_workload(workload_heldout(pj[0]["shape"]), pj[0]["cores"][0], WARMUP)]
                 else:
-                    n_steps = steps if len(points[i]["jobs"]) == 1 else WARMUP + PAIR_MEASURED
+                    n_steps = steps if len(pj) == 1 else WARMUP + PAIR_MEASURED
                     jobs = [{"workload": workload(j["model"], j["batch"], j["seq"], j["m"], n_steps, j["plan"]),
-                             "cores": j["cores"]} for j in points[i]["jobs"]]
-                    res = run_jobs(jobs, WARMUP)
-                grid_cost += sum(x["device_s"] for x in res)
+                             "cores": j["cores"]} for j in pj]
+
+                    def call():
+                        return run_jobs(jobs, WARMUP)
+                held = len({c for j in pj for rc in j["cores"] for c in rc})
+                res = profile_with_retry(call, held, gcost, "grid", f"grid point {i} ({points[i]['category']}, "
+                                         f"round {r})", device_s=lambda rs: sum(x["device_s"] for x in rs))
                 job_rounds[i].append(([x["step_s"] for x in res], [x["wall_s"] for x in res]))
                 faults[i].append([x.get("faults") for x in res])
                 util[i] += [x["cpu_util"] for x in res if x["cpu_util"] is not None]
@@ -812,7 +821,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
             "profile_faults_rounds": {point_key(k): v for k, v in alone_faults.items()},
             "workload_profiles": [p.to_dict() for p in wpoints], "workload_wall_s": wall_wl,
             "workload_profile_rounds": {name: wprof[name] for name in shapes}}
-    return model, prof, measured, grid_cost
+    return model, prof, measured, gcost["grid"]
 
 
 def faults_median(values: list) -> float | None:

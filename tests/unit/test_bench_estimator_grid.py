@@ -91,6 +91,38 @@ def test_a_failed_colocation_profile_is_tried_again_and_its_time_counted():
         ea.colocation_with_retry(broken, {}, [[0], [0]], {"colocation": 0.0})
 
 
+def test_a_failed_grid_point_or_profile_run_is_tried_again_with_its_own_device_time():
+    """Grid points, profile points, workload profiles and the comm table go through the
+    same retry as the colocation pairs (before, one failed run ended the benchmark): a
+    result of another shape names its device time by ``device_s``; a failed attempt's
+    wall time x the cores it held is counted too."""
+    calls = []
+
+    def flaky_grid():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("bench run failed: exit codes [0, -9]")
+        return [{"step_s": 0.02, "device_s": 0.4}, {"step_s": 0.03, "device_s": 0.5}]
+
+    gcost = {"grid": 0.0}
+    res = ea.profile_with_retry(flaky_grid, 2, gcost, "grid", "grid point 3",
+                                device_s=lambda rs: sum(x["device_s"] for x in rs))
+    assert [x["step_s"] for x in res] == [0.02, 0.03] and len(calls) == 2
+    assert gcost["grid"] >= 0.9  # both ranks' device time, plus the failed attempt's
+    pcost = {"compute": 0.0}
+    meds, dev = ea.profile_with_retry(lambda: ([{"step_s": 0.01}], 1.5), 2, pcost, "compute", "profile points",
+                                      device_s=lambda r: r[1])
+    assert dev == 1.5 and pcost["compute"] == 1.5
+
+    def broken():
+        raise RuntimeError("comm micro-benchmark failed: exit codes [1, 0]")
+
+    pcost = {"comm": 0.0}
+    with pytest.raises(RuntimeError, match="comm micro-benchmark failed"):
+        ea.profile_with_retry(broken, 2, pcost, "comm", "comm table", device_s=lambda r: r[1])
+    assert pcost["comm"] > 0.0  # both failed tries' wall time x 2 cores
+
+
 def test_a_colocation_profile_that_fails_every_try_skips_its_round_not_the_run():
     def broken(wl, cores, warmup, measured):
         raise RuntimeError("colocation profile: 11 alone and 1 together steps of X (need 2 each)")
