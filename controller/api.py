@@ -13,6 +13,8 @@ MAX_MESSAGE_BYTES (UTF-8) so that it always fits gRPC's metadata limit.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import math
 
@@ -84,8 +86,14 @@ def rpc(fn):
 
 
 class JobService(controller_pb2_grpc.JobServiceServicer):
-    def __init__(self, ctl: Controller) -> None:
+    """``stopping``: set when the controller begins to stop; every open WatchJobs stream
+    then ends at once with UNAVAILABLE, which clients (tessera.client) answer by watching
+    again from their last revision — at the next leader, or this one restarted. Without
+    it a stop waited out the server's grace for streams that never end by themselves."""
+
+    def __init__(self, ctl: Controller, stopping: asyncio.Event | None = None) -> None:
         self.ctl = ctl
+        self.stopping = stopping or asyncio.Event()
 
     @rpc
     async def SubmitJob(self, request, context):
@@ -135,13 +143,45 @@ class JobService(controller_pb2_grpc.JobServiceServicer):
         # may never send: its outage clock restarts on this (tessera.client).
         await context.send_initial_metadata(((WATCH_OPEN_METADATA_KEY, "1"),))
         try:
-            async for ev in watch_jobs(self.ctl, request):
+            async for ev in until_set(self.stopping, watch_jobs(self.ctl, request)):
                 yield ev
+            if self.stopping.is_set():
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "controller stopping; watch again from the last "
+                                    "revision (another replica, or this one once restarted)")
         except aetcd.RevisionCompactedError as e:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE,
                                 cap_message(f"start_revision: compacted ({e}); list again and watch from its revision"))
         except aetcd.ClientError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, cap_message(f"etcd: {e}"))
+
+
+async def until_set(event: asyncio.Event, events):
+    """The items of the async iterator ``events`` until ``event`` is set: then it stops at
+    once, even while waiting for the next item (which is cancelled), and closes
+    ``events`` (also when the consumer stops or is cancelled)."""
+    it = aiter(events)
+    stop = asyncio.ensure_future(event.wait())
+    nxt = None
+    try:
+        while not event.is_set():
+            nxt = asyncio.ensure_future(anext(it))
+            await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                return  # stopped while waiting: the finally cancels the pending item
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            nxt = None
+            yield item
+    finally:
+        stop.cancel()
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await nxt
+        if hasattr(it, "aclose"):
+            await it.aclose()
 
 
 async def watch_jobs(ctl: Controller, request):

@@ -48,7 +48,8 @@ async def serve(cfg: ControllerConfig, ready: asyncio.Event | None = None, stop:
     leadership = Leadership(client, store, identity, ttl=cfg.lease_ttl_s)
 
     server = grpc.aio.server()
-    controller_pb2_grpc.add_JobServiceServicer_to_server(JobService(ctl), server)
+    loop_stop = asyncio.Event()  # set when the controller stops: its loops and open watches end
+    controller_pb2_grpc.add_JobServiceServicer_to_server(JobService(ctl, loop_stop), server)
     controller_pb2_grpc.add_NodeServiceServicer_to_server(NodeService(ctl), server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -64,7 +65,6 @@ async def serve(cfg: ControllerConfig, ready: asyncio.Event | None = None, stop:
         raise SystemExit(f"--listen: cannot bind {cfg.listen}")
     await server.start()
     stop = stop or asyncio.Event()
-    loop_stop = asyncio.Event()
 
     async def elected():
         await ctl.on_elected()
