@@ -85,9 +85,10 @@ def nnls(a: np.ndarray, b: np.ndarray, iters: int = 50, start: np.ndarray | None
 
     ``start``: a guess of the solution (e.g. that of a nearby problem); its positive
     entries are tried as the first passive set and kept when their least squares is
-    positive, which skips the one-column-at-a-time build-up. The answer is the same
-    either way (the least squares of the final passive set, which the KKT test at the
-    end of the loop certifies); only the number of solves changes."""
+    positive, which skips the one-column-at-a-time build-up. For an ``a`` of full column
+    rank the answer is the same either way — the unique minimiser, computed as the least
+    squares of its support, which the KKT test at the end of the loop certifies — and so
+    bit for bit; only the number of solves changes."""
     n = a.shape[1]
     x = np.zeros(n)
     passive = np.zeros(n, dtype=bool)
