@@ -323,13 +323,17 @@ class Testbed:
         t0 = time.monotonic()
         try:
             self._start_etcd(timeout)
+            # The estimator, the controller and the profilerds start together (each knows
+            # the others' addresses before they serve, and retries until they answer: the
+            # controller's estimator link, profilerd's stream); the agents then, as they
+            # register with the controller to become ready.
+            first = []
             est_addr = ""
             if with_estimator:
                 (port,) = free_ports(1)
                 est_addr = f"127.0.0.1:{port}"
-                p = self._spawn("estimator", "estimator", ["--listen", est_addr, "--state-dir", self._state("estimator")], est_addr)
-                self._wait_ready([p], timeout)
-                self.info["addresses"]["estimator"] = est_addr
+                first.append(self._spawn("estimator", "estimator",
+                                         ["--listen", est_addr, "--state-dir", self._state("estimator")], est_addr))
             else:
                 self.progress("- estimator: not installed, skipped")
             (port,) = free_ports(1)
@@ -338,13 +342,8 @@ class Testbed:
                     "--checkpoint-root", self._state("checkpoints")]
             if est_addr:
                 args += ["--estimator", est_addr]
-            p = self._spawn("controller", "controller", args, ctl_addr)
-            self._wait_ready([p], timeout)
-            self.info["controller"] = self.info["addresses"]["controller"] = ctl_addr
-            self._write()  # the controller is usable from here on
-
+            first.append(self._spawn("controller", "controller", args, ctl_addr))
             ports = free_ports(2 * agents)
-            profs = []
             for i in range(agents):
                 name = f"node-{i + 1}"
                 node = {"agent": f"127.0.0.1:{ports[2 * i]}"}
@@ -352,7 +351,7 @@ class Testbed:
                     node["profilerd"] = f"127.0.0.1:{ports[2 * i + 1]}"
                     if not est_addr:
                         raise TestbedError("profilerd needs the estimator, which is not installed")
-                    profs.append(self._spawn(f"{name}-profilerd", "profilerd",
+                    first.append(self._spawn(f"{name}-profilerd", "profilerd",
                                              ["--node", name, "--listen", node["profilerd"], "--estimator", est_addr,
                                               "--state-dir", self._state("nodes", name, "profilerd")]
                                              # one loopback comm table per machine: node-1's profilerd measures it
@@ -360,10 +359,14 @@ class Testbed:
                                              + (["--colocation-benchmark"] if i == 0 and colocation_benchmark else []),
                                              node["profilerd"]))
                 self.info["addresses"]["nodes"][name] = node
-            if profs:
-                self._wait_ready(profs, timeout)
-            elif not with_profilerd:
+            if not with_profilerd:
                 self.progress("- profilerd: not installed, skipped")
+            self._wait_ready(first, timeout)
+            if est_addr:
+                self.info["addresses"]["estimator"] = est_addr
+            self.info["controller"] = self.info["addresses"]["controller"] = ctl_addr
+            self._write()  # the controller is usable from here on
+
             ags = []
             for name, node in self.info["addresses"]["nodes"].items():
                 args = ["--name", name, "--listen", node["agent"], "--controller", ctl_addr,
