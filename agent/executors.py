@@ -53,7 +53,7 @@ from pathlib import Path
 from agent.runtime.report import parse_line
 from tessera import log
 from tessera.fsutil import atomic_write
-from tessera.measurement import BREAKDOWN_MODULES as _BREAKDOWN_MODULES
+from tessera.measurement import BREAKDOWN_MODULES
 from tessera.modelkey import model_key, profile_labels
 from tessera.procfs import proc_stat as _proc_stat
 from tessera.procfs import process_start_ticks  # noqa: F401 - also this module's interface (tests import it here)
@@ -157,11 +157,10 @@ class Executor:
 
 
 Report = dict  # {"kind": "STARTED"|"PROGRESS"|"EXITED", ...}
-# Modules a runtime breaks a step into (multimodal: ``module: encoder|llm`` progress events
-# with forward/backward/communication/idle seconds; tessera.measurement, which the
-# estimator keeps out of its step windows too); a PROGRESS report carries the latest
-# phases of each as ``"modules": {name: {phase: seconds}}``.
-BREAKDOWN_MODULES = _BREAKDOWN_MODULES
+# BREAKDOWN_MODULES (tessera.measurement): modules a runtime breaks a step into
+# (multimodal: ``module: encoder|llm`` progress events with forward/backward/
+# communication/idle seconds; the estimator keeps them out of its step windows too); a
+# PROGRESS report carries the latest phases of each as ``"modules": {name: {phase: seconds}}``.
 
 
 def process_cpu_s(pid: int) -> float | None:
