@@ -613,6 +613,12 @@ def rank_profile_jobs() -> list[tuple[str, dict]]:
                     "cores": [[0], [1]]}) for mode, n, b, s, plan, m in RANK_PROFILES]
 
 
+def cores_held(jobs: list[dict]) -> int:
+    """How many distinct cores ``jobs`` (each with ``cores``: one core list per rank)
+    hold together: the device-seconds of a run are its wall time times these."""
+    return len({c for j in jobs for rc in j["cores"] for c in rc})
+
+
 def profile_with_retry(call, held: int, pcost: dict, key: str, what: str, tries: int = 2,
                        device_s=lambda res: res["device_s"]):
     """``call()`` (a run of a profile or of a grid point), tried again when it raises
@@ -653,7 +659,7 @@ def rank_profile_or_skip(run, job: dict, wl: dict, pcost: dict, skipped: list[di
     its step time, or None when every try failed — that round then has no value of this
     rank profile (``skipped`` gets ``{"plan", "round", "error"}``, JSON ``rank_skipped``;
     :func:`with_rank_profiles` uses the other rounds) rather than the whole run ending."""
-    held = len({c for rc in job["cores"] for c in rc})
+    held = cores_held([job])
     res = _or_skip(lambda: profile_with_retry(lambda: run([{"workload": wl, "cores": job["cores"]}], WARMUP)[0],
                                               held, pcost, "ranks", f"rank profile {job['plan']}"),
                    skipped, {"plan": job["plan"], "round": r}, f"rank profile ({job['plan']}, round {r})")
@@ -788,8 +794,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
 
                     def call():
                         return run_jobs(jobs, WARMUP)
-                held = len({c for j in pj for rc in j["cores"] for c in rc})
-                res = profile_with_retry(call, held, gcost, "grid", f"grid point {i} ({points[i]['category']}, "
+                res = profile_with_retry(call, cores_held(pj), gcost, "grid", f"grid point {i} ({points[i]['category']}, "
                                          f"round {r})", device_s=lambda rs: sum(x["device_s"] for x in rs))
                 job_rounds[i].append(([x["step_s"] for x in res], [x["wall_s"] for x in res]))
                 faults[i].append([x.get("faults") for x in res])
@@ -880,8 +885,7 @@ def extra_step_device_s(measured: list[dict], rounds: int) -> float:
     for p in measured:
         jobs = p["jobs"]
         if len(jobs) == 2:
-            held = len({c for j in jobs for rc in j["cores"] for c in rc})
-            extra += (PAIR_MEASURED - MEASURED) * max(p["raw"]) * held * rounds
+            extra += (PAIR_MEASURED - MEASURED) * max(p["raw"]) * cores_held(jobs) * rounds
         elif jobs[0].get("shape"):
             extra += (WORKLOAD_MEASURED - MEASURED) * p["raw"][0] * len(jobs[0]["cores"][0]) * rounds
     return extra
