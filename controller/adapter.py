@@ -28,6 +28,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from controller import fusion, measured
+from controller.records import is_profile_job
 from controller.policy import DeviceView, JobView, NodeView, Placement, RunningJob, ScheduleRequest, Shard
 from controller.policy.multiplex import quota_units  # the one rounding rule, policy and carrying-out alike
 from controller.policy.types import ColocationGroup, Plan
@@ -167,7 +168,9 @@ def device_classes(nodes: list[types_pb2.Node]) -> dict[str, DeviceClass]:
 def job_view(job: types_pb2.Job, types_by_kind: dict[str, set[str]]) -> JobView:
     """A job as the policy sees it: its devices, share, total and done steps, its
     model key (``model_key``) and, for peft jobs, its frozen backbone
-    (``fusion.backbone_of``: LoRA jobs on one backbone may be fused)."""
+    (``fusion.backbone_of``: LoRA jobs on one backbone may be fused). A profiling job
+    (``records.is_profile_job``) does not preempt (``JobView.preempts``): it runs on free
+    devices, never by stopping a running job - the one it profiles least of all."""
     share = job.spec.resources.share
     return JobView(
         job.id, job.spec.tenant or "default", max(job.spec.resources.devices, 1), _job_kind(job, types_by_kind),
@@ -175,7 +178,7 @@ def job_view(job: types_pb2.Job, types_by_kind: dict[str, set[str]]) -> JobView:
         iterations=int(job.status.total_steps or job.spec.workload.steps), done_iterations=float(job.status.step),
         gpu_fraction=share if 0 < share < 1 else 1.0,
         encoder_share=job.status.encoder_share if job.spec.workload.type == "multimodal" else 0.0,
-        backbone=fusion.backbone_of(job),
+        backbone=fusion.backbone_of(job), preempts=not is_profile_job(job),
     )
 
 

@@ -401,7 +401,7 @@ def _handle_pending(rd: _Round, it: _Item, running_left: set[str]) -> None:
         rd.infeasible.append(Infeasible(job.job_id, f"tenant {job.tenant} is at its GPU quota "
                                         f"({rd.used.get(job.tenant, 0):g}/{rd.quotas[job.tenant]})"))
         return
-    got = _try_cells(rd, it, it.cells, lambda j: j in running_left)
+    got = _try_cells(rd, it, it.cells, (lambda j: j in running_left) if job.preempts else None)
     if got is None:
         best = it.cells[0]
         rd.infeasible.append(Infeasible(job.job_id, f"waiting: none of {len(it.cells)} allowed cells is free "
@@ -450,7 +450,7 @@ def _handle_fractional(rd: _Round, it: _Item, shared: list[mx.SharedDevice], tou
                               rd.s.max_members, intact=lambda d: rd.pool.intact(d.group_id, 1))
         if dev is not None:
             running_left.discard(dev.group_id)
-    if dev is None and rd.s.preempt and rd.attempts < rd.s.max_preempt_attempts:
+    if dev is None and job.preempts and rd.s.preempt and rd.attempts < rd.s.max_preempt_attempts:
         # Like any job, a small one with much less remaining work may preempt.
         for c in it.cells[:2]:
             rd.attempts += 1

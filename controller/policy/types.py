@@ -58,6 +58,10 @@ class JobView:
     backbone: str = ""             # LoRA jobs on the same frozen backbone may be fused
     encoder_share: float = 0.0     # multimodal: measured fraction of step time in the encoder
     elastic: bool = True           # False: run exactly ``num_devices`` of ``device_kind``
+    # False: ordered like any job, but takes only free (or shared) devices, never a running
+    # job's (non-preempting priority, Kubernetes' ``preemptionPolicy: Never``): the
+    # controller's profiling jobs, which must not stop the job they profile.
+    preempts: bool = True
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from controller.policy import (
@@ -81,6 +83,26 @@ def test_preempt_long_running_job_for_a_much_shorter_one():
     r = TesseraPolicy().schedule(req([short], [long], ns=ns))
     assert [p.job_id for p in r.placements] == ["short"]
     assert [a.job_id for a in r.preemptions] == ["long"]
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_a_non_preempting_job_waits_for_a_free_device_however_short(fraction):
+    """``preempts=False`` (the controller's profiling jobs): ordered first, as short as it
+    is, but it takes no running job's devices: it waits, and the running job is kept."""
+    ns = nodes(a=1, b=0)
+    long = running(job("long", 4, iters=10**7, elastic=False), "a0", ("g0", "g1", "g2", "g3"), "a",
+                   plan=Plan(1, 4, 0, 4.0))
+    prof = job("prof", 1, iters=8, gpu_fraction=fraction, preempts=False)
+    r = TesseraPolicy().schedule(req([prof], [long], ns=ns))
+    assert not r.preemptions and not r.placements and r.infeasible[0].job_id == "prof"
+    assert r.infeasible[0].reason.startswith("waiting")
+    # the same job allowed to preempt takes a device of the long one
+    r = TesseraPolicy().schedule(req([replace(prof, preempts=True)], [long], ns=ns))
+    assert [a.job_id for a in r.preemptions] == ["long"] and [p.job_id for p in r.placements] == ["prof"]
+    # with a device free it is placed like any job
+    ns2 = nodes(a=2, b=0)
+    r = TesseraPolicy().schedule(req([prof], [long], ns=ns2))
+    assert not r.preemptions and [p.job_id for p in r.placements] == ["prof"]
 
 
 def test_no_preempt_when_gain_is_small():
