@@ -28,6 +28,9 @@ class AgentConfig:
                 "time slicing on GPUs) | cpuset | mps | mig | timeslice; an explicit mode that cannot apply is an error"})
     timeslice_slots: int = field(default=4, metadata={"help": "executors per GPU under time slicing"})
     fault_poll_s: float = field(default=1.0, metadata={"help": "how often MPS server logs are polled for fatal faults"})
+    executor_zygote: bool = field(default=True, metadata={
+        "help": "fork CPU executors from a warm fork server that imported torch once (they start in milliseconds "
+                "instead of seconds); off: every executor is a fresh Python process"})
     stall_timeout_s: float = field(default=600.0, metadata={
         "help": "kill an executor whose training made no progress for this long (or 20x its longest step, if "
                 "longer) after its first step — a hung collective, a deadlock — after dumping its thread stacks "

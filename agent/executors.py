@@ -61,6 +61,7 @@ from tessera.procfs import read_proc as _read_proc
 from tessera.quota import partition_quota
 
 from .devices import LocalDevice
+from .zygote import Zygote, ZygoteProcess
 from .partitions import BadGrant, CapacityRefused, Grant, MpsBackend, Partitions, UnknownPartition
 
 
@@ -102,7 +103,7 @@ class Executor:
     rank: int
     device_ids: list[str]
     log_path: Path
-    proc: asyncio.subprocess.Process | None = None
+    proc: asyncio.subprocess.Process | ZygoteProcess | None = None
     exit_code: int | None = None
     step: int = 0
     loss: float = 0.0
@@ -250,6 +251,7 @@ class ExecutorManager:
         reap_grace_s: float = REAP_GRACE_S,
         keep_exited: int = KEEP_EXITED,
         stall_timeout_s: float = 0.0,
+        zygote: bool = False,
     ) -> None:
         # Absolute, once: executors run with it as their cwd and are handed paths under it
         # (their spec file), so a relative one would resolve twice.
@@ -261,6 +263,12 @@ class ExecutorManager:
         self.report_interval_s = report_interval_s
         self.stall_timeout_s = stall_timeout_s  # 0: stalls are not watched (check_stalls)
         self.python = python
+        # ``zygote``: CPU executors are forked from a warm fork server (agent.zygote,
+        # started by ``start_zygote``) instead of each importing torch afresh; a spawn it
+        # cannot make falls back to a process of its own.
+        self.use_zygote = zygote
+        self.zygote: Zygote | None = None
+        self._zygote_ready: asyncio.Task | None = None
         # With partitions, every executor runs on a grant (the agent's capacity check);
         # without (older callers), a device is held whole by one allocation.
         self.parts = parts
@@ -482,13 +490,26 @@ class ExecutorManager:
             # Process's wait() also waits for its output to close, which a member of its
             # group may hold open for ever.
             loop = asyncio.get_running_loop()
-            transport, protocol = await loop.subprocess_exec(
-                lambda: _ExecutorProtocol(loop), self.python, "-m", "agent.runtime", "--spec", str(spec_path),
-                stdin=None, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
-                start_new_session=True, cwd=str(self.state_dir),
-            )
-            ex.proc = ex_proc = asyncio.subprocess.Process(transport, protocol, loop)
-            ex.transport, ex.leader_exited = transport, protocol.leader_exited
+            argv = [self.python, "-m", "agent.runtime", "--spec", str(spec_path)]
+            # Forked only when its threads fit its cores: OpenMP (libgomp) decides once, at
+            # load, whether idle threads spin, from the CPUs it could run on then — in a
+            # fork of the zygote the agent's, not the executor's. With more threads than
+            # cores (a core set declared larger than the machine: --cpu-units-per-core > 1)
+            # a fork's threads spin against each other (measured: 60 MLP steps, 2 threads on
+            # 1 core, 9.2 s instead of 0.47 s); a process of its own throttles them.
+            forked = (await self._zygote_spawn(argv, env)
+                      if devs[0].kind == "cpu" and cores and spec["threads"] <= len(cores) else None)
+            if forked is not None:
+                ex.proc = ex_proc = forked
+                ex.transport, ex.leader_exited = forked.transport, forked.leader_exited
+            else:
+                transport, protocol = await loop.subprocess_exec(
+                    lambda: _ExecutorProtocol(loop), *argv,
+                    stdin=None, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
+                    start_new_session=True, cwd=str(self.state_dir),
+                )
+                ex.proc = ex_proc = asyncio.subprocess.Process(transport, protocol, loop)
+                ex.transport, ex.leader_exited = transport, protocol.leader_exited
         except BaseException:
             log_file.close()
             self._remove_record(ex)
@@ -527,6 +548,49 @@ class ExecutorManager:
             self.log.error("STARTED report failed; the executor runs on", job_id=job_id,
                            allocation=allocation_id, rank=rank, error=repr(e))
         return ex, False
+
+    def start_zygote(self) -> None:
+        """Start the executor fork server in the background (with ``zygote``, on a node with
+        CPU devices; once). The first CPU launch starts it: a node that never runs a CPU
+        executor pays nothing, and that launch waits for it to be warm (about what its own
+        import would have taken); every later one is a fork."""
+        if not self.use_zygote or self._zygote_ready is not None:
+            return
+        if not any(d.kind == "cpu" for d in self.devices.values()):
+            return  # GPU executors keep processes of their own (module doc of agent.runtime.zygote)
+        self.zygote = Zygote(self.python, self.state_dir / "zygote.log")  # logs/ holds the jobs' logs only
+        env = {k: v for k, v in os.environ.items() if k != FAILPOINT_ENV}
+        self._zygote_ready = asyncio.create_task(self.zygote.start(env, str(self.state_dir)))
+
+    async def _zygote_spawn(self, argv: list[str], env: dict) -> ZygoteProcess | None:
+        """The executor forked by the zygote, or None: no zygote (not asked for, not
+        warm, gone) or it refused — the caller spawns a process of its own."""
+        self.start_zygote()
+        if self._zygote_ready is None or self.zygote is None:
+            return None
+        try:
+            if not await asyncio.shield(self._zygote_ready) or not self.zygote.alive:
+                return None
+            return await self.zygote.spawn(argv, env, str(self.state_dir))
+        except asyncio.CancelledError:
+            if self._zygote_ready.cancelled():
+                return None  # stop_zygote meanwhile (the agent is stopping), not this launch
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure of the zygote: a process of its own
+            self.log.warning("executor zygote could not spawn; the executor starts as its own process",
+                             error=repr(e))
+            return None
+
+    async def stop_zygote(self) -> None:
+        """Stop the fork server (after ``stop_all``: an executor of it still running is killed)."""
+        if self._zygote_ready is not None:
+            self._zygote_ready.cancel()  # no-op once it is done
+            try:
+                await self._zygote_ready
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self.zygote is not None:
+            await self.zygote.stop()
 
     async def _discard_spawned(self, ex: Executor, log_file) -> None:
         """Undo a spawn that cannot go on (before its pump exists): SIGKILL its process

@@ -75,7 +75,8 @@ class Agent:
         self.parts = Partitions.for_devices(self.devices, mode=cfg.partition_mode, state_dir=state_dir,
                                             mig_allow_changes=False, timeslice_slots=cfg.timeslice_slots)
         self.mgr = ExecutorManager(state_dir, self.devices, self._on_report, self._on_step, cfg.report_interval_s,
-                                   parts=self.parts, stall_timeout_s=cfg.stall_timeout_s)
+                                   parts=self.parts, stall_timeout_s=cfg.stall_timeout_s,
+                                   zygote=cfg.executor_zygote)
         self.channel = grpc.aio.insecure_channel(cfg.controller)
         self.nodes = controller_pb2_grpc.NodeServiceStub(self.channel)
         self.prof = None
@@ -330,6 +331,7 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event | None = None) -> None:
             # The agent's decision: the exits are reported stopped_by_agent (requeued, not failed).
             await agent.mgr.stop_all(cfg.stop_grace_s, by_agent=True)
         finally:
+            await agent.mgr.stop_zygote()
             agent.parts.stop()
             # Let the exit reports of the executors just stopped reach the controller: the
             # sender marks each report done once acknowledged (or refused), so join waits

@@ -61,3 +61,13 @@ def test_zero_grace_and_interval_are_accepted(served, tmp_path):
 def test_stall_watch_can_be_turned_off(served, tmp_path):
     assert agent_main.main(["--stall-timeout-s", "0", "--state-dir", str(tmp_path)]) == 0
     assert served[0].stall_timeout_s == 0.0
+
+
+def test_the_executor_zygote_is_on_by_default_and_can_be_turned_off(served, tmp_path, monkeypatch):
+    assert agent_main.main(["--state-dir", str(tmp_path)]) == 0
+    assert served[-1].executor_zygote is True
+    assert agent_main.main(["--no-executor-zygote", "--state-dir", str(tmp_path)]) == 0
+    assert served[-1].executor_zygote is False
+    monkeypatch.setenv("TESSERA_AGENT_EXECUTOR_ZYGOTE", "false")
+    assert agent_main.main(["--state-dir", str(tmp_path)]) == 0
+    assert served[-1].executor_zygote is False
