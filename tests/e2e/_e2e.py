@@ -39,8 +39,9 @@ def cli(*args: str, cwd: Path, timeout: float = 120, env: dict | None = None) ->
 
 def tiny_manifest(path: Path, name: str, steps: int = 20, devices: int = 1, checkpoint_every: int = 5,
                   extra_workload: str = "") -> Path:
-    """Write a small, fast GPT manifest (dp = ``devices``) and return its path."""
-    path.write_text(textwrap.dedent(f"""\
+    """Write a small, fast GPT manifest (dp = ``devices``) and return its path;
+    ``extra_workload``: more ``workload`` lines (YAML, any indentation)."""
+    text = textwrap.dedent(f"""\
         apiVersion: tessera/v1
         kind: Job
         name: {name}
@@ -53,8 +54,11 @@ def tiny_manifest(path: Path, name: str, steps: int = 20, devices: int = 1, chec
           learning_rate: 0.01
           checkpoint_every: {checkpoint_every}
           plan: {{dp: {devices}}}
-        {extra_workload}resources: {{devices: {devices}, device_kind: cpu}}
-        """))
+        resources: {{devices: {devices}, device_kind: cpu}}
+        """)
+    if extra_workload:
+        text = text.replace("resources:", textwrap.indent(textwrap.dedent(extra_workload), "  ") + "resources:", 1)
+    path.write_text(text)
     return path
 
 

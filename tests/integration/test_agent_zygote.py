@@ -71,7 +71,7 @@ def ppid(pid: int) -> int:
     return int(proc_stat(pid)[1])
 
 
-async def test_executors_are_forked_from_one_zygote_train_and_carry_their_labels(mgr):
+async def _forked_train_and_carry_their_labels(mgr):
     a = await launch(mgr, "a-1", gpt("j-1", 30))
     assert (await mgr.reports.exit("a-1"))["exit_code"] == 0 and a.exit_code == 0
     b = await launch(mgr, "a-2", gpt("j-2", 1_000_000), dev="cpu1")
@@ -91,7 +91,7 @@ async def test_executors_are_forked_from_one_zygote_train_and_carry_their_labels
     assert os.sched_getaffinity(pid) == set(mgr.devices["cpu1"].cores)
 
 
-async def test_a_forked_executor_stops_with_a_checkpoint_like_any_other(mgr, tmp_path):
+async def _a_forked_executor_stops_with_a_checkpoint(mgr, tmp_path):
     ck = str(tmp_path / "ck")
     ex = await launch(mgr, "a-s", gpt("j-s", 1_000_000, ck))
     assert isinstance(ex.proc, ZygoteProcess)
@@ -102,7 +102,7 @@ async def test_a_forked_executor_stops_with_a_checkpoint_like_any_other(mgr, tmp
     assert saved is not None and 1 <= saved["step"] < 1_000_000
 
 
-async def test_an_executor_whose_zygote_dies_is_killed_and_later_ones_run_on_their_own(mgr):
+async def _executors_of_a_dead_zygote_are_killed_and_later_ones_run_on_their_own(mgr):
     ex = await launch(mgr, "a-z", gpt("j-z", 1_000_000))
     await mgr.reports.until("a-z", "PROGRESS")
     pid, z = ex.proc.pid, mgr.zygote.pid
@@ -113,6 +113,15 @@ async def test_an_executor_whose_zygote_dies_is_killed_and_later_ones_run_on_the
     nxt = await launch(mgr, "a-n", gpt("j-n", 5))
     assert not isinstance(nxt.proc, ZygoteProcess)  # a process of its own
     assert (await mgr.reports.exit("a-n"))["exit_code"] == 0
+
+
+async def test_forked_executors_train_carry_labels_stop_with_a_checkpoint_and_go_with_their_zygote(mgr, tmp_path):
+    """One zygote for the whole story (its warm-up costs seconds of CPU): forked
+    executors train and are found where the agent looks; one stops with a checkpoint;
+    then the zygote dies with one running (the one left running above goes too)."""
+    await _forked_train_and_carry_their_labels(mgr)
+    await _a_forked_executor_stops_with_a_checkpoint(mgr, tmp_path)
+    await _executors_of_a_dead_zygote_are_killed_and_later_ones_run_on_their_own(mgr)
 
 
 def test_label_environ_writes_only_into_its_slot(tmp_path):
