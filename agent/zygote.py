@@ -25,10 +25,10 @@ import socket
 import sys
 from pathlib import Path
 
+from agent.runtime.zygote import SLOT_ENV  # stdlib only at import: no torch in the agent
 from tessera import log
 
-SLOT_ENV = "TESSERA_ZYGOTE_SLOT"  # agent.runtime.zygote's: not imported (that module would import torch's runtime)
-SLOT_SIZE = 512
+SLOT_SIZE = 512  # bytes of the zygote's blank environment slot: room for an executor's labels
 READY_TIMEOUT_S = 120.0
 MAX_MSG = 1 << 20
 

@@ -44,6 +44,7 @@ would spin against itself (``agent.executors`` starts those as processes of thei
 from __future__ import annotations
 
 import argparse
+import gc
 import io
 import json
 import os
@@ -55,7 +56,6 @@ import sys
 import traceback
 
 SLOT_ENV = "TESSERA_ZYGOTE_SLOT"
-SLOT_SIZE = 512  # bytes of the slot's value: room for the labels below
 LABELS = ("TESSERA_EXECUTOR_TOKEN", "TESSERA_ALLOCATION_ID", "TESSERA_RANK", "TESSERA_JOB_ID")
 MAX_MSG = 1 << 20
 # What an executor would import on its own: the runners, and torch._dynamo, which torch
@@ -66,7 +66,8 @@ PRELOAD = ("agent.runtime.train", "agent.runtime.peft.workload", "agent.runtime.
 
 
 def _environ_range() -> tuple[int, int]:
-    stat = open("/proc/self/stat", "rb").read()
+    with open("/proc/self/stat", "rb") as f:
+        stat = f.read()
     fields = stat[stat.rindex(b")") + 2:].split()  # fields 3.. of proc(5); env_start is 50, env_end 51
     return int(fields[47]), int(fields[48])
 
@@ -163,15 +164,19 @@ def serve(sock: socket.socket) -> tuple[dict, int] | None:
                 _send(sock, {"op": "error", "id": req.get("id"), "error": f"fork: {e}"})
                 continue
             if pid == 0:
-                for f in (*children, sync_r):
-                    os.close(f)
-                sock.close()
-                # Before the agent hears of it: its own session (the agent signals and
-                # records its group) and its labels (the agent finds its processes by them).
-                os.setsid()
-                env = req.get("env") or {}
-                label_environ({k: str(env[k]) for k in LABELS if k in env})
-                os.close(sync_w)
+                try:
+                    for f in (*children, sync_r):
+                        os.close(f)
+                    sock.close()
+                    # Before the agent hears of it: its own session (the agent signals and
+                    # records its group) and its labels (the agent finds its processes by them).
+                    os.setsid()
+                    env = req.get("env") or {}
+                    label_environ({k: str(env[k]) for k in LABELS if k in env})
+                    os.close(sync_w)
+                except BaseException:  # noqa: BLE001 - never back into the zygote's loop, never "success"
+                    traceback.print_exc()
+                    os._exit(70)
                 return req, out
             os.close(out)
             os.close(sync_w)
@@ -237,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:  # noqa: BLE001 - a workload whose dependencies are missing fails in its executor
             pass
     environ = _environ_ok()
+    # What the imports made lives for ever in every child: out of the collector's sight
+    # (a full collection would walk it, and write to every shared page it walks).
+    gc.freeze()
     _send(sock, {"op": "ready", "pid": os.getpid(), "environ": environ})
     try:
         got = serve(sock)
