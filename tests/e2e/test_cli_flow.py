@@ -54,11 +54,13 @@ def test_submit_wait_succeeds(bed, tmp_path):
 
 def test_get_shows_the_estimate_next_to_the_measured_step_time(bed, tmp_path):
     """The testbed runs the estimator: a model never profiled gets a profiling job, then an estimate."""
-    # Input-bound (a 2 ms wait for each batch): its own steps are no profile of its model
+    # Input-bound (0.3 s wait for each batch): its own steps are no profile of its model
     # (tessera.modelkey.profile_labels), so the profile comes from the profiling job — a
-    # forked executor starts so fast that a plain job's own first steps could profile
-    # its model before the controller's profiling cycle saw it unprofiled.
-    m = tiny_manifest(tmp_path / "est.yaml", "e2e-est", steps=15, extra_workload="  step_delay_s: 0.002\n")
+    # forked executor starts so fast that a plain job's own first steps could profile its
+    # model before the controller's profiling cycle (every 1 s) saw it unprofiled; and it
+    # runs ~4.5 s, so that the cycle sees it before it ends (a job that finished first
+    # never gets a profiling job).
+    m = tiny_manifest(tmp_path / "est.yaml", "e2e-est", steps=15, extra_workload="  step_delay_s: 0.3\n")
     # a model no other test submits (hidden 48), so that its first profile is this one's
     m.write_text(m.read_text().replace("hidden: 32", "hidden: 48"))
     r = bed.run("submit", str(m), "--wait", "--timeout", "90", "-o", "json")
