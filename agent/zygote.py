@@ -49,9 +49,6 @@ class _Transport:
     def close(self) -> None:
         self._pipe.close()
 
-    def get_pid(self) -> int | None:  # noqa: D401 - asyncio's name
-        return None
-
 
 class ZygoteProcess:
     """An executor forked by the zygote (see module doc)."""

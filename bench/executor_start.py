@@ -32,6 +32,7 @@ import structlog
 
 from agent.devices import discover
 from agent.executors import ExecutorManager, process_cpu_s
+from agent.zygote import ZygoteProcess
 
 MODEL = {"vocab": 64, "seq_len": 32, "layers": 2, "hidden": 64, "heads": 4}
 
@@ -54,7 +55,7 @@ async def _launch(mgr: ExecutorManager, reports: dict, name: str, steps: int) ->
     await ex.done.wait()
     r = reports[name]
     return {"start_s": start, "cpu_s": r["cpu"], "step_ms": 1000 * statistics.median(r["steps"]),
-            "forked": type(ex.proc).__name__ == "ZygoteProcess"}
+            "forked": isinstance(ex.proc, ZygoteProcess)}
 
 
 async def run(launches: int, steps: int) -> dict:
