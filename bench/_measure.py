@@ -48,10 +48,13 @@ import torch  # noqa: F401  - imported once here so that forked ranks start in m
 
 from agent.runtime.parallel.launch import free_port
 
-# The first AdamW constructed in a process imports torch._dynamo lazily (~2 s here, 5 s
-# under load). Done once in the parent, so that no forked rank — profile or grid
-# point — counts that import as device time or waits on it before its first step.
-torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+# The runtime's AdamW built once in the parent: its first construction in a process sets
+# up what every later one shares (agent.runtime.optim.eager_optimizers; until 2026-12-07
+# it imported torch._dynamo, ~2 s here, 5 s under load), so that no forked rank — profile
+# or grid point — counts that as device time or waits on it before its first step.
+from agent.runtime.optim import make_adamw  # noqa: E402
+
+make_adamw([torch.nn.Parameter(torch.zeros(1))], lr=0.0, env={})
 # The runtime's modules too: a forked rank (profile or grid point alike) starts its
 # first step without importing anything.
 from agent.runtime.__main__ import resolve  # noqa: E402,F401
@@ -59,6 +62,9 @@ from agent.runtime.parallel import comm as _comm  # noqa: E402,F401
 from agent.runtime.report import Reporter  # noqa: E402,F401
 
 resolve("gpt")  # imports agent.runtime.train
+# And what torch imports lazily at a pipeline stage's first backward (explicit gradients:
+# ~0.5 s of sympy), which came along with torch._dynamo while torch's own AdamW imported it.
+import torch.fx.experimental.symbolic_shapes  # noqa: E402,F401
 
 CORES = sorted(os.sched_getaffinity(0))
 

@@ -1,10 +1,11 @@
 """``python -m agent.runtime.zygote --fd N``: the executor fork server of one agent.
 
 Why: an executor is a fresh Python process, and on a CPU node most of its start is
-imports: ``import torch`` and ``torch._dynamo`` (at the first optimizer), ~6.6 s of CPU
-here, more than a short job's training. The zygote imports them and the runtime once,
-then *forks* each executor from that warm image: an executor reaches its first step in
-~0.2 s instead of ~6 s (``bench.executor_start``).
+imports: ``import torch`` and the runtime, ~3 s of CPU here (~6.6 s until the runtime's
+optimizers stopped importing ``torch._dynamo``: ``agent.runtime.optim``), more than a
+short job's training. The zygote imports them once, then *forks* each executor from that
+warm image: an executor reaches its first step in ~0.1 s instead of ~3 s
+(``bench.executor_start``).
 
 Contract (the agent's side is ``agent.zygote``). ``N`` is this process's end of an
 ``AF_UNIX`` ``SOCK_SEQPACKET`` socket pair; every message is one JSON object:
@@ -58,11 +59,13 @@ import traceback
 SLOT_ENV = "TESSERA_ZYGOTE_SLOT"
 LABELS = ("TESSERA_EXECUTOR_TOKEN", "TESSERA_ALLOCATION_ID", "TESSERA_RANK", "TESSERA_JOB_ID")
 MAX_MSG = 1 << 20
-# What an executor would import on its own: the runners, and torch._dynamo, which torch
-# imports lazily at the first optimizer a run builds (``torch._disable_dynamo``: ~3.6 s
-# of CPU here, more than torch itself).
+# What an executor would import on its own: the runners (and torch with them), and
+# torch.fx.experimental.symbolic_shapes, which torch imports lazily at a backward given
+# explicit gradients (every pipeline stage but the last: ~0.5 s of sympy). Not
+# torch._dynamo: the runtime's optimizers never import it (agent.runtime.optim; it was
+# ~3.6 s of CPU here, more than torch itself, and ~70 MB in every executor).
 PRELOAD = ("agent.runtime.train", "agent.runtime.peft.workload", "agent.runtime.multimodal.workload",
-           "torch._dynamo")
+           "torch.fx.experimental.symbolic_shapes")
 
 
 def _environ_range() -> tuple[int, int]:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from agent.runtime.optim import ENV, adamw_impl, all_finite, is_fused, make_adamw
+from agent.runtime.optim import ENV, EagerAdamW, adamw_impl, all_finite, is_fused, make_adamw
 from tessera.errors import SpecError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_adamw_impl_defaults_to_fused_and_names_the_variable_when_bad():
@@ -71,3 +77,63 @@ def test_all_finite_is_exact():
     huge = torch.full((4,), 3e38)
     assert not torch.isfinite(huge.sum()) and all_finite([huge, torch.ones(2)])
     assert not all_finite([huge, torch.tensor([float("nan")])])
+
+
+def _steps(opt_cls, impl: str, **kw):
+    """Three AdamW steps of a small MLP (seed 0) with ``opt_cls``; (model, optimizer)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    opt = opt_cls(m.parameters(), **kw)
+    x = torch.randn(8, 16)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        m(x).pow(2).mean().backward()
+        opt.step()
+    return m, opt
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach", "loop"])
+def test_the_eager_adamw_is_torchs_adamw_bit_for_bit(impl):
+    """Same parameters, same state dict, and a state dict of either loads into the other."""
+    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[impl]
+    ours_m, ours = _steps(lambda ps, **kw: make_adamw(ps, env={ENV: impl}, **kw), impl, lr=1e-2, weight_decay=0.1)
+    ref_m, ref = _steps(torch.optim.AdamW, impl, lr=1e-2, weight_decay=0.1, **flags)
+    assert type(ours) is EagerAdamW
+    assert all(torch.equal(a, b) for a, b in zip(ours_m.parameters(), ref_m.parameters()))
+    a, b = ours.state_dict(), ref.state_dict()
+    assert a["param_groups"] == b["param_groups"]
+    for k in b["state"]:
+        assert a["state"][k].keys() == b["state"][k].keys()
+        assert all(torch.equal(a["state"][k][f], b["state"][k][f]) for f in b["state"][k])
+    ours.load_state_dict(b)  # a checkpoint written by torch's AdamW resumes here
+    ref.load_state_dict(a)
+
+
+def test_the_eager_adamw_keeps_the_step_hooks_and_grad_mode():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = make_adamw([p], lr=0.1, env={})
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kw: calls.append(("pre", torch.is_grad_enabled())))
+    opt.register_step_post_hook(lambda o, args, kw: calls.append("post"))
+    p.grad = torch.ones(3)
+    opt.step()
+    assert calls == [("pre", True), "post"] and torch.is_grad_enabled()
+    assert not torch.equal(p.detach(), torch.ones(3))
+
+
+def test_a_runtime_process_trains_and_checkpoints_without_importing_torch_dynamo():
+    """torch._dynamo is ~3 s of CPU and ~70 MB at an executor's start; the runtime never
+    compiles, so its optimizers must not import it (a fresh interpreter: this one may
+    have imported it already)."""
+    code = (
+        "import sys, torch\n"
+        "from agent.runtime.optim import make_adamw\n"
+        "for impl in ('fused', 'foreach', 'loop'):\n"
+        "    m = torch.nn.Linear(4, 4)\n"
+        "    opt = make_adamw(m.parameters(), lr=0.1, env={'TESSERA_ADAMW': impl})\n"
+        "    m(torch.ones(2, 4)).sum().backward(); opt.step(); opt.zero_grad()\n"
+        "    opt.load_state_dict(opt.state_dict())\n"
+        "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"

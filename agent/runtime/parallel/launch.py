@@ -11,6 +11,7 @@ every rank (seconds on a busy CPU); each rank should run with ``threads: 1``.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -41,6 +42,12 @@ class LocalResult:
 
 
 def _rank_main(spec: dict, events_path: str) -> None:
+    # A fork of a process with threads (a test runner's event loop, gRPC) inherits its
+    # garbage too: a collection here could run a finalizer that joins one of the parent's
+    # threads, which do not exist in this process, and hang the rank for good (seen: the
+    # first import big enough to collect — sympy, at a pipeline stage's first backward).
+    # What was there at the fork is never collected here.
+    gc.freeze()
     from agent.runtime.__main__ import resolve
 
     code = 1
