@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import faulthandler
+import gc
 import json
 import math
 import multiprocessing as mp
@@ -133,6 +134,7 @@ def _rank_main(specs: list[dict], cores: list[int], path: str, start_at: float,
     when it is set, the runtime leaves at its next step boundary (``train.STOP``, as on
     SIGTERM; its exit code 143 counts as done)."""
     code = 1
+    gc.freeze()  # what the fork inherited is never collected here (agent.runtime.parallel.launch._rank_main)
     try:
         dump_on_timeout()
         if stop is not None:

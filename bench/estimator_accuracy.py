@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -383,6 +384,7 @@ def _workload_child(spec: dict, cores: list[int], path: str) -> None:
     event of the workload's step (``module`` = its type) a stamp (``bench._measure._stamp``:
     wall, CPU, every thread's on-CPU time and wait) and the step's ``step_time_s``."""
     code = 1
+    gc.freeze()  # what the fork inherited is never collected here (agent.runtime.parallel.launch._rank_main)
     try:
         import torch
 
