@@ -84,3 +84,21 @@ def test_sigterm_checkpoints_and_exits_143(tmp_path):
     saved = checkpoint.load(str(ck))
     assert saved["step"] == cks[0]["step"] >= 1
     assert saved["step"] < 1_000_000
+
+
+def test_an_executor_freezes_its_imports_and_never_imports_torch_dynamo(tmp_path):
+    """What the imports made is out of the collector's way before training (a full
+    collection would walk ~200,000 objects), and a checkpointing gpt run through ``main``
+    leaves ``torch._dynamo`` unimported (agent.runtime.optim)."""
+    p = tmp_path / "spec.json"
+    p.write_text(json.dumps({"job_id": "fz", "checkpoint_dir": str(tmp_path / "ck"), "workload": {
+        "type": "gpt", "model": {"vocab": 32, "seq_len": 8, "layers": 1, "hidden": 16, "heads": 2},
+        "steps": 3, "batch_size": 2, "checkpoint_every": 1}}))
+    code = ("import gc, sys\nfrom agent.runtime.__main__ import main\n"
+            f"rc = main(['--spec', {str(p)!r}])\n"
+            "print('RESULT', rc, gc.get_freeze_count(), 'torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT"))
+    rc, frozen, dynamo = line.split()[1:]
+    assert rc == "0" and int(frozen) > 50_000 and dynamo == "False", out.stderr[-2000:]
+    assert checkpoint.load(str(tmp_path / "ck"))["step"] == 3
