@@ -25,8 +25,9 @@ A sync row is an 8-byte all-reduce right after a compute chunk of ``compute_s`` 
 synchronous step waits at every collective for the slower rank; that wait grows with
 the compute since the last synchronisation (``perfmodel.comm`` fits ``seconds = a +
 kappa * compute_s``), which a 0.5 ms chunk cannot show. The resume row is what a
-blocking op costs the compute after it: the mean time of a ``CHUNK_UNITS`` chunk right
-after an 8-byte all-reduce minus that of the same chunk right after another chunk
+blocking op costs the compute after it: the median over pairs of the time of a
+``CHUNK_UNITS`` chunk right after an 8-byte all-reduce minus that of the same chunk right
+after another chunk
 (``perfmodel.comm``: ``CommFit.resume``, added to every blocking op of a step). The
 refill row ``{"op": "refill", "bytes": 0, "world": 2, "seconds", "idle_s"}`` is what
 idling costs the compute after it: rank 0 waits in ``recv`` while rank 1 computes
@@ -46,6 +47,7 @@ the rows to the estimator as ``kind="comm"`` measurements. bench/_measure.py use
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -168,6 +170,9 @@ def _one_way(dist, rank: int, x, reps: int, work) -> float:
 def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str, sync: bool = False,
           ops: tuple[str, ...] = OPS) -> None:
     code = 1
+    # A forked rank never collects what it inherited: a full collection walking the
+    # parent's objects would land inside a timed rep (tens of ms against rows of 0.1 ms).
+    gc.freeze()
     try:
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, [cores[rank % len(cores)]])
@@ -237,8 +242,11 @@ def _rank(rank: int, port: int, sizes: list[int], reps: int, out_path: str, sync
                 dist.all_reduce(x)
                 after_op.append(t1 - t)
                 after_chunk.append(t2 - t1)
+            # The median of the pairs' differences: one chunk the host disturbed (a 20 ms
+            # stall among 0.5 ms chunks) moved the mean of 6 pairs by 3 ms, six times the
+            # effect measured (2026-12-07: 0.001-3.3 ms over four tables, reps 3).
             rows.append({"op": "resume", "bytes": 0, "world": 2,
-                         "seconds": max(1e-6, statistics.fmean(after_op) - statistics.fmean(after_chunk))})
+                         "seconds": max(1e-6, statistics.median(a - b for a, b in zip(after_op, after_chunk)))})
             refill = _refill(dist, rank, act, norm, work, max(3, reps // 2))
             if refill:  # rank 0's; rank 1 only computed and echoed
                 rows.append(refill)
