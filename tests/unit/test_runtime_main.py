@@ -98,7 +98,8 @@ def test_an_executor_freezes_its_imports_and_never_imports_torch_dynamo(tmp_path
             f"rc = main(['--spec', {str(p)!r}])\n"
             "print('RESULT', rc, gc.get_freeze_count(), 'torch._dynamo' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT"))
-    rc, frozen, dynamo = line.split()[1:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
+    assert lines, out.stderr[-2000:]
+    rc, frozen, dynamo = lines[0].split()[1:]
     assert rc == "0" and int(frozen) > 50_000 and dynamo == "False", out.stderr[-2000:]
     assert checkpoint.load(str(tmp_path / "ck"))["step"] == 3
