@@ -77,7 +77,11 @@ COLO_PROFILE = ("A", 8, 64)  # alone, with its twin, alone again: one run per mo
 # Rank profiles (since 2026-12-07, sixteenth session): per round one short real run of a
 # multi-rank plan over 2 gloo ranks on cores 0 and 1 (mode, model, batch, seq, plan,
 # micro_batches), measured like a grid point; its g (tessera.perfmodel.
-# fit_rank_interference) prices every multi-rank plan whose ranks share the CPU. A rank
+# fit_rank_interference) prices the multi-rank plans of its mode whose ranks share the
+# CPU — since 2026-12-07's twenty-second session the mode of its plan: this pipeline's
+# "pipeline" prices pp = 2 plans, and dp / tp plans are priced by their straggler wait
+# (comm.CommFit.straggle) and the split pair's g (until then its "ranks" priced every
+# multi-rank plan: dp / tp +3.7 / +8.5 % mean signed over the 15 AMD runs s27b-s32b). A rank
 # computes slower beside its peers than the same work alone (a dp rank 1.08x, a pipeline
 # stage 1.14-1.20x on the 2-vCPU host; the split pair of two independent jobs ~1.0x):
 # every multi-rank category read 5-14 % low in the mean. One pipeline of the profiled
@@ -87,7 +91,7 @@ COLO_PROFILE = ("A", 8, 64)  # alone, with its twin, alone again: one run per mo
 # 9-ms steps were bimodal over the rounds (8.7-8.8 ms in 2 rounds, 12.8-15.9 in 7), its g
 # read 0.37 where the pipeline's read 0.07 and every dp / tp row went +15-18 % high, and
 # the two runs cost 1.1 device-s a round (cost ratio 9.4x).
-RANK_PROFILES = [("ranks", "A", 8, 64, {"pp": 2}, 1)]
+RANK_PROFILES = [("pipeline", "A", 8, 64, {"pp": 2}, 1)]
 
 # One protocol for profiles and grid points alike: WARMUP + MEASURED steps per run,
 # ROUNDS runs at different times (interleaved); median step of a run, mean of the least
@@ -351,8 +355,9 @@ def candidate(job: dict, colocated: int = 1, oversub: float = 1.0) -> Candidate:
     world = p.get("dp", 1) * p.get("tp", 1) * p.get("pp", 1)
     if world > 1 and colocated == 1:
         # The ranks share this one CPU, each on its own core: colocated with each other —
-        # priced by the rank profile's mode "ranks" (tessera.perfmodel.interference_mode;
-        # a run stored before rank profiles: "split", like two jobs on cores 0 and 1).
+        # a pp = 2 plan priced by the rank profile's mode "pipeline", a dp / tp plan by the
+        # split pair's g (tessera.perfmodel.interference_mode; a run stored before rank
+        # profiles: "split" for all, like two jobs on cores 0 and 1).
         colocated = world
     return Candidate(device_type=DEVICE, layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq_len=seq_len,
                      batch=job["batch"], seq=job["seq"], dp=p.get("dp", 1), tp=p.get("tp", 1), pp=p.get("pp", 1),

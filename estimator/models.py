@@ -19,7 +19,8 @@ Inputs, as the store indexes them (``run_key``, ``comm_row``, ``colocation_row``
   "pipeline", ``device_kind``, ``link``, the module's shape and the plan; values
   ``seconds``, ``quota``): the rank modes' interference, fitted against the model's own
   terms (``tessera.perfmodel.fit_rank_interference``) once its compute curve and the
-  link's comm fit exist.
+  link's comm fit exist — each row the mode of its plan (a pp > 1 plan's "pipeline",
+  whatever its label: colobench's pipeline prices pipelines, not dp / tp plans).
 
 ``ModelKeeper`` refits when those inputs changed (not for device samples), at most
 every ``min_refit_interval_s``, off the event loop; the version increases only when

@@ -32,7 +32,8 @@ the module's shape is the median of rank 0's measured step times. It is the accu
 one plan lose beside each other on one CPU beyond what its own compute, communication
 and pipeline terms price (``tessera.perfmodel.fit_rank_interference``; g 0.10-0.27 on
 the 2-vCPU host of 2026-12-07, where a split pair of two independent jobs read
-0.00-0.05).
+0.00-0.05) — the mode "pipeline" of its pp = 2 plan, which prices pipelines (dp / tp
+plans: their straggler wait and the split pair's g).
 
 Run as ``python -m profilerd.colobench [--cores A,B] [--modes split shared ranks]`` it
 prints one JSON document ``{"rows": [...], "device_s": ...}`` (device-seconds: wall time x

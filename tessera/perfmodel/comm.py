@@ -20,9 +20,18 @@ the slowest rank, and that wait grows with the compute each rank did since the l
 synchronisation (independent jitter of the ranks' cores; one core busier than the
 other). Rows ``{"op": "sync", "seconds", "compute_s"}`` (a tiny all-reduce right after
 a compute chunk of ``compute_s``, minus the chunk alone) give ``seconds = a +
-kappa * compute_s`` (NNLS on relative residuals: these rows scatter by 100-200 %
-here, and an absolute fit let one slow row set kappa — measured worse on five runs of
-bench.estimator_accuracy); the wait of a step over ``n`` ranks is
+kappa * compute_s``: the rows are grouped by chunk length (``sync_groups``), each
+group is its rows' medians (``compute_s`` and ``seconds``), and the line goes through the
+groups (NNLS on relative residuals; with two chunk lengths, exactly through both). These
+rows scatter by 100-200 % here: an absolute fit of the rows let one slow row set kappa,
+and a relative fit of the rows themselves (until 2026-12-07's twenty-second session)
+pulled the line under the long chunk's rows — a relative residual punishes a
+prediction above a row more than one below it, and the long chunk's rows scatter the
+most — so kappa read a third to a half of what the two groups' medians show (0.013-0.036
+against 0.018-0.086 over the 15 stored AMD runs s27b-s32b: dp = 2 rows +3.7 % and tp = 2
+rows +8.5 % mean signed with the pipeline's g standing in for the missing wait, -2.0 /
++1.0 % with this fit and that g on pipelines only — ``model.fit_rank_interference``);
+the wait of a step over ``n`` ranks is
 
     straggle(n, compute) = kappa * compute * E[max of n] / E[max of 2]
 
@@ -66,6 +75,11 @@ REFILL = "refill"
 # a forward or backward of A 8x64 / B 4x64 after 2 / 8 ms asleep +0.05-0.25 / +0.5-0.6
 # ms): r_max * (1 - exp(-idle / 8 ms)) with r_max ~0.7 ms follows both.
 REFILL_TAU0 = 0.008
+# Sorted by compute_s, a sync row more than this factor above the one before starts the
+# next chunk length (profilerd.commbench measures two, ~50x apart: SYNC_CHUNKS; the rows
+# of one chunk spread by up to 2.8x over a run's rounds, the gap between the two
+# chunks' rows was 13x or more in every stored run).
+SYNC_GROUP_GAP = 4.0
 # E[max of n iid standard normals] for n = 1..16 (n > 16: sqrt(2 ln n) asymptote).
 _EMAX = (0.0, 0.5642, 0.8463, 1.0294, 1.1630, 1.2672, 1.3522, 1.4236, 1.4850, 1.5388, 1.5864, 1.6292,
          1.6680, 1.7034, 1.7359, 1.7660)
@@ -173,10 +187,25 @@ def _expected(rows: list[dict]) -> list[dict]:
             for (w, b), v in by.items()]
 
 
+def sync_groups(rows: list[dict]) -> list[list[dict]]:
+    """``rows`` (sync rows, ``compute_s`` > 0) grouped by chunk length, shortest first:
+    sorted by ``compute_s``, a row more than ``SYNC_GROUP_GAP`` times the one before it
+    starts the next group. The service's rows carry no chunk label (only ``compute_s``,
+    measured); the chunk lengths profilerd.commbench times lie ~50x apart."""
+    out: list[list[dict]] = []
+    for r in sorted(rows, key=lambda r: r["compute_s"]):
+        if out and r["compute_s"] <= SYNC_GROUP_GAP * out[-1][-1]["compute_s"]:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out
+
+
 def fit_comm(link: str, rows: list[dict]) -> CommFit:
     """Fit each op that has at least 2 sizes in ``rows``; ops with fewer are left out
     (the composition then reports insufficient data for plans that need them). Rows
-    of op ``"sync"`` with ``compute_s`` at 2 or more chunk lengths give ``sync``, rows of
+    of op ``"sync"`` with ``compute_s`` at 2 or more chunk lengths (:func:`sync_groups`)
+    give ``sync`` (``rel_sigma``: the rows' scatter about its line), rows of
     op ``"resume"`` (seconds > 0) their mean ``resume``, rows of op ``"refill"`` (seconds
     > 0 after ``idle_s`` > 0) ``refill``."""
     out = CommFit(link=link)
@@ -188,14 +217,17 @@ def fit_comm(link: str, rows: list[dict]) -> CommFit:
     if rr:
         out.resume = {"seconds": float(np.mean(rr)), "n": len(rr)}
     rs = [r for r in rows if r["op"] == SYNC and r.get("compute_s", 0) > 0 and r["seconds"] > 0]
-    if len({round(r["compute_s"], 6) for r in rs}) >= 2:
-        y = np.array([r["seconds"] for r in rs])
-        x = np.column_stack([np.ones(len(rs)), np.array([r["compute_s"] for r in rs])])
+    groups = sync_groups(rs)
+    if len(groups) >= 2:
+        gx = np.array([float(np.median([r["compute_s"] for r in g])) for g in groups])
+        gy = np.array([float(np.median([r["seconds"] for r in g])) for g in groups])
+        x = np.column_stack([np.ones(len(gx)), gx])
         with np.errstate(all="ignore"):  # an extreme row: a non-finite fit, which callers leave out
-            a = x / y[:, None]
+            a = x / gy[:, None]
             scale = np.maximum(np.abs(a).max(axis=0), 1e-300)
-            c = nnls(a / scale, np.ones(len(rs))) / scale
-            r = (x @ c - y) / y
+            c = nnls(a / scale, np.ones(len(gx))) / scale
+            y = np.array([r["seconds"] for r in rs])
+            r = (c[0] + c[1] * np.array([r["compute_s"] for r in rs]) - y) / y
         out.sync = {"a": float(c[0]), "kappa": float(c[1]), "n": len(rs),
                     "rel_sigma": math.sqrt(float(r @ r) / max(1, len(rs) - 2))}
     for op in OPS:

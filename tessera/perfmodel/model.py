@@ -44,9 +44,10 @@ Composition (one training step of the runtime's ``gpt`` workload, rank 0's view)
                tables were measured with every rank busy already. The ranks of a plan
                that share one device (a CPU node's cores) are colocated with each other:
                ``colocated`` counts them; where the model has a *rank profile* of such
-               plans (mode "ranks": any such plan; "pipeline": pp > 1 only), their g is
-               that mode's (:func:`interference_mode`, :func:`fit_rank_interference`), not
-               the split pair's.
+               plans (mode "pipeline": a pp > 1 plan's, which prices pp > 1 plans; "ranks":
+               a dp / tp plan's, which prices dp / tp plans and pipelines without a
+               "pipeline" g), their g is that mode's (:func:`interference_mode`,
+               :func:`fit_rank_interference`), not the split pair's.
 """
 
 from __future__ import annotations
@@ -121,8 +122,9 @@ class Estimate:
 
 
 # Interference modes of a plan's own ranks sharing one device (a CPU node's cores), fitted
-# from rank profiles (:func:`fit_rank_interference`): "ranks" prices any such plan,
-# "pipeline" (where fitted) its pp > 1 plans, whose stages idle on each other by the schedule.
+# from rank profiles (:func:`fit_rank_interference`): "pipeline" from pp > 1 plans, for pp > 1
+# plans, whose stages idle on each other by the schedule; "ranks" from dp / tp plans, for any
+# such plan (a pipeline where no "pipeline" g is fitted).
 RANK_MODES = ("ranks", "pipeline")
 
 
@@ -612,8 +614,16 @@ def fit_rank_interference(model: PerfModel, rows: list[dict]) -> dict:
     the device (a CPU node's cores).
 
     Each row: ``{"mode": "ranks"|"pipeline", "candidate": Candidate fields (dict),
-    "seconds": the measured step time}``; "ranks" rows may be of any such plan,
-    "pipeline" rows of pp > 1 ones (see :func:`interference_mode`). A candidate's time is
+    "seconds": the measured step time}``. A row fits the mode of its *plan*: a pp > 1
+    plan's "pipeline", a dp / tp plan's "ranks" (a "pipeline" row of a pp = 1 plan is
+    skipped; a "ranks" row of a pp > 1 plan fits "pipeline" — until 2026-12-07's
+    twenty-second session it fitted "ranks", and the one pipeline that profilerd.colobench
+    and the accuracy benchmark measure priced every dp / tp plan with a pipeline's loss:
+    a stage that idles on its neighbour comes back to cold caches, which lock-step dp /
+    tp ranks do not; their wait for each other is the straggler term,
+    ``comm.CommFit.straggle``. Over the 15 stored AMD runs s27b-s32b, multi-rank
+    7.53 -> 6.89 % mean, dp / tp / pp +3.7 / +8.5 / -0.5 -> -2.0 / +1.0 / -0.5 % mean
+    signed, with the straggler fit of that session). See :func:`interference_mode`. A candidate's time is
     linear in its mode's g (``(T + g * e * (n - 1) * C) * o``), so each row gives
     ``g = (seconds - est(g=0)) / (est(g=1) - est(g=0))`` with ``model``'s own compute,
     communication and pipeline terms: what the ranks lose beside each other beyond what
@@ -638,6 +648,7 @@ def fit_rank_interference(model: PerfModel, rows: list[dict]) -> dict:
         if c.world < 2 or not 1 < c.colocated <= c.world or c.oversubscription > 1 \
                 or (mode == "pipeline" and c.pp < 2):
             continue
+        mode = "pipeline" if c.pp > 1 else "ranks"
         dev = c.device_type
         ests = []
         # The row's mode alone among the rank modes, so that it is the one that prices c.

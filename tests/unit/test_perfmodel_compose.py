@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from tessera.perfmodel import Candidate, PerfModel, fit_comm, fit_compute, fit_interference, fit_rank_interference
-from tessera.perfmodel.comm import steps_and_volume
+from tessera.perfmodel.comm import steps_and_volume, sync_groups
+from tessera.perfmodel.compute import nnls
 from tests.unit.test_perfmodel_fit import samples
 
 LINK = "lo"
@@ -235,6 +236,30 @@ def test_sync_rows_recover_kappa_and_old_snapshots_load():
     assert type(old).from_dict(f.to_dict()).sync == f.sync
 
 
+def test_sync_fit_goes_through_each_chunk_lengths_medians():
+    """Scattered sync rows of two chunk lengths, unlabelled (the service's rows carry only
+    their measured compute_s): the line goes through each group's medians, so one slow
+    row of either group does not move it and the long chunk's scatter does not pull it
+    under its rows (a relative fit of the rows themselves reads kappa well below it)."""
+    short = [(4.0e-4, 3.0e-4), (5.0e-4, 3.5e-4), (6.0e-4, 4.0e-4), (4.5e-4, 9.0e-3)]  # (compute_s, seconds)
+    long = [(9e-3, 0.6e-3), (10e-3, 1.0e-3), (12e-3, 1.4e-3), (25e-3, 2.6e-3), (11e-3, 30e-3)]
+    rows = [{"op": "sync", "bytes": 8, "world": 2, "seconds": y, "compute_s": x} for x, y in short + long]
+    f = fit_comm(LINK, comm_rows() + rows)
+    kappa = (1.4e-3 - 3.75e-4) / (11e-3 - 4.75e-4)  # through (median x, median y) of each group
+    assert f.sync["kappa"] == pytest.approx(kappa, rel=1e-6)
+    assert f.sync["a"] == pytest.approx(3.75e-4 - kappa * 4.75e-4, rel=1e-6)
+    assert f.sync["n"] == len(rows) and f.sync["rel_sigma"] > 0.5  # the rows' own scatter about it
+    # The old fit (relative residuals over the rows) lands well below the groups' line.
+    y = np.array([r["seconds"] for r in rows])
+    x = np.column_stack([np.ones(len(rows)), [r["compute_s"] for r in rows]]) / y[:, None]
+    sc = np.abs(x).max(axis=0)
+    assert (nnls(x / sc, np.ones(len(rows))) / sc)[1] < 0.7 * kappa
+    # Grouped by the gap between chunk lengths, not by a label; one length is no slope.
+    groups = sync_groups(rows)
+    assert [len(g) for g in groups] == [len(short), len(long)]
+    assert fit_comm(LINK, comm_rows() + rows[:len(short)]).sync == {}
+
+
 def test_handoff_is_the_rendezvous_latency_plus_the_bytes():
     """A pipeline transfer between two computing ranks: the sync rows' latency a, else
     (no sync rows) send_recv's own alpha; the bytes at send_recv's rate either way."""
@@ -456,8 +481,8 @@ def test_rank_profiles_recover_each_rank_modes_interference_and_only_ranks_take_
     known g — which then prices only multi-rank plans of that mode sharing the device:
     two independent jobs on split cores keep the split pair's g, a plan whose ranks
     also share the device with another job too, a pp plan takes "pipeline", a dp or tp
-    plan "ranks" — and every such plan "ranks" where it is the only rank mode fitted;
-    the snapshot keeps both; rows that are no such plan are skipped."""
+    plan "ranks"; the snapshot keeps both; rows that are no such plan are skipped, and a
+    row fits its plan's mode whatever its label."""
     dp = cand(dp=2, batch=32, colocated=2)
     pp = cand(pp=2, micro_batches=4, colocated=2)
     truth = replace(model, interference={"cpu": {**model.interference["cpu"], "ranks": 0.07, "pipeline": 0.18}})
@@ -485,15 +510,16 @@ def test_rank_profiles_recover_each_rank_modes_interference_and_only_ranks_take_
     assert fitted.estimate(dp).seconds < model.estimate(dp).seconds  # g 0.07, not the split pair's 0.10
     back = PerfModel.from_dict(json.loads(json.dumps(fitted.to_dict())))
     assert back.estimate(pp).seconds == pytest.approx(fitted.estimate(pp).seconds)
-    # One rank profile of a pipeline, filed as "ranks": its g prices every rank mode.
+    # A row fits the mode of its plan: a pipeline's profile filed as "ranks" (profilerd's
+    # colobench row, runs stored before 2026-12-07's twenty-second session) fits
+    # "pipeline" and prices pipelines only — a dp or tp plan keeps the split pair's g.
     one = fit_rank_interference(model, [{**rows[1], "mode": "ranks"}])
-    assert one == {"cpu": {"ranks": pytest.approx(0.18)}}
+    assert one == {"cpu": {"pipeline": pytest.approx(0.18)}}
     only = replace(model, interference={"cpu": {**model.interference["cpu"], **one["cpu"]}})
-    as_pipe = replace(model, interference={"cpu": {**model.interference["cpu"], "ranks": 0.18, "pipeline": 0.18}})
-    for c in (dp, pp):
-        assert only.estimate(c).seconds == pytest.approx(as_pipe.estimate(c).seconds)
-    # Fitted beside an existing "pipeline" g, a pipeline's "ranks" row still sets "ranks".
-    assert fit_rank_interference(truth, [{**rows[1], "mode": "ranks"}]) == {"cpu": {"ranks": pytest.approx(0.18)}}
+    assert only.estimate(pp).seconds == pytest.approx(truth.estimate(pp).seconds)
+    for c in (dp, cand(tp=2, colocated=2)):
+        assert only.estimate(c).seconds == pytest.approx(model.estimate(c).seconds)
+        assert only.estimate(c).seconds != pytest.approx(truth.estimate(c).seconds)
 
 
 def test_interference_scales_with_the_element_wise_share_of_compute(model):
