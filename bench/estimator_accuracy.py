@@ -741,9 +741,13 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
     util: list[list[float]] = [[] for _ in points]
     colo = {"shared": [[0], [0]], "split": [[0], [1]]}
     n, b, s_ = COLO_PROFILE
+    # Per round, the device-seconds of each kind of profile and of the grid (JSON
+    # ``cost_rounds``): a cost ratio that moves between runs says which run of which round.
+    cost_rounds: list[dict] = []
     for r in range(rounds):
         tasks = [("grid", i) for i in range(len(points))] + _profile_tasks(bool(shapes))
         random.Random(100 + r).shuffle(tasks)
+        before = {**pcost, "grid": gcost["grid"]}
         for task in tasks:
             t_task = time.monotonic()
             if task[0] == "prof":
@@ -808,6 +812,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                 util[i] += [x["cpu_util"] for x in res if x["cpu_util"] is not None]
             if task[0] == "wprof" or (task[0] == "grid" and points[task[1]]["jobs"][0].get("shape")):
                 wall_wl += time.monotonic() - t_task
+        cost_rounds.append({k: round(v - before.get(k, 0.0), 4) for k, v in {**pcost, "grid": gcost["grid"]}.items()})
     samples = []
     for (pn, pb, ps, pq, pm), ts in alone.items():
         layers, hidden, heads, vocab, _ = MODELS[pn]
@@ -824,7 +829,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                  "cpu_util": statistics.median(u) if u else None, "faults_rounds": fr,
                  "faults_per_step": faults_median([f for jobs in fr for f in jobs])}
                 for pt, jr, u, fr in zip(points, job_rounds, util, faults)]
-    prof = {"cost": pcost, "samples": len(samples), "comm_rows": comm_rows, "pairs": pairs,
+    prof = {"cost": pcost, "cost_rounds": cost_rounds, "samples": len(samples), "comm_rows": comm_rows, "pairs": pairs,
             "colocation_steps": colo_steps, "colocation_skipped": colo_skipped, "rank_profiles": rank_profiles,
             "rank_skipped": rank_skipped,
             "profile_samples": [dict(x.__dict__) for x in samples],
@@ -1026,6 +1031,7 @@ def main(argv: list[str] | None = None) -> int:
         if prof_cost else None,
         "profile_device_s": prof_cost, "grid_device_s": grid_cost, "profile_cost": prof["cost"],
         "profile_device_s_per_round": prof_cost / rounds, "grid_device_s_per_round": grid_cost / rounds,
+        "cost_rounds": prof.get("cost_rounds", []),
         "categories": {c: {"mape": mape([r for r in rows if r["category"] == c]),
                            "mape_raw": mape([r for r in rows if r["category"] == c], "ape_raw"),
                            "n": sum(r["category"] == c for r in rows),
