@@ -26,7 +26,10 @@ Inputs, as the store indexes them (``run_key``, ``comm_row``, ``colocation_row``
 every ``min_refit_interval_s``, off the event loop; the version increases only when
 the fitted snapshot differs. ``<state_dir>/model.json`` (written atomically) holds the
 snapshot and the input revision it was fitted at, so a restart serves the same
-version without refitting; the measurement log replays to the same revision.
+version without refitting; the measurement log replays to the same revision. A snapshot
+fitted under other feature counts (``FEATURES_REV``) or other fitting rules
+(``tessera.perfmodel.FIT_REV``, recorded as ``fit_rev``; absent: 1) — an upgrade — is
+served only until the refit from the log that its load forces.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from tessera.perfmodel import (CommFit, ComputeFit, ComputeSample, PerfModel, Pr
                                fit_compute, fit_interference, fit_rank_interference)
 from tessera.perfmodel.comm import OPS, REFILL, RESUME, SYNC
 from tessera.perfmodel.features import FEATURES_REV
-from tessera.perfmodel.model import RANK_MODES
+from tessera.perfmodel.model import FIT_REV, RANK_MODES
 from tessera.perfmodel.workload import profiled, workload_of
 
 WARMUP_STEPS = PROFILE_WARMUP_STEPS  # tessera.measurement: the controller's profile_steps follows them too
@@ -457,6 +460,14 @@ class ModelKeeper:
             return
         self.model = model
         self.fitted_revision, self.fitted_at, self.measurements = revision, fitted_at, measurements
+        fit_rev = int(d.get("fit_rev", 1))
+        if fit_rev != FIT_REV:
+            # Fitted under other fitting rules (an upgrade changed what the comm, interference
+            # or rank fits make of the measurements): served until the refit that this forces.
+            self.fitted_revision = -1
+            self.log.info("model fitted under other fitting rules; refitting from the measurement log",
+                          version=self.model.version, fitted_fit_rev=fit_rev, fit_rev=FIT_REV)
+            return
         old = sorted({f.features for f in model.compute.values() if f.features != FEATURES_REV})
         if old:
             # Coefficients of other feature counts (an upgrade changed them): served until
@@ -525,6 +536,6 @@ class ModelKeeper:
                       ms=round((time.perf_counter() - t0) * 1000, 1))
 
     def _persist(self, model: PerfModel, revision: int, fitted_at: float, measurements: int) -> None:
-        blob = json.dumps({"revision": revision, "fitted_at": fitted_at,
+        blob = json.dumps({"revision": revision, "fitted_at": fitted_at, "fit_rev": FIT_REV,
                            "measurements": measurements, "snapshot": model.to_dict()}, allow_nan=False)
         atomic_write(self.path, lambda f: f.write(blob.encode()))

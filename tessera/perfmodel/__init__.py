@@ -17,10 +17,10 @@ Typical use::
 
 from tessera.perfmodel.comm import CommFit, fit_comm
 from tessera.perfmodel.compute import ComputeFit, ComputeSample, fit_compute
-from tessera.perfmodel.model import (FORMAT, Candidate, Estimate, PerfModel, ProfilePoint, fit_interference,
+from tessera.perfmodel.model import (FIT_REV, FORMAT, Candidate, Estimate, PerfModel, ProfilePoint, fit_interference,
                                      fit_rank_interference, interference_mode)
 from tessera.perfmodel.pipeline import MAX_MICRO_BATCHES, MAX_PIPELINE_SLOTS, MAX_PP
 
-__all__ = ["Candidate", "CommFit", "ComputeFit", "ComputeSample", "Estimate", "FORMAT", "MAX_MICRO_BATCHES", "MAX_PIPELINE_SLOTS", "MAX_PP",
+__all__ = ["Candidate", "CommFit", "ComputeFit", "ComputeSample", "Estimate", "FIT_REV", "FORMAT", "MAX_MICRO_BATCHES", "MAX_PIPELINE_SLOTS", "MAX_PP",
            "PerfModel", "ProfilePoint", "fit_comm", "fit_compute", "fit_interference",
            "fit_rank_interference", "interference_mode"]

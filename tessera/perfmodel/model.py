@@ -66,6 +66,13 @@ from tessera.perfmodel.priors import (  # noqa: F401 (re-exported)
     COLOCATION, CONF_TOLERANCE, EXTRAP_PER_LOG, NOISE_TO_ERROR, RUN_TO_RUN, UNSEEN_MODULE, confidence)
 
 FORMAT = "tessera.perfmodel/1"
+# Revision of the fitting rules beyond the feature counts (``features.FEATURES_REV``): what
+# the comm, interference and rank fits make of the same measurements. A service that
+# persisted a snapshot fitted under another revision refits it from its measurement log
+# (estimator/models.py). 2 (2026-12-07, twenty-second session): the straggler line through
+# each chunk length's medians (``comm.sync_groups``), a rank profile fits its plan's mode
+# (``fit_rank_interference``). A snapshot persisted without it counts as 1.
+FIT_REV = 2
 # Element-wise passes over the gradients of a data-parallel step's flat bucket
 # (agent.runtime.parallel.pipeline.average_gradients: cat, /= dp, copy back).
 DP_BUCKET_PASSES = 3.0

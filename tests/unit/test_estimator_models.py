@@ -351,6 +351,37 @@ async def test_a_model_fitted_under_other_feature_counts_is_refitted_after_a_res
     store.close()
 
 
+async def test_a_model_fitted_under_other_fitting_rules_is_refitted_after_a_restart(tmp_path):
+    """model.json records the fitting rules' revision (``FIT_REV``) it was fitted under;
+    one fitted under others (an upgrade changed what the comm or rank fits make of the
+    same measurements), or persisted before the field (revision 1), is served only until
+    the refit from the log that its load forces; a current one is not refitted."""
+    import json
+
+    from estimator.models import ModelKeeper
+    from estimator.store import MeasurementStore
+    from tessera.perfmodel import FIT_REV
+
+    store = MeasurementStore(tmp_path)
+    await store.append([profiler_pb2.Measurement(source="s", seq=i, kind="step", job_id="j1", step=i,
+                                                 step_time_s=0.01, labels=LABELS) for i in range(1, 8)])
+    keeper = ModelKeeper(store, tmp_path, min_refit_interval_s=0)
+    m = await keeper.current()
+    doc = json.loads((tmp_path / "model.json").read_text())
+    assert doc["fit_rev"] == FIT_REV >= 2 and ModelKeeper(store, tmp_path, min_refit_interval_s=0).stale is False
+    for old in (None, FIT_REV - 1):
+        if old is None:
+            doc.pop("fit_rev")
+        else:
+            doc["fit_rev"] = old
+        (tmp_path / "model.json").write_text(json.dumps(doc))
+        again = ModelKeeper(store, tmp_path, min_refit_interval_s=0)
+        assert again.stale and again.model.version == m.version  # served meanwhile
+        assert (await again.current()).version == m.version  # the same inputs fit the same snapshot
+        assert not again.stale and json.loads((tmp_path / "model.json").read_text())["fit_rev"] == FIT_REV
+    store.close()
+
+
 def test_malformed_is_the_shared_check_profilerd_applies_too():
     import estimator.api
     import estimator.models
