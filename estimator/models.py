@@ -446,6 +446,7 @@ class ModelKeeper:
             revision = int(d["revision"])
             fitted_at = float(d.get("fitted_at", 0.0))
             measurements = int(d.get("measurements", 0))
+            fit_rev = int(d.get("fit_rev", 1))
         except Exception as e:
             floor = max((int(v) for v in re.findall(rb'"version"\s*:\s*(\d{1,18})', raw)), default=0)
             aside = self.path.with_name(f"{MODEL_NAME}.corrupt-{time.time_ns()}")
@@ -460,21 +461,14 @@ class ModelKeeper:
             return
         self.model = model
         self.fitted_revision, self.fitted_at, self.measurements = revision, fitted_at, measurements
-        fit_rev = int(d.get("fit_rev", 1))
-        if fit_rev != FIT_REV:
-            # Fitted under other fitting rules (an upgrade changed what the comm, interference
-            # or rank fits make of the measurements): served until the refit that this forces.
-            self.fitted_revision = -1
-            self.log.info("model fitted under other fitting rules; refitting from the measurement log",
-                          version=self.model.version, fitted_fit_rev=fit_rev, fit_rev=FIT_REV)
-            return
         old = sorted({f.features for f in model.compute.values() if f.features != FEATURES_REV})
-        if old:
-            # Coefficients of other feature counts (an upgrade changed them): served until
-            # the refit from the log that this forces at the next current().
+        if old or fit_rev != FIT_REV:
+            # Fitted under other feature counts or other fitting rules (an upgrade changed
+            # them): served until the refit from the log that this forces at the next current().
             self.fitted_revision = -1
-            self.log.info("model fitted under other feature counts; refitting from the measurement log",
-                          version=self.model.version, fitted_features=old, features=FEATURES_REV)
+            self.log.info("model fitted under other feature counts or fitting rules; refitting from the "
+                          "measurement log", version=self.model.version, fitted_features=old, features=FEATURES_REV,
+                          fitted_fit_rev=fit_rev, fit_rev=FIT_REV)
             return
         self.log.info("model loaded", version=self.model.version, revision=self.fitted_revision,
                       store_revision=self.store.model_revision)

@@ -379,6 +379,11 @@ async def test_a_model_fitted_under_other_fitting_rules_is_refitted_after_a_rest
         assert again.stale and again.model.version == m.version  # served meanwhile
         assert (await again.current()).version == m.version  # the same inputs fit the same snapshot
         assert not again.stale and json.loads((tmp_path / "model.json").read_text())["fit_rev"] == FIT_REV
+    # A fit_rev that is no integer is an unreadable file: moved aside and refitted, not a crash.
+    (tmp_path / "model.json").write_text(json.dumps({**doc, "fit_rev": "two"}))
+    bad = ModelKeeper(store, tmp_path, min_refit_interval_s=0)
+    assert bad.stale and list(tmp_path.glob("model.json.corrupt-*"))
+    assert (await bad.current()).version > m.version  # versions resume above the file's
     store.close()
 
 
