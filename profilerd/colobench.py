@@ -48,13 +48,14 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+from tessera.ports import free_port as _free_port
 
 # The module whose pairs are measured: the accuracy benchmark's model "A" at 8 rows of 64
 # tokens (its COLO_PROFILE), a step of ~5-10 ms on one core here.
@@ -164,12 +165,6 @@ def _spec(tmp: str, name: str, steps: int, plan: dict | None = None, dist: dict 
 def _child_env() -> dict:
     """An executor child's environment: one OpenMP thread (its quota is one core), no GPU."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # The plan of the ``ranks`` row: the accuracy benchmark's rank profile (RANK_PROFILES).

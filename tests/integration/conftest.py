@@ -15,19 +15,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import socket
 from dataclasses import replace
 
 import pytest
 
 from _live import live_cluster
 from controller.config import ControllerConfig
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tessera.ports import free_port as _free_port
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ training; real etcd, real gRPC on loopback."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import grpc
 import pytest
@@ -16,14 +15,9 @@ from tessera.api.v1 import agent_pb2, agent_pb2_grpc
 from tessera.api.v1 import controller_pb2 as cpb
 from tessera.api.v1 import controller_pb2_grpc as cgrpc
 from tessera.api.v1 import types_pb2 as tpb
+from tessera.ports import free_port
 
 TINY = {"vocab": 64, "seq_len": 16, "layers": 1, "hidden": 32, "heads": 2}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_spec(name: str, steps: int = 30, devices: int = 1, **plan) -> tpb.JobSpec:

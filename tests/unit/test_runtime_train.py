@@ -229,13 +229,11 @@ def test_ranks_must_resume_from_the_same_checkpoint_step(tmp_path):
     every multi-rank resume test, e.g. tests/integration/test_parallel_reshard.py)."""
     steps, agreed = [4, 6], False
     import json
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tessera.ports import free_port
+
+    port = free_port()
     mp.start_processes(_rank_agree, args=(port, steps, str(tmp_path)), nprocs=2, start_method="spawn")
     res = [json.loads((tmp_path / f"r{r}").read_text()) for r in range(2)]
     if agreed:

@@ -9,7 +9,6 @@ order, or raises RuntimeError carrying a failing rank's traceback.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 
@@ -17,12 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tessera.gloo import calm_loop_threads
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tessera.ports import free_port
 
 
 def _child(rank: int, world: int, port: int, out_dir: str, threads: int, fn, args) -> None:

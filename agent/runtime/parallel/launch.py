@@ -15,18 +15,11 @@ import gc
 import json
 import multiprocessing as mp
 import os
-import socket
 import tempfile
 from dataclasses import dataclass
 
 from agent.runtime.report import Reporter, parse_line
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tessera.ports import free_port
 
 
 @dataclass
