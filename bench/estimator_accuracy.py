@@ -649,6 +649,17 @@ def profile_with_retry(call, held: int, pcost: dict, key: str, what: str, tries:
     raise ValueError(f"tries: {tries}, expected >= 1")
 
 
+def round_progress(r: int, rounds: int, elapsed_s: float, cost: dict) -> str:
+    """The progress line printed (stderr) after round ``r`` (0-based) of ``rounds``:
+    rounds done, wall time so far, the time left at this pace, and the round's
+    device-seconds of profiles and of the grid (``cost``: one ``cost_rounds`` entry)."""
+    done = r + 1
+    left = elapsed_s / done * (rounds - done)
+    prof = sum(v for k, v in cost.items() if k != "grid")
+    return (f"round {done}/{rounds} done: {elapsed_s:.0f} s so far, ~{left / 60:.1f} min left; this round "
+            f"{prof:.1f} device-s of profiles, {cost.get('grid', 0.0):.1f} of grid")
+
+
 def colocation_with_retry(profile, wl: dict, cores: list[list[int]], pcost: dict, tries: int = 2,
                           **kw) -> dict:
     """``profile(wl, cores, WARMUP, MEASURED, **kw)`` (bench._measure.colocation_profile)
@@ -744,6 +755,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
     # Per round, the device-seconds of each kind of profile and of the grid (JSON
     # ``cost_rounds``): a cost ratio that moves between runs says which run of which round.
     cost_rounds: list[dict] = []
+    t_rounds = time.monotonic()
     for r in range(rounds):
         tasks = [("grid", i) for i in range(len(points))] + _profile_tasks(bool(shapes))
         random.Random(100 + r).shuffle(tasks)
@@ -813,6 +825,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
             if task[0] == "wprof" or (task[0] == "grid" and points[task[1]]["jobs"][0].get("shape")):
                 wall_wl += time.monotonic() - t_task
         cost_rounds.append({k: round(v - before.get(k, 0.0), 4) for k, v in {**pcost, "grid": gcost["grid"]}.items()})
+        print(round_progress(r, rounds, time.monotonic() - t_rounds, cost_rounds[-1]), file=sys.stderr, flush=True)
     samples = []
     for (pn, pb, ps, pq, pm), ts in alone.items():
         layers, hidden, heads, vocab, _ = MODELS[pn]

@@ -268,3 +268,10 @@ def test_comm_kept_fits_the_least_disturbed_half_of_each_size_and_every_sync_row
     fit = fit_comm("lo", kept)
     assert fit.ops["all_reduce"]["alpha"] == pytest.approx(2e-4, rel=0.02)
     assert fit_comm("lo", rows).ops["all_reduce"]["alpha"] > 3e-4  # every round's rows: the burst sets the latency
+
+
+def test_round_progress_says_rounds_done_time_left_and_the_rounds_device_time():
+    line = ea.round_progress(2, 9, 90.0, {"compute": 1.5, "colocation": 1.0, "comm": 0.5, "grid": 41.8})
+    # 3 of 9 rounds in 90 s: 6 more at 30 s each = 3 minutes; profiles 1.5 + 1.0 + 0.5.
+    assert line == "round 3/9 done: 90 s so far, ~3.0 min left; this round 3.0 device-s of profiles, 41.8 of grid"
+    assert "~0.0 min left" in ea.round_progress(8, 9, 300.0, {"grid": 40.0})
