@@ -121,8 +121,15 @@ COLO_TOGETHER = {"shared": 2 * MEASURED, "split": MEASURED}
 # multi-rank 10.34 / 9.24 / 8.76 %; the 26 quiet Intel runs s17a-s18x3 from 3 / 4 / 5
 # of their 5 rounds 4.56 / 4.40 / 4.10 %. Both the truth and the profiles are means of a
 # few disturbed draws; more rounds average more of them. A run takes ~1.7x as long
-# (442-510 s for s22a-d).
-ROUNDS = 9
+# (442-510 s for s22a-d). 18 since 2026-12-08 (twenty-third session): the three runs
+# measured at 18 (AMD s32e, s32f; Intel s33e), re-fitted from 5 / 9 / 13 / all 18 of their
+# rounds, read single-device 5.34 / 5.04 / 4.86 / 4.86, 7.56 / 6.01 / 5.34 / 4.81 and
+# 4.38 / 3.98 / 3.83 / 3.78 %, multi-rank 7.94 / 6.30 / 5.51 / 4.83, 9.46 / 7.54 / 6.29 /
+# 5.80 and 4.00 / 3.68 / 3.60 / 3.37 %: at 9 rounds the measurement's own noise was still
+# 0.2-1.2 points of single-device and 0.3-1.7 of multi-rank MAPE. A run takes ~2x as
+# long (s33e 753 s on the Intel host, s32e-f 719-830 s on the AMD one); it prints its
+# progress after every round. ``--rounds 9`` is the previous protocol.
+ROUNDS = 18
 # Bootstrap resamples of a grid point's rounds for its truth noise (:func:`truth_noise`).
 TRUTH_NOISE_BOOTS = 200
 # A held-out colocated pair of unequal modules: each runs WARMUP + PAIR_MEASURED steps,
@@ -993,7 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         ap.error("--rounds must be at least 1")
-    if args.json:  # found out now, not after a 9-minute run
+    if args.json:  # found out now, not after a 12-minute run
         d = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(d) or not os.access(d, os.W_OK) or os.path.isdir(args.json):
             ap.error(f"--json {args.json}: cannot write there ({d} is not a writable directory, or the path is one)")
