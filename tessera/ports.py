@@ -1,4 +1,4 @@
-"""Loopback ports for daemons and rendezvous that are told their port (pure stdlib).
+"""Loopback ports for daemons and rendezvous that are told their port (stdlib only).
 
 ``free_ports(n)`` / ``free_port()`` pick ports that a daemon started with ``--listen``,
 or a ``torch.distributed`` rendezvous (``MASTER_PORT``), binds a moment later. Nothing
@@ -63,8 +63,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
         while len(ports) < n:
             tries += 1
             if spans and tries <= 50 * n:
-                a, b = rng.choice(spans)
-                port = rng.randint(a, b)
+                port = _nth(spans, rng.randrange(sum(b - a + 1 for a, b in spans)))  # uniform over both spans
                 if port in recent or port in ports:
                     continue
             else:
@@ -75,6 +74,8 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
                 s.bind((host, port))
             except OSError:
                 s.close()
+                if port == 0:  # not a busy port: this host cannot bind there at all
+                    raise
                 continue
             if s.getsockname()[1] in ports:
                 s.close()
@@ -87,3 +88,12 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def _nth(spans: list[tuple[int, int]], i: int) -> int:
+    """The ``i``-th port (0-based) of the inclusive ``spans`` taken in order."""
+    for a, b in spans:
+        if i <= b - a:
+            return a + i
+        i -= b - a + 1
+    raise IndexError(i)

@@ -39,18 +39,16 @@ def test_the_etcdproc_names_are_the_same_helpers():
 
 
 class _Scripted:
-    """Stands in for random.SystemRandom: hands out ``script`` first, then counts up."""
+    """Stands in for random.SystemRandom: hands out the indices ``script`` first, then
+    counts up from index 10000 (port 20000 of the first span)."""
 
     script: list[int] = []
 
     def __init__(self):
         self.next = list(self.script)
-        self.n = 20000
+        self.n = 10000
 
-    def choice(self, seq):
-        return seq[0]
-
-    def randint(self, a, b):
+    def randrange(self, stop):
         if self.next:
             return self.next.pop(0)
         self.n += 1
@@ -61,10 +59,14 @@ def test_a_port_someone_listens_on_is_skipped(monkeypatch):
     monkeypatch.setattr(ports, "ephemeral_range", lambda: (32768, 60999))
     monkeypatch.setattr(ports, "_HANDED", [])
     with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken = ports.free_port()  # outside the range, so the scripted index can name it
+        busy.bind(("127.0.0.1", taken))
         busy.listen()
-        taken = busy.getsockname()[1]
-        monkeypatch.setattr(_Scripted, "script", [taken])
+        first = (ports._LOW_PORT, 32767)
+        index = taken - first[0] if taken <= first[1] else first[1] - first[0] + 1 + taken - 61000
+        assert ports._nth([first, (61000, 65535)], index) == taken
+        monkeypatch.setattr(_Scripted, "script", [index])
         monkeypatch.setattr(ports.random, "SystemRandom", _Scripted)
         (p,) = ports.free_ports(1)
     assert p != taken and p > 20000
@@ -84,3 +86,16 @@ def test_the_ephemeral_range_is_read_from_proc_or_defaults(monkeypatch, tmp_path
     real = ports.Path
     monkeypatch.setattr(ports, "Path", lambda p: real(f) if "ip_local_port_range" in str(p) else real(p))
     assert ports.ephemeral_range() == expected
+
+
+def test_the_nth_port_walks_the_spans_in_order():
+    spans = [(10000, 10002), (61000, 61001)]
+    assert [ports._nth(spans, i) for i in range(5)] == [10000, 10001, 10002, 61000, 61001]
+    with pytest.raises(IndexError):
+        ports._nth(spans, 5)
+
+
+def test_a_host_that_cannot_bind_raises_instead_of_looping(monkeypatch):
+    monkeypatch.setattr(ports, "ephemeral_range", lambda: (1024, 65535))  # the kernel's choice only
+    with pytest.raises(OSError):
+        ports.free_ports(1, host="192.0.2.1")  # TEST-NET-1: no interface of this host has it
