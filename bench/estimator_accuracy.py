@@ -656,6 +656,20 @@ def profile_with_retry(call, held: int, pcost: dict, key: str, what: str, tries:
     raise ValueError(f"tries: {tries}, expected >= 1")
 
 
+def quiet_runtime_logs() -> None:
+    """Filter the runtime's structlog lines below WARNING in this process and the runs it
+    forks (they inherit the configuration): every forked rank logs "joined" at info, a
+    thousand lines a run that buried the table and the progress lines. ``TESSERA_LOG_LEVEL``,
+    when set, decides instead (``tessera.log``'s variable)."""
+    import logging
+
+    import structlog
+
+    name = os.environ.get("TESSERA_LOG_LEVEL")
+    level = getattr(logging, name.upper(), logging.WARNING) if name else logging.WARNING
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
+
+
 def round_progress(r: int, rounds: int, elapsed_s: float, cost: dict) -> str:
     """The progress line printed (stderr) after round ``r`` (0-based) of ``rounds``:
     rounds done, wall time so far, the time left at this pace, and the round's
@@ -1004,6 +1018,7 @@ def main(argv: list[str] | None = None) -> int:
         d = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(d) or not os.access(d, os.W_OK) or os.path.isdir(args.json):
             ap.error(f"--json {args.json}: cannot write there ({d} is not a writable directory, or the path is one)")
+    quiet_runtime_logs()
     if args.device == "cuda":
         return main_cuda(args)
     t0 = time.monotonic()

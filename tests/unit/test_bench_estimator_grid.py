@@ -275,3 +275,21 @@ def test_round_progress_says_rounds_done_time_left_and_the_rounds_device_time():
     # 3 of 9 rounds in 90 s: 6 more at 30 s each = 3 minutes; profiles 1.5 + 1.0 + 0.5.
     assert line == "round 3/9 done: 90 s so far, ~3.0 min left; this round 3.0 device-s of profiles, 41.8 of grid"
     assert "~0.0 min left" in ea.round_progress(8, 9, 300.0, {"grid": 40.0})
+
+
+def test_quiet_runtime_logs_drops_info_lines_unless_the_level_is_set(monkeypatch, capsys):
+    import structlog
+
+    try:
+        monkeypatch.delenv("TESSERA_LOG_LEVEL", raising=False)
+        ea.quiet_runtime_logs()
+        structlog.get_logger().info("joined")
+        structlog.get_logger().warning("slow")
+        out = capsys.readouterr().out
+        assert "joined" not in out and "slow" in out
+        monkeypatch.setenv("TESSERA_LOG_LEVEL", "info")
+        ea.quiet_runtime_logs()
+        structlog.get_logger().info("joined")
+        assert "joined" in capsys.readouterr().out
+    finally:
+        structlog.reset_defaults()
