@@ -656,18 +656,29 @@ def profile_with_retry(call, held: int, pcost: dict, key: str, what: str, tries:
     raise ValueError(f"tries: {tries}, expected >= 1")
 
 
-def quiet_runtime_logs() -> None:
+def quiet_runtime_logs() -> dict:
     """Filter the runtime's structlog lines below WARNING in this process and the runs it
     forks (they inherit the configuration): every forked rank logs "joined" at info, a
     thousand lines a run that buried the table and the progress lines. ``TESSERA_LOG_LEVEL``,
-    when set, decides instead (``tessera.log``'s variable)."""
+    when set, decides instead (``tessera.log``'s variable). Returns the configuration it
+    replaced (``restore_logs``)."""
     import logging
 
     import structlog
 
+    saved = structlog.get_config()
     name = os.environ.get("TESSERA_LOG_LEVEL")
     level = getattr(logging, name.upper(), logging.WARNING) if name else logging.WARNING
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
+    return saved
+
+
+def restore_logs(saved: dict) -> None:
+    """Put back the structlog configuration ``quiet_runtime_logs`` returned (``main``
+    called in-process — by a test — leaves the caller's logging as it found it)."""
+    import structlog
+
+    structlog.configure(**saved)
 
 
 def round_progress(r: int, rounds: int, elapsed_s: float, cost: dict) -> str:
@@ -1018,7 +1029,16 @@ def main(argv: list[str] | None = None) -> int:
         d = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(d) or not os.access(d, os.W_OK) or os.path.isdir(args.json):
             ap.error(f"--json {args.json}: cannot write there ({d} is not a writable directory, or the path is one)")
-    quiet_runtime_logs()
+    saved = quiet_runtime_logs()
+    try:
+        return run(args)
+    finally:
+        restore_logs(saved)
+
+
+def run(args) -> int:
+    """The benchmark for parsed, checked arguments (``main``): the GPU variant, or the CPU
+    grid measured, fitted, printed and written. Returns the exit status."""
     if args.device == "cuda":
         return main_cuda(args)
     t0 = time.monotonic()

@@ -280,9 +280,10 @@ def test_round_progress_says_rounds_done_time_left_and_the_rounds_device_time():
 def test_quiet_runtime_logs_drops_info_lines_unless_the_level_is_set(monkeypatch, capsys):
     import structlog
 
+    before = structlog.get_config()
+    monkeypatch.delenv("TESSERA_LOG_LEVEL", raising=False)
+    saved = ea.quiet_runtime_logs()
     try:
-        monkeypatch.delenv("TESSERA_LOG_LEVEL", raising=False)
-        ea.quiet_runtime_logs()
         structlog.get_logger().info("joined")
         structlog.get_logger().warning("slow")
         out = capsys.readouterr().out
@@ -292,4 +293,21 @@ def test_quiet_runtime_logs_drops_info_lines_unless_the_level_is_set(monkeypatch
         structlog.get_logger().info("joined")
         assert "joined" in capsys.readouterr().out
     finally:
-        structlog.reset_defaults()
+        ea.restore_logs(saved)
+    assert structlog.get_config() == before
+
+
+def test_main_leaves_the_callers_logging_as_it_found_it(monkeypatch):
+    """main() called in-process (as tests do) must not leave the WARNING filter behind: it
+    silenced every later test's structlog.testing.capture_logs of info events (a CI run of
+    2026-12-08)."""
+    import structlog
+
+    monkeypatch.delenv("TESSERA_LOG_LEVEL", raising=False)
+    before = structlog.get_config()
+    monkeypatch.setattr(ea, "run", lambda args: 7)
+    assert ea.main([]) == 7
+    assert structlog.get_config() == before
+    with structlog.testing.capture_logs() as logs:
+        structlog.get_logger().info("still here")
+    assert [e["event"] for e in logs] == ["still here"]
