@@ -1031,12 +1031,12 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--json {args.json}: cannot write there ({d} is not a writable directory, or the path is one)")
     saved = quiet_runtime_logs()
     try:
-        return run(args)
+        return run_benchmark(args)
     finally:
         restore_logs(saved)
 
 
-def run(args) -> int:
+def run_benchmark(args) -> int:
     """The benchmark for parsed, checked arguments (``main``): the GPU variant, or the CPU
     grid measured, fitted, printed and written. Returns the exit status."""
     if args.device == "cuda":

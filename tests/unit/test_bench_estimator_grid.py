@@ -305,7 +305,7 @@ def test_main_leaves_the_callers_logging_as_it_found_it(monkeypatch):
 
     monkeypatch.delenv("TESSERA_LOG_LEVEL", raising=False)
     before = structlog.get_config()
-    monkeypatch.setattr(ea, "run", lambda args: 7)
+    monkeypatch.setattr(ea, "run_benchmark", lambda args: 7)
     assert ea.main([]) == 7
     assert structlog.get_config() == before
     with structlog.testing.capture_logs() as logs:
