@@ -404,12 +404,8 @@ def _workload_child(spec: dict, cores: list[int], path: str) -> None:
         from agent.runtime.report import Reporter
         from bench._measure import _stamp, dump_on_timeout
 
-        import logging
-
-        import structlog
-
         # The runners' info lines (task added / ended) would flood the table's terminal.
-        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+        quiet_runtime_logs()
         dump_on_timeout()
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(int(spec["threads"]))
@@ -666,10 +662,10 @@ def quiet_runtime_logs() -> dict:
 
     import structlog
 
+    from tessera.log import env_level
+
     saved = structlog.get_config()
-    name = os.environ.get("TESSERA_LOG_LEVEL")
-    level = getattr(logging, name.upper(), logging.WARNING) if name else logging.WARNING
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(env_level(logging.WARNING)))
     return saved
 
 
@@ -787,11 +783,15 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
     # Per round, the device-seconds of each kind of profile and of the grid (JSON
     # ``cost_rounds``): a cost ratio that moves between runs says which run of which round.
     cost_rounds: list[dict] = []
+
+    def totals() -> dict:
+        return {**pcost, "grid": gcost["grid"]}
+
     t_rounds = time.monotonic()
     for r in range(rounds):
         tasks = [("grid", i) for i in range(len(points))] + _profile_tasks(bool(shapes))
         random.Random(100 + r).shuffle(tasks)
-        before = {**pcost, "grid": gcost["grid"]}
+        before = totals()
         for task in tasks:
             t_task = time.monotonic()
             if task[0] == "prof":
@@ -856,7 +856,7 @@ def measure(points: list[dict], rounds: int) -> tuple[PerfModel, dict, list[dict
                 util[i] += [x["cpu_util"] for x in res if x["cpu_util"] is not None]
             if task[0] == "wprof" or (task[0] == "grid" and points[task[1]]["jobs"][0].get("shape")):
                 wall_wl += time.monotonic() - t_task
-        cost_rounds.append({k: round(v - before.get(k, 0.0), 4) for k, v in {**pcost, "grid": gcost["grid"]}.items()})
+        cost_rounds.append({k: round(v - before.get(k, 0.0), 4) for k, v in totals().items()})
         print(round_progress(r, rounds, time.monotonic() - t_rounds, cost_rounds[-1]), file=sys.stderr, flush=True)
     samples = []
     for (pn, pb, ps, pq, pm), ts in alone.items():

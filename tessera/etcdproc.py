@@ -25,9 +25,9 @@ import urllib.request
 from pathlib import Path
 from typing import IO
 
-from tessera.ports import ephemeral_range, free_port, free_ports  # noqa: F401  (re-exported: tests and the testbed use them from here)
+from tessera.ports import free_port, free_ports  # noqa: F401  (re-exported: tests and the testbed use them from here)
 
-__all__ = ["EtcdNotFound", "EtcdProcess", "ephemeral_range", "find_etcd", "free_port", "free_ports", "start"]
+__all__ = ["EtcdNotFound", "EtcdProcess", "find_etcd", "free_port", "free_ports", "start"]
 
 
 class EtcdNotFound(RuntimeError):

@@ -14,8 +14,14 @@ import sys
 import structlog
 
 
+def env_level(default: int = logging.INFO) -> int:
+    """The logging level TESSERA_LOG_LEVEL names; ``default`` when it is unset or names none."""
+    name = os.environ.get("TESSERA_LOG_LEVEL")
+    return getattr(logging, name.upper(), default) if name else default
+
+
 def setup(service: str, **bound: object) -> structlog.stdlib.BoundLogger:
-    level = getattr(logging, os.environ.get("TESSERA_LOG_LEVEL", "info").upper(), logging.INFO)
+    level = env_level()
     renderer = (
         structlog.dev.ConsoleRenderer()
         if os.environ.get("TESSERA_LOG_FORMAT") == "console"
