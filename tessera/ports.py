@@ -54,6 +54,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     the kernel's choice when the range outside leaves too few candidates."""
     lo, hi = ephemeral_range()
     spans = [(a, b) for a, b in ((_LOW_PORT, lo - 1), (hi + 1, 65535)) if b - a >= 1000]
+    room = sum(b - a + 1 for a, b in spans)
     socks: list[socket.socket] = []
     ports: list[int] = []
     recent = set(_HANDED)
@@ -63,7 +64,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
         while len(ports) < n:
             tries += 1
             if spans and tries <= 50 * n:
-                port = _nth(spans, rng.randrange(sum(b - a + 1 for a, b in spans)))  # uniform over both spans
+                port = _nth(spans, rng.randrange(room))  # uniform over both spans
                 if port in recent or port in ports:
                     continue
             else:
