@@ -40,7 +40,8 @@ Composition (one training step of the runtime's ``gpt`` workload, rank 0's view)
                oversubscribe the device (time slicing), else "split". Interference slows
                compute (shared caches, memory bandwidth) — its memory-bound part: e is the
                candidate's element-wise share of compute over that of the module whose
-               pairs gave g (``interference_ref``; 1 without one). The communication
+               pairs gave g (``interference_ref``; 1 without one), in every mode but
+               "shared" (e = 1 there: see ``_interference_scale``). The communication
                tables were measured with every rank busy already. The ranks of a plan
                that share one device (a CPU node's cores) are colocated with each other:
                ``colocated`` counts them; where the model has a *rank profile* of such
@@ -371,7 +372,18 @@ class PerfModel:
         work; large matmuls barely notice: with one g for all (the A 8x64 twins'), the
         time-sliced pairs holding a wide module (hidden 192) read 8-16 % high, narrow
         ones -4 ... +4 %. 1 without a whole reference shape (older snapshots; the
-        estimator service's colocation rows carry none)."""
+        estimator service's colocation rows carry none).
+
+        Not applied to mode "shared" (time slicing) since 2026-12-08 (twenty-fourth
+        session): there a module's loss is its caches refilled after every switch, and
+        the grid's own model-free ratio — a time-sliced pair's step over twice the same
+        pair's on split cores, same run — was the same for every module: +12 ... +15 %
+        for all eight of A 16x64, B, C, D, E on the Intel host (34 stored runs; A 8x32,
+        the smallest step, +7.7 %), +1 ... +3 % on the AMD one (20 runs), where the scale
+        gave the wide ones less (Intel time-sliced rows -3.9 % mean signed with it, -1.1
+        without; single-device MAPE re-fitted 4.07 -> 3.95 %, AMD 6.29 -> 6.37: there
+        the A twins' g over-states every time-sliced row, A's own too, and the scale
+        had hidden part of that for the wide ones)."""
         ref = self.interference_ref.get(dev) or {}
         if any(k not in ref for k in ("layers", "hidden", "heads", "vocab", "rows", "seq")):
             return 1.0
@@ -512,8 +524,10 @@ class PerfModel:
         # Colocation: time slicing stretches by the oversubscription, interference by mode.
         n_co, over = arr("colocated"), np.maximum(arr("oversubscription"), 1.0)
         fitted = self.interference.get(dev, {})
-        g = np.array([fitted.get(interference_mode(c, fitted), 0.0) for c in cs]) \
-            * self._interference_scale(fit, dev, rows, T, base + (extra > 0), h, a, V, single * 1.0, tp, q)
+        modes = [interference_mode(c, fitted) for c in cs]
+        g = np.array([fitted.get(md, 0.0) for md in modes]) \
+            * np.where([md == "shared" for md in modes], 1.0,
+                       self._interference_scale(fit, dev, rows, T, base + (extra > 0), h, a, V, single * 1.0, tp, q))
         total = np.where(n_co > 1, (total + g * (n_co - 1) * (comp_pipe + comp_step)) * over, total)
         # Uncertainty: fit residuals, extrapolation, unseen module, comm share, colocation.
         point = {"tokens": rows * m * T, "seq": T, "layers": L / pp, "hidden": h / tp, "vocab": V, "q": q}

@@ -544,6 +544,25 @@ def test_interference_scales_with_the_element_wise_share_of_compute(model):
     assert "interference_ref" not in model.to_dict()
 
 
+def test_time_sliced_interference_is_not_scaled_by_the_element_wise_share(model):
+    """Mode "shared" (oversubscribed quotas: time slicing) takes the fitted g for every
+    module, the reference shape on record or not; split and rank modes keep the scale."""
+    ref = {"layers": 4, "hidden": 128, "heads": 4, "vocab": 256, "rows": 16, "seq": 64}
+    scaled = replace(model, interference_ref={"cpu": ref})
+    g = model.interference["cpu"]["shared"]
+    assert g > 0
+
+    def stretch(m, **kw):
+        return m.estimate(cand(colocated=2, oversubscription=2.0, **kw)).seconds \
+            / (2 * m.estimate(cand(**kw)).seconds) - 1
+
+    for hidden in (64, 128, 512):
+        assert stretch(scaled, hidden=hidden) == pytest.approx(g)
+        assert stretch(model, hidden=hidden) == pytest.approx(g)
+    split = scaled.estimate(cand(colocated=2, oversubscription=1.0, hidden=512)).seconds
+    assert split != pytest.approx(model.estimate(cand(colocated=2, oversubscription=1.0, hidden=512)).seconds)
+
+
 def test_per_step_work_over_tensors_above_the_grain_divides_over_the_quota():
     """``par_params`` counts the parameters in tensors of >= PAR_GRAIN elements (tp-sharded);
     their per-step passes run on q >= 1 threads, the rest — and a quota below one core —
