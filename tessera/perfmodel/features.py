@@ -26,7 +26,7 @@ Per step (once, whatever the micro-batches):
   work (gradient check, AdamW, ``zero_grad``) runs right after them and reads its
   tensors from where their working set evicted them, so it costs more after more
   tokens (measured: see FEATURES_REV),
-- ``par_params``: of ``params``, those in tensors of at least ``PAR_GRAIN`` elements,
+- ``par_params``: of ``params``, those in tensors of more than ``PAR_GRAIN`` elements,
   whose per-step element-wise passes PyTorch splits over the quota's threads.
 There is no constant per step: a constant column was one more unknown that two profiled
 modules cannot tell apart from the per-tensor one (docs/estimator.md: the fit swung
@@ -90,9 +90,12 @@ GRAD_ACCUM_ELEMS = 0.75
 # the per-micro-batch terms off the step times. ``cold`` prices it at a fitted rate per
 # element-wise unit of the step's micro-batches, once per step.
 # PyTorch's intra-op grain (``at::internal::GRAIN_SIZE``): an element-wise kernel over a
-# tensor of at least this many elements runs on all intra-op threads, a smaller one on
-# one. The per-step work over the parameters (gradient check + AdamW) measured at 1 and
-# 2 threads (2026-12-05, fifth session; 20-30 tensors, median of 25 steps): 1000- and
+# tensor of more than this many elements runs on the intra-op threads, a smaller one on
+# one (``at::parallel_for``: ``numiter > grain_size``, then min(threads, ceil(numel /
+# grain)) threads — one at exactly the grain, e.g. B's 256 x 128 embedding and head
+# tables, which counted as parallel until features revision 6). The per-step work over
+# the parameters (gradient check + AdamW) measured at 1 and 2 threads (2026-12-05, fifth
+# session; 20-30 tensors, median of 25 steps): 1000- and
 # 8000-element tensors 0.97-0.98x (no speed-up: ~35 us per tensor either way),
 # 65536-element ones 1.63x (1.75x net of the per-tensor part), 262144 2.03x, 2^20 1.84x.
 # A 2-core profile of B (most parameters in such tensors) spent 5.97 ms outside its
@@ -104,7 +107,8 @@ PAR_GRAIN = 32768
 # the estimator refits such a persisted model from its measurements. Bump it whenever a
 # count changes. 2: ATTN_SCORE_ELEMS 2 -> 5, gradient accumulation priced. 3: ``cold``.
 # 4: ``par_params``, no constant per step. 5: ``cold`` over the step's micro-batches.
-FEATURES_REV = 5
+# 6: ``par_params`` counts tensors of more than PAR_GRAIN elements (was: at least).
+FEATURES_REV = 6
 
 MB_FEATURES = ("flops", "elems", "ops", "mb")
 STEP_FEATURES = ("params", "par_params", "tensors", "seq", "cold")
@@ -144,14 +148,14 @@ def grad_accum_elems(params, micro_batches):
 
 
 def par_params(layers, hidden, vocab, seq_len, embed, head, tp=1):
-    """Of ``stage_params``, the parameters in tensors of at least ``PAR_GRAIN`` elements
+    """Of ``stage_params``, the parameters in tensors of more than ``PAR_GRAIN`` elements
     (the blocks' four weight matrices, tp-sharded; the embedding, position and head
     tables). Biases and norms (at most 4 * hidden elements) count as below it: exact
     below hidden 8192."""
     h = np.asarray(hidden, dtype=float)
 
     def big(n):
-        return n * (n >= PAR_GRAIN)
+        return n * (n > PAR_GRAIN)
 
     return (layers * (big(3.0 * h * h / tp) + big(h * h / tp) + 2.0 * big(4.0 * h * h / tp))
             + embed * (big(vocab * h) + big(seq_len * h)) + head * big(h * vocab))

@@ -564,7 +564,8 @@ def test_time_sliced_interference_is_not_scaled_by_the_element_wise_share(model)
 
 
 def test_per_step_work_over_tensors_above_the_grain_divides_over_the_quota():
-    """``par_params`` counts the parameters in tensors of >= PAR_GRAIN elements (tp-sharded);
+    """``par_params`` counts the parameters in tensors of > PAR_GRAIN elements (tp-sharded;
+    one of exactly PAR_GRAIN runs on one thread: ``at::parallel_for``);
     their per-step passes run on q >= 1 threads, the rest — and a quota below one core —
     stays whole; the per-step ``cold`` term is the step's element-wise units (m x one micro-batch's)."""
     import numpy as np
@@ -573,8 +574,12 @@ def test_per_step_work_over_tensors_above_the_grain_divides_over_the_quota():
     from tessera.perfmodel.compute import COEFS, ComputeFit, step_params
 
     h = 128  # qkv 3h^2 = 49152 and fc / out 4h^2 = 65536 are above 32768; proj h^2 is not
-    assert F.par_params(4, h, 256, 64, 1, 1) == 4 * (3 * h * h + 2 * 4 * h * h) + 256 * h + h * 256
-    assert F.par_params(4, h, 256, 64, 0, 0, tp=2) == 4 * (2 * 4 * h * h / 2)  # 3h^2/2 = 24576 falls below
+    # The 256 x 128 embedding and head tables hold exactly PAR_GRAIN elements: serial.
+    assert F.par_params(4, h, 256, 64, 1, 1) == 4 * (3 * h * h + 2 * 4 * h * h)
+    assert F.par_params(4, h, 512, 64, 1, 1) == 4 * (3 * h * h + 2 * 4 * h * h) + 512 * h + h * 512
+    assert F.par_params(4, h, 256, 64, 0, 0, tp=2) == 0  # 3h^2/2 = 24576 below, 4h^2/2 = 32768 at the grain
+    w = 192
+    assert F.par_params(4, w, 256, 64, 0, 0, tp=2) == 4 * (3 * w * w / 2 + 2 * 4 * w * w / 2)  # proj w^2/2 below
     assert F.par_params(2, 64, 256, 64, 1, 1) == 0  # model A: every tensor below the grain
     stf = F.step_features(64, 4, h, 256, 64, 1, 1, mb_elems=2.5e5, micro_batches=4)
     assert stf["cold"] == 1e6 and 0 < stf["par_params"] < stf["params"]
