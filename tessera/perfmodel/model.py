@@ -379,7 +379,7 @@ class PerfModel:
         the grid's own model-free ratio — a time-sliced pair's step over twice the same
         pair's on split cores, same run — was the same for every module: +12 ... +15 %
         for all eight of A 16x64, B, C, D, E on the Intel host (34 stored runs; A 8x32,
-        the smallest step, +7.7 %), +1 ... +3 % on the AMD one (20 runs), where the scale
+        the smallest step, +7.7 %), -0.9 ... +3.3 % on the AMD one (20 runs), where the scale
         gave the wide ones less (Intel time-sliced rows -3.9 % mean signed with it, -1.1
         without; single-device MAPE re-fitted 4.07 -> 3.95 %, AMD 6.29 -> 6.37: there
         the A twins' g over-states every time-sliced row, A's own too, and the scale
