@@ -403,9 +403,10 @@ def _workload_child(spec: dict, cores: list[int], path: str) -> None:
         from agent.runtime.__main__ import resolve
         from agent.runtime.report import Reporter
         from bench._measure import _stamp, dump_on_timeout
+        from tessera.log import quiet
 
         # The runners' info lines (task added / ended) would flood the table's terminal.
-        quiet_runtime_logs()
+        quiet()
         dump_on_timeout()
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(int(spec["threads"]))
@@ -650,31 +651,6 @@ def profile_with_retry(call, held: int, pcost: dict, key: str, what: str, tries:
         pcost[key] += device_s(res)
         return res
     raise ValueError(f"tries: {tries}, expected >= 1")
-
-
-def quiet_runtime_logs() -> dict:
-    """Filter the runtime's structlog lines below WARNING in this process and the runs it
-    forks (they inherit the configuration): every forked rank logs "joined" at info, a
-    thousand lines a run that buried the table and the progress lines. ``TESSERA_LOG_LEVEL``,
-    when set, decides instead (``tessera.log``'s variable). Returns the configuration it
-    replaced (``restore_logs``)."""
-    import logging
-
-    import structlog
-
-    from tessera.log import env_level
-
-    saved = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(env_level(logging.WARNING)))
-    return saved
-
-
-def restore_logs(saved: dict) -> None:
-    """Put back the structlog configuration ``quiet_runtime_logs`` returned (``main``
-    called in-process — by a test — leaves the caller's logging as it found it)."""
-    import structlog
-
-    structlog.configure(**saved)
 
 
 def round_progress(r: int, rounds: int, elapsed_s: float, cost: dict) -> str:
@@ -1029,11 +1005,14 @@ def main(argv: list[str] | None = None) -> int:
         d = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(d) or not os.access(d, os.W_OK) or os.path.isdir(args.json):
             ap.error(f"--json {args.json}: cannot write there ({d} is not a writable directory, or the path is one)")
-    saved = quiet_runtime_logs()
+    from tessera.log import quiet, restore
+
+    # Every forked rank logs "joined" at info: ~1,000 lines a run that buried the table.
+    saved = quiet()
     try:
         return run_benchmark(args)
     finally:
-        restore_logs(saved)
+        restore(saved)
 
 
 def run_benchmark(args) -> int:

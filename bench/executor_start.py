@@ -21,19 +21,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import structlog
-
 from agent.devices import discover
 from agent.executors import ExecutorManager, process_cpu_s
 from agent.zygote import ZygoteProcess
-from tessera.log import env_level
+from tessera.log import quiet
 
 MODEL = {"vocab": 64, "seq_len": 32, "layers": 2, "hidden": 64, "heads": 4}
 
@@ -109,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.launches < 1 or a.steps < 2:
         ap.error("--launches must be >= 1 and --steps >= 2")
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(env_level(logging.WARNING)))
+    quiet()
     res = asyncio.run(run(a.launches, a.steps))
     print(f"\n{'mode':6s} {'start s':>8s} {'cpu s':>7s} {'step ms':>8s}")
     for k in ("fresh", "fork"):

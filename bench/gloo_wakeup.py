@@ -20,19 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
 
-import structlog
-
-from agent.runtime.parallel.launch import free_port
 from bench import _measure
 from tessera import gloo
-from tessera.log import env_level
+from tessera.log import quiet
+from tessera.ports import free_port
 
 SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20)
 MODES = {"normal": "0", "batch": "1"}
@@ -161,5 +158,5 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # The ranks' info lines (one "joined" per rank and run) would bury the table. Only
     # here: main() called in-process (the tests) leaves the caller's logging alone.
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(env_level(logging.WARNING)))
+    quiet()
     sys.exit(main())

@@ -1,6 +1,7 @@
 """structlog setup shared by every daemon: JSON lines on stderr, ISO timestamps.
 
 Call ``setup(service, **bound)`` once at start-up; get loggers with ``get(**bound)``.
+Benchmarks filter their forked runtimes' info lines with ``quiet()`` / ``restore(saved)``.
 Set TESSERA_LOG_LEVEL (debug|info|warning|error) to change the level; TESSERA_LOG_FORMAT=console
 for human-readable lines.
 """
@@ -18,6 +19,23 @@ def env_level(default: int = logging.INFO) -> int:
     """The logging level TESSERA_LOG_LEVEL names; ``default`` when it is unset or names none."""
     name = os.environ.get("TESSERA_LOG_LEVEL")
     return getattr(logging, name.upper(), default) if name else default
+
+
+def quiet(default: int = logging.WARNING) -> dict:
+    """Filter structlog's lines below the level ``TESSERA_LOG_LEVEL`` names (``default``
+    when it is unset) in this process and the processes it forks, which inherit the
+    configuration: for benchmarks whose forked runtime ranks log "joined" and the like at
+    info, hundreds of lines that would bury their tables. Returns the configuration it
+    replaced, for :func:`restore`."""
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(env_level(default)))
+    return saved
+
+
+def restore(saved: dict) -> None:
+    """Put back the structlog configuration :func:`quiet` returned (a benchmark's ``main``
+    called in-process, by a test, leaves the caller's logging as it found it)."""
+    structlog.configure(**saved)
 
 
 def setup(service: str, **bound: object) -> structlog.stdlib.BoundLogger:

@@ -277,26 +277,6 @@ def test_round_progress_says_rounds_done_time_left_and_the_rounds_device_time():
     assert "~0.0 min left" in ea.round_progress(8, 9, 300.0, {"grid": 40.0})
 
 
-def test_quiet_runtime_logs_drops_info_lines_unless_the_level_is_set(monkeypatch, capsys):
-    import structlog
-
-    before = structlog.get_config()
-    monkeypatch.delenv("TESSERA_LOG_LEVEL", raising=False)
-    saved = ea.quiet_runtime_logs()
-    try:
-        structlog.get_logger().info("joined")
-        structlog.get_logger().warning("slow")
-        out = capsys.readouterr().out
-        assert "joined" not in out and "slow" in out
-        monkeypatch.setenv("TESSERA_LOG_LEVEL", "info")
-        ea.quiet_runtime_logs()
-        structlog.get_logger().info("joined")
-        assert "joined" in capsys.readouterr().out
-    finally:
-        ea.restore_logs(saved)
-    assert structlog.get_config() == before
-
-
 def test_main_leaves_the_callers_logging_as_it_found_it(monkeypatch):
     """main() called in-process (as tests do) must not leave the WARNING filter behind: it
     silenced every later test's structlog.testing.capture_logs of info events (a CI run of
